@@ -1,0 +1,168 @@
+"""Preflight: every problem with a run, found and listed before it starts.
+
+`attnlab preflight CONFIG` prints the report; `attnlab train` runs the same checks and refuses
+to start on any error. The checks read the tokenizer and the data once and hand them on, so a
+run that passes preflight never loads them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from attnlab.errors import AttnLabError
+
+from .loader import diff_configs, load_config
+from .schema import RESUME_LOCKED, RunConfig
+
+LONG_RUN_STEPS = 1000  # runs at least this long must checkpoint; long CUDA runs get precision/memory checks
+
+
+@dataclass
+class Problem:
+    level: Literal["error", "warning"]
+    key: str
+    message: str
+
+
+@dataclass
+class PreflightReport:
+    problems: list[Problem] = field(default_factory=list)
+    device: str = "cpu"
+    precision: str = "fp32"
+    tokenizer: Any = None
+    data: Any = None
+    model_config: Any = None
+    resume_from: Path | None = None
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.level == "error"]
+
+    def error(self, key: str, message: str) -> None:
+        self.problems.append(Problem("error", key, message))
+
+    def warn(self, key: str, message: str) -> None:
+        self.problems.append(Problem("warning", key, message))
+
+
+def resolve_device(cfg: RunConfig) -> tuple[str, str]:
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" else "fp32"
+    return device, precision
+
+
+def run_preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, load_data: bool = True) -> PreflightReport:
+    report = PreflightReport()
+    report.device, report.precision = resolve_device(cfg)
+    _check_run_dir(cfg, run_dir, resume, report)
+    _check_cadence(cfg, report)
+    _check_device(cfg, report)
+    _check_model_and_data(cfg, report, load_data)
+    return report
+
+
+def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: PreflightReport) -> None:
+    from attnlab.train.checkpoint import CheckpointManager
+
+    if run_dir is None:
+        if resume:
+            report.error("--run-dir", "--resume needs --run-dir pointing at the run to continue")
+        return
+    saved = run_dir / "config.yaml"
+    if not resume:
+        if saved.exists() or (run_dir / "checkpoints").exists():
+            report.error("--run-dir", f"{run_dir} already holds a run. Continue it with --resume, or choose another --run-dir.")
+        return
+    if not saved.exists():
+        report.error("--resume", f"nothing to resume: {run_dir} holds no run (no config.yaml). Start it without --resume.")
+        return
+    try:
+        old = load_config(saved)
+    except AttnLabError as e:
+        report.error("--resume", f"the saved config of {run_dir} cannot be read: {e}")
+        return
+    changed = diff_configs(old, cfg, RESUME_LOCKED)
+    if changed:
+        report.error(
+            "--resume",
+            "the config differs from the run's saved config in fields that change the model or the data: "
+            + "; ".join(changed) + f". Resume with the saved config ({saved}), or start a new run in another --run-dir.",
+        )
+    try:
+        report.resume_from = CheckpointManager(run_dir).resume_point()
+    except AttnLabError as e:
+        report.error("--resume", str(e))
+        return
+    done = int(report.resume_from.name.split("-")[1])
+    if done >= cfg.train.max_steps:
+        report.error("train.max_steps", f"the run already reached step {done} (max_steps={cfg.train.max_steps}). To train further, resume with --set train.max_steps=N, N > {done}.")
+
+
+def _check_cadence(cfg: RunConfig, report: PreflightReport) -> None:
+    t = cfg.train
+    if t.max_steps >= LONG_RUN_STEPS and (t.save_every == 0 or t.save_every > t.max_steps):
+        report.error("train.save_every", f"a run of {t.max_steps} steps with no checkpoint before its end: a crash loses all of it. Set train.save_every (e.g. {max(t.max_steps // 10, 1)}).")
+    elif cfg.train.profile == "production" and t.save_every == 0:
+        report.error("train.save_every", "the production profile needs checkpoints: set train.save_every > 0")
+    if t.eval_every > t.max_steps:
+        report.warn("train.eval_every", f"eval_every ({t.eval_every}) > max_steps ({t.max_steps}): validation only at the end")
+
+
+def _check_device(cfg: RunConfig, report: PreflightReport) -> None:
+    t = cfg.train
+    if report.device == "cuda" and not torch.cuda.is_available():
+        report.error("train.device", "train.device is 'cuda' but no CUDA device is visible. Use train.device=auto or cpu.")
+        return
+    if report.device == "cpu" and report.precision == "bf16":
+        report.warn("train.precision", "bf16 on CPU is slow and gains nothing; use fp32 (train.precision=auto)")
+    long_cuda = report.device == "cuda" and t.max_steps >= LONG_RUN_STEPS
+    level = "error" if cfg.train.profile == "production" else "warning"
+    if long_cuda and report.precision == "fp32":
+        report.problems.append(Problem(level, "train.precision", f"a {t.max_steps}-step CUDA run in fp32: roughly half the speed and twice the memory of bf16. Set train.precision=bf16."))
+    if long_cuda and not t.gradient_checkpointing:
+        report.problems.append(Problem(level, "train.gradient_checkpointing", "a long CUDA run without gradient checkpointing: activations bound the batch and sequence length. Set train.gradient_checkpointing=true."))
+    if cfg.train.profile == "production" and report.device != "cuda":
+        report.error("train.profile", "the production profile is for CUDA runs, but this run would train on CPU")
+
+
+def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bool) -> None:
+    from attnlab.data import build_datasets, load_tokenizer
+    from attnlab.train.build import model_config_from
+
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except AttnLabError as e:
+        report.error("data.tokenizer", str(e))
+        return
+    report.tokenizer = tokenizer
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
+        report.error("model.vocab_size", f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is {cfg.model.vocab_size}: token ids would fall outside the embedding. Set model.vocab_size >= {len(tokenizer)} or null.")
+    try:
+        report.model_config = model_config_from(cfg, tokenizer)
+    except (ValueError, TypeError) as e:
+        report.error("model", str(e))
+    if not load_data:
+        return
+    try:
+        report.data = build_datasets(
+            cfg.data.source, tokenizer, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed,
+            text_field=cfg.data.text_field, val_source=cfg.data.val_source,
+        )
+    except AttnLabError as e:
+        report.error("data", str(e))
+        return
+    data = report.data
+    if data.val is None or len(data.val) == 0:
+        if cfg.data.val_fraction > 0 or cfg.data.val_source:
+            report.error("data.seq_len", f"the validation split is shorter than one block of data.seq_len={cfg.data.seq_len} tokens. Lower data.seq_len or raise data.val_fraction.")
+    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    if len(data.train) < per_step:
+        report.warn("train.batch_size", f"the training data holds {len(data.train)} blocks, fewer than one step's {per_step}: every step repeats data")

@@ -1,0 +1,90 @@
+"""Typed run configuration: model, data and train sections.
+
+Every field here is reachable from YAML and from `--set section.field=value`.
+Unknown keys are rejected (the loader suggests the closest valid name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    """The decoder LM: its token mixer and its size."""
+
+    mixer: str = Field("gla", description="token mixer by registered name (gla, softmax)")
+    hidden_size: int = Field(256, gt=0, description="residual stream width")
+    num_layers: int = Field(4, gt=0, description="number of decoder blocks")
+    num_heads: int = Field(4, gt=0, description="heads of the token mixer")
+    intermediate_size: int | None = Field(None, gt=0, description="SwiGLU width; null = 8/3 * hidden, rounded up to 32")
+    vocab_size: int | None = Field(None, gt=0, description="null = the tokenizer's size")
+    mixer_options: dict[str, Any] = Field(default_factory=dict, description="options of the chosen mixer")
+    max_position_embeddings: int = Field(2048, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = True
+    initializer_range: float = Field(0.02, gt=0)
+
+
+class DataSection(Section):
+    """Where the text comes from, how it is tokenised and cut into blocks."""
+
+    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, or hf://NAME from the local cache")
+    text_field: str = Field("text", description="field holding the text in JSONL/parquet/HF data")
+    val_source: str | None = Field(None, description="separate validation data; null = hold out val_fraction of source")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of the corpus held out for validation")
+    tokenizer: str = Field("byte", description="'byte' or a local HF tokenizer directory")
+    seq_len: int = Field(256, gt=1, description="tokens per training block")
+
+
+class TrainSection(Section):
+    """Optimisation, cadence, precision and logging."""
+
+    seed: int = 0
+    max_steps: int = Field(600, gt=0, description="optimizer steps")
+    batch_size: int = Field(16, gt=0, description="sequences per device per micro-batch")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, gt=0, lt=1)
+    beta2: float = Field(0.95, gt=0, lt=1)
+    warmup_steps: int = Field(50, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 = off")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on CUDA, fp32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gradient_checkpointing: bool = False
+    eval_every: int = Field(200, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
+    eval_batches: int = Field(16, gt=0, description="validation batches per evaluation")
+    save_every: int = Field(200, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")
+    keep_last: int = Field(3, gt=0, description="checkpoints kept")
+    log_every: int = Field(10, gt=0, description="heartbeat / metrics / TensorBoard every N steps")
+    sample_prompt: str = Field("ROMEO:\n", description="prompt of the sample generated at each validation")
+    sample_tokens: int = Field(160, ge=0, description="tokens sampled at each validation; 0 = no samples")
+    profile: Literal["default", "production"] = Field("default", description="'production' turns preflight warnings about precision and memory into errors")
+    wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb extra)")
+    wandb_project: str = "attnlab"
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainSection":
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) is larger than max_steps ({self.max_steps})")
+        return self
+
+
+class RunConfig(Section):
+    """One training run. `attnlab train` with no argument uses the defaults below."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+
+
+# Fields that change the model or the data it sees: a resume refuses to continue if any differs.
+RESUME_LOCKED = ("model", "data", "train.seed", "train.batch_size", "train.grad_accum")

@@ -1,0 +1,300 @@
+"""`attnlab train`: one short function wiring the pieces onto transformers.Trainer.
+
+Pieces, one job each: preflight (config/preflight.py), checkpoints (checkpoint.py),
+telemetry (telemetry.py), the validation sample (sampling.py). The Trainer subclass only
+redirects checkpoint writes through the atomic publisher and stops on a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+import attnlab
+from attnlab.config import RunConfig, config_to_yaml, save_config
+from attnlab.config.preflight import PreflightReport
+from attnlab.errors import TrainingDivergedError
+
+from .checkpoint import CheckpointManager
+from .sampling import sample_continuation
+from .telemetry import RunLogger, Throughput
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    wall_s: float
+    val_loss: float | None
+    val_bpb: float | None
+    sample: str | None
+
+
+class AttnLabTrainer(Trainer):
+    """Trainer whose checkpoints are published atomically and which stops on a NaN/inf loss."""
+
+    def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpoints = checkpoints
+        self.run_config_yaml = run_config_yaml
+
+    def _save_checkpoint(self, model, trial):
+        self.checkpoints.clear_staging()  # args.output_dir is the staging directory
+        super()._save_checkpoint(model, trial)
+        step = self.state.global_step
+        staged = self.checkpoints.staging / f"checkpoint-{step}"
+        self.checkpoints.publish(staged, step, extra_files={"run_config.yaml": self.run_config_yaml})
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if not torch.isfinite(loss).all():
+            step = self.state.global_step + 1
+            last = self.checkpoints.newest()
+            where = f"The last good checkpoint is {last}; resume from it with --resume after the change." if last else "No checkpoint was written."
+            raise TrainingDivergedError(
+                f"the loss became {loss.item()} at step {step}; training stopped before the optimizer applied it. "
+                f"Lower train.lr (now {self.args.learning_rate:g}), raise train.warmup_steps, or keep train.grad_clip > 0. {where}"
+            )
+        return loss
+
+
+class TelemetryCallback(TrainerCallback):
+    """Heartbeat, metrics, TensorBoard, validation bits per byte, samples and the progress bar."""
+
+    def __init__(self, cfg: RunConfig, logger: RunLogger, tokenizer, val_bytes_per_token: float | None,
+                 console: Console, tokens_per_step: int, elapsed_offset_s: float, start_step: int):
+        self.cfg, self.logger, self.tokenizer, self.console = cfg, logger, tokenizer, console
+        self.val_bytes_per_token = val_bytes_per_token
+        self.tokens_per_step = tokens_per_step
+        self.elapsed_offset_s = elapsed_offset_s
+        self.t0 = time.perf_counter()
+        self.start_step = start_step
+        self.throughput = Throughput()
+        self.last = {"loss": float("nan"), "tokens_per_s": 0.0}
+        self.val_loss: float | None = None
+        self.val_bpb: float | None = None
+        self.sample: str | None = None
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+        )
+        self.task = None
+
+    def elapsed(self) -> float:
+        return self.elapsed_offset_s + time.perf_counter() - self.t0
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=state.max_steps, completed=self.start_step, loss=float("nan"), tps=0.0)
+        self.throughput = Throughput()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.throughput.add(self.tokens_per_step)
+        self.progress.update(self.task, completed=state.global_step)
+        if state.global_step >= state.max_steps:  # always validate and checkpoint at the end
+            control.should_evaluate = self.val_bytes_per_token is not None
+            control.should_save = self.cfg.train.save_every > 0
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if not logs or "loss" not in logs or not state.is_world_process_zero:
+            return
+        record = {
+            "step": state.global_step,
+            "loss": float(logs["loss"]),
+            "lr": float(logs.get("learning_rate", 0.0)),
+            "grad_norm": float(logs["grad_norm"]) if logs.get("grad_norm") is not None else None,
+            "tokens_per_s": round(self.throughput.read(), 1),
+            "elapsed_s": round(self.elapsed(), 2),
+        }
+        self.logger.heartbeat(record)
+        self.progress.update(self.task, loss=record["loss"], tps=record["tokens_per_s"])
+
+    def on_evaluate(self, args, state, control, metrics=None, model=None, **kw):
+        if not metrics or "eval_loss" not in metrics or not state.is_world_process_zero:
+            return
+        self.val_loss = float(metrics["eval_loss"])
+        self.val_bpb = self.val_loss / LN2 / self.val_bytes_per_token
+        self.logger.validation(state.global_step, round(self.elapsed(), 2), self.val_loss, self.val_bpb)
+        line = f"step {state.global_step}: val loss {self.val_loss:.4f} nats/token, {self.val_bpb:.3f} bits/byte"
+        if self.cfg.train.sample_tokens > 0 and model is not None:
+            prompt = self.cfg.train.sample_prompt
+            self.sample = sample_continuation(model, self.tokenizer, prompt, self.cfg.train.sample_tokens, seed=self.cfg.train.seed)
+            self.logger.sample(state.global_step, prompt, self.sample)
+            self.console.print(line)
+            self.console.print(f"[dim]{prompt}[/dim]{_escape(self.sample)}", highlight=False)
+        else:
+            self.console.print(line)
+
+    def on_train_end(self, args, state, control, **kw):
+        self.progress.stop()
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool) -> TrainingArguments:
+    t = cfg.train
+    scheduler, scheduler_kwargs = {
+        "cosine": ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+        "linear": ("linear", {}),
+        "constant": ("constant_with_warmup", {}),
+    }[t.schedule]
+    return TrainingArguments(
+        output_dir=str(staging),
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.beta1,
+        adam_beta2=t.beta2,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs,
+        max_grad_norm=t.grad_clip if t.grad_clip > 0 else None,
+        bf16=report.precision == "bf16",
+        use_cpu=report.device == "cpu",
+        gradient_checkpointing=t.gradient_checkpointing,
+        eval_strategy="steps" if (has_val and t.eval_every > 0) else "no",
+        eval_steps=t.eval_every if t.eval_every > 0 else None,
+        save_strategy="steps" if t.save_every > 0 else "no",
+        save_steps=t.save_every if t.save_every > 0 else None,
+        logging_strategy="steps",
+        logging_steps=t.log_every,
+        logging_nan_inf_filter=False,
+        report_to=["wandb"] if t.wandb else "none",
+        run_name=cfg.train.wandb_project if t.wandb else None,
+        disable_tqdm=True,
+        seed=t.seed,
+        data_seed=t.seed,
+        dataloader_drop_last=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        prediction_loss_only=True,
+    )
+
+
+def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console: Console | None = None) -> TrainResult:
+    """Train as `cfg` says into `run_dir`. `report` is a passed preflight (it holds the tokenizer and data)."""
+    from attnlab.data import BlockDataset
+    from attnlab.models import AttnLabForCausalLM
+
+    console = console or Console()
+    resume_from = report.resume_from
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    _write_status(run_dir, "running", cfg, report)
+
+    transformers.set_seed(cfg.train.seed)
+    model = AttnLabForCausalLM(report.model_config)
+    tokenizer, data = report.tokenizer, report.data
+    has_val = data.val is not None and len(data.val) > 0
+    val_rows = data.val[: cfg.train.eval_batches * cfg.train.batch_size] if has_val else None
+
+    checkpoints = CheckpointManager(run_dir, keep_last=cfg.train.keep_last)
+    checkpoints.clear_staging()  # whatever a crash left half-written is never used
+    start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
+    logger = RunLogger(run_dir, resume_step=start_step)
+    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
+    telemetry = TelemetryCallback(
+        cfg, logger, tokenizer, data.stats.val_bytes_per_token if has_val else None, console,
+        tokens_per_step, _elapsed_at(run_dir, start_step), start_step,
+    )
+    trainer = AttnLabTrainer(
+        model=model,
+        args=training_arguments(cfg, report, checkpoints.staging, has_val),
+        train_dataset=BlockDataset(data.train),
+        eval_dataset=BlockDataset(val_rows) if has_val else None,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        callbacks=[telemetry],
+        checkpoints=checkpoints,
+        run_config_yaml=config_to_yaml(cfg),
+    )
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    t0 = time.perf_counter()
+    status = "failed"
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        status = "finished"
+    except TrainingDivergedError:
+        status = "diverged"
+        raise
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        telemetry.progress.stop()
+        logger.close()
+        checkpoints.clear_staging()
+        _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb)
+    wall_s = time.perf_counter() - t0
+    _save_final(trainer.model, tokenizer, cfg, run_dir)
+    _write_status(run_dir, "finished", cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s)
+    return TrainResult(run_dir, trainer.state.global_step, wall_s, telemetry.val_loss, telemetry.val_bpb, telemetry.sample)
+
+
+def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path) -> None:
+    final, tmp = run_dir / "final", run_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    save_config(cfg, tmp / "run_config.yaml")
+    if final.exists():
+        old = run_dir / ".final.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.replace(old)
+        tmp.replace(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.replace(final)
+
+
+def _elapsed_at(run_dir: Path, step: int) -> float:
+    """Elapsed seconds recorded at `step` by an earlier process of this run (0 for a new run)."""
+    path = run_dir / "heartbeat.jsonl"
+    if not step or not path.exists():
+        return 0.0
+    elapsed = 0.0
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if rec.get("step", 0) <= step:
+                elapsed = rec.get("elapsed_s", elapsed)
+    return float(elapsed)
+
+
+def _write_status(run_dir: Path, status: str, cfg: RunConfig, report: PreflightReport, **extra) -> None:
+    record = {
+        "status": status,
+        "attnlab_version": attnlab.__version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if report.device == "cuda" else platform.processor() or "cpu",
+        "precision": report.precision,
+        "max_steps": cfg.train.max_steps,
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **{k: v for k, v in extra.items() if v is not None},
+    }
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(run_dir / "run.json")

@@ -1,0 +1,136 @@
+"""Telemetry: heartbeat.jsonl, metrics.csv, TensorBoard, optional W&B, and a progress bar.
+
+Field names carry their units (`_mib`, `_gib`, `_s`, `_per_s`, `_bpb`) so that nobody reads
+MiB as GB again.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+METRICS_COLUMNS = ["step", "elapsed_s", "loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"]
+MIB = 1024 * 1024
+
+
+def memory_fields() -> dict[str, float | None]:
+    fields: dict[str, float | None] = {"cpu_rss_mib": round(psutil.Process().memory_info().rss / MIB, 1)}
+    if torch.cuda.is_available():
+        alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        peak = torch.cuda.max_memory_allocated()
+        fields.update(
+            gpu_mem_alloc_mib=round(alloc / MIB, 1), gpu_mem_alloc_gib=round(alloc / MIB / 1024, 3),
+            gpu_mem_reserved_mib=round(reserved / MIB, 1), gpu_mem_reserved_gib=round(reserved / MIB / 1024, 3),
+            gpu_mem_peak_alloc_gib=round(peak / MIB / 1024, 3),
+        )
+    else:
+        fields.update(gpu_mem_alloc_mib=None, gpu_mem_alloc_gib=None, gpu_mem_reserved_mib=None, gpu_mem_reserved_gib=None)
+    return fields
+
+
+class RunLogger:
+    """Writes one run's telemetry files. On resume it drops rows past the resumed step."""
+
+    def __init__(self, run_dir: Path, resume_step: int = 0, wandb_run: Any = None):
+        self.run_dir = Path(run_dir)
+        self.heartbeat_path = self.run_dir / "heartbeat.jsonl"
+        self.metrics_path = self.run_dir / "metrics.csv"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        for path in (self.heartbeat_path, self.samples_path):
+            _truncate_jsonl_after(path, resume_step)
+        _truncate_csv_after(self.metrics_path, resume_step)
+        if not self.metrics_path.exists():
+            with open(self.metrics_path, "w", newline="") as f:
+                csv.writer(f).writerow(METRICS_COLUMNS)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        self.wandb = wandb_run
+
+    def heartbeat(self, record: dict[str, Any]) -> None:
+        record = {**record, **memory_fields()}
+        with open(self.heartbeat_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._row(record)
+        step = record["step"]
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "cpu_rss_mib", "gpu_mem_alloc_gib", "gpu_mem_reserved_gib"):
+            if record.get(key) is not None:
+                self.tb.add_scalar(f"train/{key}", record[key], step)
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def validation(self, step: int, elapsed_s: float, val_loss: float, val_bpb: float) -> None:
+        self._row({"step": step, "elapsed_s": elapsed_s, "val_loss": val_loss, "val_bpb": val_bpb})
+        self.tb.add_scalar("val/loss", val_loss, step)
+        self.tb.add_scalar("val/bpb", val_bpb, step)
+        if self.wandb is not None:
+            self.wandb.log({"val/loss": val_loss, "val/bpb": val_bpb}, step=step)
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        with open(self.samples_path, "a") as f:
+            f.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
+        self.tb.add_text("sample", f"```\n{prompt}{text}\n```", step)
+        if self.wandb is not None:
+            self.wandb.log({"sample": prompt + text}, step=step)
+
+    def _row(self, record: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a", newline="") as f:
+            csv.writer(f).writerow([_fmt(record.get(c)) for c in METRICS_COLUMNS])
+
+    def close(self) -> None:
+        self.tb.flush()
+        self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.6g}"
+    return str(v)
+
+
+def _truncate_jsonl_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _truncate_csv_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        path.unlink()
+        return
+    keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) <= step]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(keep)
+
+
+class Throughput:
+    """Tokens per second between two readings."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def read(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        self.t0, self.tokens = now, 0
+        return rate
