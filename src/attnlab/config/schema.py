@@ -25,11 +25,11 @@ class ModelSection(Section):
     intermediate_size: int | None = Field(None, gt=0, description="SwiGLU width; null = 8/3 * hidden, rounded up to 32")
     vocab_size: int | None = Field(None, gt=0, description="null = the tokenizer's size")
     mixer_options: dict[str, Any] = Field(default_factory=dict, description="options of the chosen mixer")
-    max_position_embeddings: int = Field(2048, gt=0)
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-6, gt=0)
-    tie_word_embeddings: bool = True
-    initializer_range: float = Field(0.02, gt=0)
+    max_position_embeddings: int = Field(2048, gt=0, description="longest sequence the model is configured for")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base (mixers with rotary positions)")
+    norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    tie_word_embeddings: bool = Field(True, description="share the input embedding with the LM head")
+    initializer_range: float = Field(0.02, gt=0, description="std of the normal weight init")
 
 
 class DataSection(Section):
@@ -46,20 +46,20 @@ class DataSection(Section):
 class TrainSection(Section):
     """Optimisation, cadence, precision and logging."""
 
-    seed: int = 0
+    seed: int = Field(0, description="seeds init, data order and samples")
     max_steps: int = Field(600, gt=0, description="optimizer steps")
     batch_size: int = Field(16, gt=0, description="sequences per device per micro-batch")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, gt=0, lt=1)
-    beta2: float = Field(0.95, gt=0, lt=1)
-    warmup_steps: int = Field(50, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms and biases)")
+    beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, gt=0, lt=1, description="AdamW beta2")
+    warmup_steps: int = Field(50, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup (cosine ends at 10% of lr)")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 = off")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on CUDA, fp32 on CPU")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    gradient_checkpointing: bool = False
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when visible")
+    gradient_checkpointing: bool = Field(False, description="recompute block activations in backward")
     eval_every: int = Field(200, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
     eval_batches: int = Field(16, gt=0, description="validation batches per evaluation")
     save_every: int = Field(200, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")
@@ -69,7 +69,7 @@ class TrainSection(Section):
     sample_tokens: int = Field(160, ge=0, description="tokens sampled at each validation; 0 = no samples")
     profile: Literal["default", "production"] = Field("default", description="'production' turns preflight warnings about precision and memory into errors")
     wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb extra)")
-    wandb_project: str = "attnlab"
+    wandb_project: str = Field("attnlab", description="W&B project when train.wandb is on")
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainSection":

@@ -1,0 +1,54 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# A tiny run: every test that trains starts from these overrides (seconds on 2 CPU cores).
+TINY = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+    "data.seq_len=32", "train.batch_size=4", "train.max_steps=8", "train.warmup_steps=2",
+    "train.eval_every=4", "train.eval_batches=2", "train.save_every=4", "train.log_every=2",
+    "train.sample_tokens=8",
+]
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """About 40 KB of the default corpus as one local text file."""
+    from attnlab.data import read_documents
+
+    text = "\n".join(read_documents("shakespeare")[:2])[:40_000]
+    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny(small_corpus) -> list[str]:
+    return TINY + [f"data.source={small_corpus}"]
+
+
+def run_cli(*args: str) -> int:
+    """Run the attnlab CLI in this process; return its exit code."""
+    from attnlab.cli import main
+
+    argv = sys.argv
+    sys.argv = ["attnlab", *args]
+    try:
+        main()
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def sets(overrides: list[str]) -> list[str]:
+    out = []
+    for o in overrides:
+        out += ["--set", o]
+    return out
