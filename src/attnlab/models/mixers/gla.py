@@ -1,0 +1,86 @@
+"""Gated linear attention (Yang et al., 2023), as `fla.layers.gla.GatedLinearAttention`
+in its default configuration (no short conv, no feature map, swish output gate with a
+per-head RMSNorm). Parameter names match fla so checkpoints map one to one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.modules import GatedRMSNorm
+from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
+
+
+@register_mixer("gla")
+class GatedLinearAttention(Mixer):
+    default_options = {
+        "expand_k": 0.5,
+        "expand_v": 1.0,
+        "gate_low_rank_dim": 16,
+        "gate_logit_normalizer": 16,
+        "chunk_size": 64,
+    }
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        options = self.resolve_options(config.mixer_options)
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.key_dim = int(config.hidden_size * options["expand_k"])
+        self.value_dim = int(config.hidden_size * options["expand_v"])
+        if self.key_dim % self.num_heads or self.value_dim % self.num_heads:
+            raise ValueError(
+                f"key_dim ({self.key_dim}) and value_dim ({self.value_dim}) must be divisible by num_heads "
+                f"({self.num_heads}); adjust expand_k / expand_v"
+            )
+        self.head_k_dim = self.key_dim // self.num_heads
+        self.head_v_dim = self.value_dim // self.num_heads
+        self.scale = self.head_k_dim ** -0.5
+        self.gate_logit_normalizer = options["gate_logit_normalizer"]
+        self.chunk_size = options["chunk_size"]
+
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)  # output gate
+        self.gk_proj = nn.Sequential(  # forget gate, low rank
+            nn.Linear(hidden, options["gate_low_rank_dim"], bias=False),
+            nn.Linear(options["gate_low_rank_dim"], self.key_dim, bias=True),
+        )
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.num_heads, self.head_v_dim)
+        gk = self.gk_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
+        gk = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # log forget gate, <= 0
+
+        if attention_mask is not None:
+            # Padding must not touch the state: no write (k = v = 0) and no decay (log-gate 0).
+            is_token = attention_mask[:, -seq_len:, None, None].to(torch.bool)  # [B, T, 1, 1]
+            k, v = k * is_token, v * is_token
+            gk = gk * is_token
+
+        state = cache["recurrent_state"] if cache is not None else None
+        if seq_len == 1:
+            o, state = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], state, scale=self.scale)
+            o = o[:, None]  # [B, 1, H, V]
+        else:
+            o, state = chunk_gla(q, k, v, gk, chunk_size=self.chunk_size, initial_state=state, scale=self.scale)
+
+        g = self.g_proj(x).view(batch, seq_len, self.num_heads, self.head_v_dim)
+        o = self.g_norm_swish_gate(o, g)  # [B, T, H, V]
+        y = self.o_proj(o.reshape(batch, seq_len, self.value_dim))
+        return y, ({"recurrent_state": state} if use_cache else None)

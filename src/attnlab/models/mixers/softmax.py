@@ -1,0 +1,136 @@
+"""Causal softmax attention with rotary position embeddings and grouped-query heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.models.mixers import Mixer, register_mixer
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [B, T, 1, head_dim] for integer positions [B, T]."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [B, T, 1, head_dim]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by position (the non-interleaved "rotate half" convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated_half = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated_half * sin).to(x.dtype)
+
+
+@register_mixer("softmax")
+class SoftmaxAttention(Mixer):
+    default_options = {"num_kv_heads": None}  # None: as many as num_heads
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        options = self.resolve_options(config.mixer_options)
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = options["num_kv_heads"] or config.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        self.head_dim = config.hidden_size // config.num_heads
+        self.rope_theta = config.rope_theta
+
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        batch, seq_len, _ = x.shape
+        past_k = cache["key"] if cache is not None else None  # [B, past, Hkv, D]
+        past_v = cache["value"] if cache is not None else None
+        past_len = past_k.shape[1] if past_k is not None else 0
+        mask = self._full_mask(attention_mask, cache, batch, past_len, seq_len, x.device)  # [B, past + T] or None
+
+        # positions count real tokens only, so left padding does not shift them
+        if mask is None:
+            positions = torch.arange(past_len, past_len + seq_len, device=x.device).expand(batch, seq_len)
+        else:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]  # [B, T]
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if past_k is not None:
+            k = torch.cat((past_k, k), dim=1)  # [B, past + T, Hkv, D]
+            v = torch.cat((past_v, v), dim=1)
+        new_cache = {"key": k, "value": v, "mask": mask} if use_cache else None
+
+        if seq_len == 1 and past_len > 0:
+            o = self._step(q, k, v, mask)
+        else:
+            o = self._parallel(q, k, v, mask, past_len)
+        y = self.o_proj(o.reshape(batch, seq_len, self.num_heads * self.head_dim))
+        return y, new_cache
+
+    def _parallel(self, q, k, v, mask, past_len) -> torch.Tensor:
+        """Causal attention of T queries over past + T keys. Returns [B, T, H, D]."""
+        seq_len, total_len = q.shape[1], k.shape[1]
+        q, k, v = self._to_sdpa_layout(q, k, v)
+        if mask is None and past_len == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            query_pos = torch.arange(past_len, past_len + seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(total_len, device=q.device)[None, :]
+            allowed = (key_pos <= query_pos)[None, None]  # [1, 1, T, past + T]
+            if mask is not None:
+                allowed = allowed & mask[:, None, None, :].bool()
+                # a padded query would see no key at all; let it see itself to keep the softmax finite
+                allowed = allowed | (key_pos == query_pos)[None, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return o.transpose(1, 2)
+
+    def _step(self, q, k, v, mask) -> torch.Tensor:
+        """One new query over the whole KV cache. Returns [B, 1, H, D]."""
+        q, k, v = self._to_sdpa_layout(q, k, v)
+        allowed = None if mask is None else mask[:, None, None, :].bool()  # [B, 1, 1, past + 1]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return o.transpose(1, 2)
+
+    def _to_sdpa_layout(self, q, k, v):
+        """[B, T, H, D] -> [B, H, T, D], repeating each kv head for its group of query heads."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=2)
+            v = v.repeat_interleave(groups, dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    @staticmethod
+    def _full_mask(attention_mask, cache, batch, past_len, seq_len, device) -> torch.Tensor | None:
+        """The padding mask over past + new tokens, or None when nothing has ever been padded.
+
+        `attention_mask` may cover past + new tokens (the Hugging Face convention) or only the new ones.
+        """
+        past_mask = cache.get("mask") if cache is not None else None
+        if attention_mask is None and past_mask is None:
+            return None
+        if attention_mask is not None and attention_mask.shape[1] == past_len + seq_len:
+            return attention_mask
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
+        if attention_mask.shape[1] != seq_len:
+            raise ValueError(
+                f"attention_mask has {attention_mask.shape[1]} columns; expected {seq_len} (new tokens) "
+                f"or {past_len + seq_len} (past + new tokens)"
+            )
+        if past_mask is None:
+            past_mask = torch.ones(batch, past_len, dtype=attention_mask.dtype, device=device)
+        return torch.cat((past_mask.to(attention_mask.dtype), attention_mask), dim=1)

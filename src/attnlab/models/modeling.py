@@ -1,0 +1,189 @@
+"""The attnlab decoder-only language model (module names follow flash-linear-attention)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from attnlab.models.cache import AttnLabCache
+from attnlab.models.configuration import AttnLabConfig
+from attnlab.models.mixers import build_mixer
+from attnlab.models.modules import GatedRMSNorm, RMSNorm, SwiGLU
+
+
+class AttnLabBlock(GradientCheckpointingLayer):
+    """Pre-norm residual block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, config: AttnLabConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = build_mixer(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: AttnLabCache | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        layer_state = past_key_values[self.layer_idx] if past_key_values is not None else None
+        mixed, layer_state = self.attn(
+            self.attn_norm(hidden_states), attention_mask=attention_mask, cache=layer_state, use_cache=use_cache
+        )
+        if use_cache and past_key_values is not None:
+            past_key_values.update(self.layer_idx, layer_state)
+        hidden_states = hidden_states + mixed
+        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
+        return hidden_states
+
+
+class AttnLabPreTrainedModel(PreTrainedModel):
+    config_class = AttnLabConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AttnLabBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True  # recurrent mixers cannot roll back, so no assisted generation
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            init.ones_(module.weight)
+
+
+class AttnLabModel(AttnLabPreTrainedModel):
+    def __init__(self, config: AttnLabConfig):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(AttnLabBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: AttnLabCache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """attention_mask: [B, T] or [B, past + T], 1 for tokens and 0 for (left) padding.
+        use_cache defaults to config.use_cache outside training."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
+        batch, seq_len = hidden_states.shape[:2]
+
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and past_key_values is None:
+            past_key_values = AttnLabCache(self.config.num_layers)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: let mixers take their unmasked fast paths
+
+        for block in self.layers:
+            hidden_states = block(
+                hidden_states, attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache
+            )
+        hidden_states = self.norm(hidden_states)
+        if use_cache:
+            past_key_values.advance(seq_len)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+
+    def __init__(self, config: AttnLabConfig):
+        super().__init__(config)
+        self.model = AttnLabModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embeddings = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # `generate` must not create a `DynamicCache`; the first forward creates an `AttnLabCache`.
+        return False
+
+    def _reorder_cache(self, past_key_values: AttnLabCache, beam_idx: torch.LongTensor) -> AttnLabCache:
+        return past_key_values.reorder(beam_idx)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        past_key_values: AttnLabCache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """labels: [B, T] token ids, -100 where no loss is wanted; shifted inside (position t predicts t + 1).
+        logits_to_keep: if > 0, logits are computed for the last `logits_to_keep` positions only."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            inputs_embeds=inputs_embeds,
+        )
+        hidden_states = outputs.last_hidden_state  # [B, T, hidden]
+        if logits_to_keep > 0:
+            if labels is not None:
+                raise ValueError("labels need logits at every position; use logits_to_keep=0")
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)  # [B, T or logits_to_keep, vocab]
+
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                labels[:, 1:].reshape(-1).to(logits.device),
+                ignore_index=-100,
+            )
+
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return output if return_dict else output.to_tuple()
