@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 from rich.syntax import Syntax
+from rich.markup import escape
 from rich.table import Table
 
 from attnlab.errors import AttnLabError, PreflightError
@@ -60,13 +61,9 @@ def _print_report(report) -> None:
     if not report.problems:
         console.print("[green]preflight: no problems found[/green]")
         return
-    table = Table(title="preflight", show_lines=False)
-    table.add_column("level")
-    table.add_column("key")
-    table.add_column("problem", overflow="fold")
     for p in report.problems:
-        table.add_row("[red]error[/red]" if p.level == "error" else "[yellow]warning[/yellow]", p.key, p.message)
-    console.print(table)
+        mark = "[bold red]error  [/bold red]" if p.level == "error" else "[yellow]warning[/yellow]"
+        console.print(f"preflight {mark} [bold]{p.key}[/bold]: {escape(p.message)}", soft_wrap=True, highlight=False)
 
 
 def _fail_on_errors(report) -> None:
@@ -96,7 +93,7 @@ def train(
     _fail_on_errors(report)
     stats = report.data.stats
     console.print(
-        f"data: {stats.num_train_docs} train / {stats.num_val_docs} val documents, "
+        f"data: {stats['train_documents']} train / {stats['val_documents']} val documents, "
         f"{len(report.data.train):,} train blocks of {cfg.data.seq_len} tokens; "
         f"device {report.device}, precision {report.precision}"
     )
@@ -137,7 +134,7 @@ def main() -> None:
     try:
         app()
     except AttnLabError as e:
-        err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted.[/yellow] Continue with: attnlab train --resume --run-dir RUN")

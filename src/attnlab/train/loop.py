@@ -172,7 +172,6 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         max_grad_norm=t.grad_clip if t.grad_clip > 0 else None,
         bf16=report.precision == "bf16",
         use_cpu=report.device == "cpu",
-        gradient_checkpointing=t.gradient_checkpointing,
         eval_strategy="steps" if (has_val and t.eval_every > 0) else "no",
         eval_steps=t.eval_every if t.eval_every > 0 else None,
         save_strategy="steps" if t.save_every > 0 else "no",
@@ -203,8 +202,11 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     save_config(cfg, run_dir / "config.yaml")
     _write_status(run_dir, "running", cfg, report)
 
+    transformers.utils.logging.disable_progress_bar()  # our own progress bar is the only one
     transformers.set_seed(cfg.train.seed)
     model = AttnLabForCausalLM(report.model_config)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     tokenizer, data = report.tokenizer, report.data
     has_val = data.val is not None and len(data.val) > 0
     val_rows = data.val[: cfg.train.eval_batches * cfg.train.batch_size] if has_val else None
@@ -215,7 +217,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     logger = RunLogger(run_dir, resume_step=start_step)
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     telemetry = TelemetryCallback(
-        cfg, logger, tokenizer, data.stats.val_bytes_per_token if has_val else None, console,
+        cfg, logger, tokenizer, data.stats["val_bytes_per_token"] if has_val else None, console,
         tokens_per_step, _elapsed_at(run_dir, start_step), start_step,
     )
     trainer = AttnLabTrainer(

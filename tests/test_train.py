@@ -1,0 +1,184 @@
+"""Training end to end on a tiny model: artifacts, telemetry, resume, kills, divergence, bad input."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import run_cli, sets
+from attnlab.train.checkpoint import verify_checkpoint
+
+
+def _final_weights(run_dir):
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def _run_json(run_dir):
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def test_a_run_writes_config_checkpoints_telemetry_and_a_loadable_final_model(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    out = capsys.readouterr().out
+    assert str(run) in out and "bits/byte" in out
+
+    assert (run / "config.yaml").is_file()
+    assert [p.name for p in sorted((run / "checkpoints").glob("step-*"))] == ["step-0000004", "step-0000008"]
+    assert os.readlink(run / "checkpoints" / "latest") == "step-0000008"
+    assert verify_checkpoint(run / "checkpoints" / "step-0000008") == 8
+    assert not (run / "checkpoints" / ".staging").exists()
+
+    beats = [json.loads(line) for line in (run / "heartbeat.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in beats] == [2, 4, 6, 8]
+    for field in ("loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "cpu_rss_mib",
+                  "gpu_mem_alloc_mib", "gpu_mem_alloc_gib", "gpu_mem_reserved_mib", "gpu_mem_reserved_gib"):
+        assert field in beats[-1]
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [r["val_bpb"] for r in rows if r["val_bpb"]] and all(float(r["val_bpb"]) > 0 for r in rows if r["val_bpb"])
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()] == [4, 8]
+
+    status = _run_json(run)
+    assert status["status"] == "finished" and status["val_bpb"] > 0
+    import attnlab.models  # noqa: F401  (registers the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    weights = _final_weights(run)
+    assert torch.equal(model.state_dict()["lm_head.weight"], weights.get("lm_head.weight", weights["model.embeddings.weight"]))
+
+
+def test_a_run_directory_holding_a_run_is_not_overwritten(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    before = (run / "final" / "model.safetensors").read_bytes()
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 1
+    assert "already holds a run" in capsys.readouterr().out
+    assert (run / "final" / "model.safetensors").read_bytes() == before
+
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import attnlab.train.checkpoint as ckpt
+    real = ckpt.write_manifest
+    def dying_write_manifest(directory, step):
+        if step == {kill_step}:   # model, optimizer and RNG are on disk; the checkpoint is not yet complete
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(directory, step)
+    ckpt.write_manifest = dying_write_manifest
+    from attnlab.cli import main
+    sys.argv = ["attnlab", "train", *sys.argv[1:]]
+    main()
+""")
+
+
+def test_resume_after_sigkill_during_a_checkpoint_write_matches_an_uninterrupted_run(tmp_path, tiny):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(full)) == 0
+
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_DURING_SAVE.format(kill_step=8))
+    proc = subprocess.run([sys.executable, str(script), *sets(tiny), "--run-dir", str(cut)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert os.readlink(cut / "checkpoints" / "latest") == "step-0000004"
+    assert not (cut / "checkpoints" / "step-0000008").exists()
+    assert not (cut / "final").exists()
+
+    assert run_cli("train", "--resume", "--run-dir", str(cut)) == 0
+    full_w, cut_w = _final_weights(full), _final_weights(cut)
+    assert full_w.keys() == cut_w.keys()
+    for name in full_w:
+        torch.testing.assert_close(cut_w[name], full_w[name], rtol=0, atol=1e-6)
+    assert _run_json(cut)["val_loss"] == pytest.approx(_run_json(full)["val_loss"], abs=1e-6)
+    losses = lambda run: [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]  # noqa: E731
+    assert losses(cut) == pytest.approx(losses(full), abs=1e-6)
+
+
+def test_sigkill_during_the_first_checkpoint_leaves_nothing_to_resume_and_resume_refuses(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_DURING_SAVE.format(kill_step=4))
+    proc = subprocess.run([sys.executable, str(script), *sets(tiny), "--run-dir", str(run)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert run_cli("train", "--resume", "--run-dir", str(run)) == 1
+    captured = capsys.readouterr()
+    assert "nothing to resume" in captured.out + captured.err
+
+
+def test_resume_extends_a_finished_run_to_more_steps(tmp_path, tiny):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") == 0
+    assert os.readlink(run / "checkpoints" / "latest") == "step-0000012"
+
+
+def test_resume_of_a_finished_run_without_more_steps_says_how_to_continue(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    assert run_cli("train", "--resume", "--run-dir", str(run)) == 1
+    assert "train.max_steps" in capsys.readouterr().out
+
+
+def test_resume_refuses_a_config_that_changes_the_model(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "model.hidden_size=64", "--set", "train.max_steps=12") == 1
+    assert "model.hidden_size: 32 -> 64" in capsys.readouterr().out
+
+
+def test_resume_with_no_run_refuses(tmp_path, capsys):
+    assert run_cli("train", "--resume", "--run-dir", str(tmp_path / "empty")) == 1
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_resume_from_a_truncated_checkpoint_refuses_and_keeps_the_older_one(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    newest = run / "checkpoints" / "step-0000008" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") == 1
+    assert "model.safetensors has 100 bytes" in capsys.readouterr().out
+    assert verify_checkpoint(run / "checkpoints" / "step-0000004") == 4
+
+
+def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path, tiny, monkeypatch, capsys):
+    from attnlab.train.loop import AttnLabTrainer
+
+    real = AttnLabTrainer.compute_loss
+
+    def poisoned(self, model, inputs, *args, **kwargs):
+        loss = real(self, model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step >= 5 else loss
+
+    monkeypatch.setattr(AttnLabTrainer, "compute_loss", poisoned)
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 1
+    err = capsys.readouterr().err
+    assert "the loss became nan at step 6" in err and "step-0000004" in err
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-0000004"]
+    assert verify_checkpoint(run / "checkpoints" / "step-0000004") == 4
+    assert _run_json(run)["status"] == "diverged"
+
+
+@pytest.mark.parametrize("problem, overrides, message", [
+    ("empty corpus", lambda d: [f"data.source={d / 'empty.txt'}"], "empty"),
+    ("missing corpus", lambda d: [f"data.source={d / 'nope.txt'}"], "nope.txt"),
+    ("sequence longer than the data", lambda d: [f"data.source={d / 'short.txt'}", "data.seq_len=4096"], "4096"),
+    ("tokenizer larger than the model", lambda d: ["model.vocab_size=100"], "model.vocab_size"),
+])
+def test_bad_data_fails_preflight_with_one_clear_message_and_writes_nothing(tmp_path, tiny, capsys, problem, overrides, message):
+    (tmp_path / "empty.txt").write_text("   \n")
+    (tmp_path / "short.txt").write_text("To be, or not to be, that is the question.\n" * 20)
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny + overrides(tmp_path)), "--run-dir", str(run)) == 1
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
+    assert not run.exists()
