@@ -12,7 +12,7 @@ TINY = [
     "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
     "data.seq_len=32", "train.batch_size=4", "train.max_steps=8", "train.warmup_steps=2",
     "train.eval_every=4", "train.eval_batches=2", "train.save_every=4", "train.log_every=2",
-    "train.sample_tokens=8",
+    "train.sample_tokens=8", "train.device=cpu",
 ]
 
 

@@ -53,6 +53,7 @@ def test_preflight_refuses_a_long_cuda_fp32_run_under_the_production_profile(tin
     from attnlab.config.preflight import run_preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tiny = [o for o in tiny if not o.startswith("train.device")]
     cfg = load_config(None, tiny + ["train.max_steps=5000", "train.save_every=500", "train.profile=production", "train.precision=fp32"])
     report = run_preflight(cfg, load_data=False)
     keys = {p.key for p in report.errors}

@@ -71,5 +71,5 @@ def test_override_without_equals_sign_is_rejected():
 
 def test_diff_configs_reports_only_locked_fields():
     a = RunConfig()
-    b = load_config(None, ["model.hidden_size=128", "train.max_steps=100"])
-    assert diff_configs(a, b, ("model",)) == ["model.hidden_size: 256 -> 128"]
+    b = load_config(None, ["model.hidden_size=64", "train.max_steps=100"])
+    assert diff_configs(a, b, ("model",)) == ["model.hidden_size: 128 -> 64"]

@@ -182,3 +182,16 @@ def test_bad_data_fails_preflight_with_one_clear_message_and_writes_nothing(tmp_
     captured = capsys.readouterr()
     assert message in captured.out + captured.err
     assert not run.exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_run_trains_in_bf16_reports_gpu_memory_and_resumes(tmp_path, tiny):
+    run = tmp_path / "run"
+    on_gpu = [o for o in tiny if not o.startswith("train.device")] + ["train.device=cuda"]
+    assert run_cli("train", *sets(on_gpu), "--run-dir", str(run)) == 0
+    assert _run_json(run)["precision"] == "bf16"
+    beat = json.loads((run / "heartbeat.jsonl").read_text().splitlines()[-1])
+    assert beat["gpu_mem_alloc_mib"] > 0 and beat["gpu_mem_alloc_gib"] == pytest.approx(beat["gpu_mem_alloc_mib"] / 1024, abs=1e-3)
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") == 0
+    assert os.readlink(run / "checkpoints" / "latest") == "step-0000012"

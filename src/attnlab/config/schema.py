@@ -19,7 +19,7 @@ class ModelSection(Section):
     """The decoder LM: its token mixer and its size."""
 
     mixer: str = Field("gla", description="token mixer by registered name (gla, softmax)")
-    hidden_size: int = Field(256, gt=0, description="residual stream width")
+    hidden_size: int = Field(128, gt=0, description="residual stream width")
     num_layers: int = Field(4, gt=0, description="number of decoder blocks")
     num_heads: int = Field(4, gt=0, description="heads of the token mixer")
     intermediate_size: int | None = Field(None, gt=0, description="SwiGLU width; null = 8/3 * hidden, rounded up to 32")
@@ -40,15 +40,15 @@ class DataSection(Section):
     val_source: str | None = Field(None, description="separate validation data; null = hold out val_fraction of source")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of the corpus held out for validation")
     tokenizer: str = Field("byte", description="'byte' or a local HF tokenizer directory")
-    seq_len: int = Field(256, gt=1, description="tokens per training block")
+    seq_len: int = Field(128, gt=1, description="tokens per training block")
 
 
 class TrainSection(Section):
     """Optimisation, cadence, precision and logging."""
 
     seed: int = Field(0, description="seeds init, data order and samples")
-    max_steps: int = Field(600, gt=0, description="optimizer steps")
-    batch_size: int = Field(16, gt=0, description="sequences per device per micro-batch")
+    max_steps: int = Field(400, gt=0, description="optimizer steps")
+    batch_size: int = Field(32, gt=0, description="sequences per device per micro-batch")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms and biases)")
