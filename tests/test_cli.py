@@ -60,3 +60,9 @@ def test_preflight_refuses_a_long_cuda_fp32_run_under_the_production_profile(tin
     assert {"train.precision", "train.gradient_checkpointing"} <= keys
     relaxed = run_preflight(load_config(None, tiny + ["train.max_steps=5000", "train.save_every=500", "train.precision=fp32"]), load_data=False)
     assert not relaxed.errors and {p.key for p in relaxed.problems} >= {"train.precision"}
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_without_the_extra_fails_preflight_with_the_install_command(capsys):
+    assert run_cli("preflight", "--set", "train.wandb=true") == 1
+    assert "attnlab[wandb]" in capsys.readouterr().out

@@ -7,6 +7,7 @@ run that passes preflight never loads them again.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +119,8 @@ def _check_cadence(cfg: RunConfig, report: PreflightReport) -> None:
 
 def _check_device(cfg: RunConfig, report: PreflightReport) -> None:
     t = cfg.train
+    if t.wandb and importlib.util.find_spec("wandb") is None:
+        report.error("train.wandb", "train.wandb is on but wandb is not installed: pip install 'attnlab[wandb]' (and set WANDB_API_KEY), or turn it off.")
     if report.device == "cuda" and not torch.cuda.is_available():
         report.error("train.device", "train.device is 'cuda' but no CUDA device is visible. Use train.device=auto or cpu.")
         return

@@ -12,6 +12,7 @@ import math
 import platform
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,8 +180,7 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         logging_strategy="steps",
         logging_steps=t.log_every,
         logging_nan_inf_filter=False,
-        report_to=["wandb"] if t.wandb else "none",
-        run_name=cfg.train.wandb_project if t.wandb else None,
+        report_to="none",  # telemetry.RunLogger writes TensorBoard (and W&B when train.wandb is on)
         disable_tqdm=True,
         seed=t.seed,
         data_seed=t.seed,
@@ -214,7 +214,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.train.keep_last)
     checkpoints.clear_staging()  # whatever a crash left half-written is never used
     start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
-    logger = RunLogger(run_dir, resume_step=start_step)
+    logger = RunLogger(run_dir, resume_step=start_step, wandb_run=_wandb_run(cfg, run_dir) if cfg.train.wandb else None)
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     telemetry = TelemetryCallback(
         cfg, logger, tokenizer, data.stats["val_bytes_per_token"] if has_val else None, console,
@@ -236,6 +236,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     status = "failed"
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        _save_final(trainer.model, tokenizer, cfg, run_dir)
         status = "finished"
     except TrainingDivergedError:
         status = "diverged"
@@ -244,14 +245,29 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         status = "interrupted"
         raise
     finally:
+        wall_s = time.perf_counter() - t0
         telemetry.progress.stop()
         logger.close()
         checkpoints.clear_staging()
-        _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb)
-    wall_s = time.perf_counter() - t0
-    _save_final(trainer.model, tokenizer, cfg, run_dir)
-    _write_status(run_dir, "finished", cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s)
+        _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s)
     return TrainResult(run_dir, trainer.state.global_step, wall_s, telemetry.val_loss, telemetry.val_bpb, telemetry.sample)
+
+
+def _wandb_run(cfg: RunConfig, run_dir: Path):
+    import wandb  # preflight has checked that the extra is installed
+
+    return wandb.init(
+        project=cfg.train.wandb_project, name=run_dir.name, dir=str(run_dir), id=_stable_run_id(run_dir),
+        resume="allow", config=cfg.model_dump(mode="json"),
+    )
+
+
+def _stable_run_id(run_dir: Path) -> str:
+    """One W&B run per run directory, across resumes."""
+    path = run_dir / "wandb_id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
 
 
 def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path) -> None:
