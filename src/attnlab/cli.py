@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,125 @@ def preflight(
     report = run_preflight(cfg, run_dir, resume)
     _print_report(report)
     _fail_on_errors(report)
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    from attnlab.errors import DataError
+
+    if not path.is_file():
+        raise DataError(f"prompt file not found: {path}")
+    rows = []
+    if path.suffix in (".jsonl", ".json"):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}, line {n}: not valid JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise DataError(f'{path}, line {n}: expected an object with a "prompt" string, e.g. {{"id": 1, "prompt": "..."}}')
+            rows.append(row)
+    else:
+        rows = [{"prompt": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows:
+        raise DataError(f"{path} holds no prompts")
+    return rows
+
+
+@app.command()
+def generate(
+    model: str = typer.Argument(..., help="A run directory, a checkpoint, an HF model directory or a .gguf file.", show_default=False),
+    prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (repeatable)."),
+    input_file: Optional[Path] = typer.Option(None, "--input", "-i", help="Prompts: JSONL with a \"prompt\" field (and optional \"id\"), or a text file, one per line."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write results as JSONL here."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message with the tokenizer's chat template."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Tokens generated after the prompt, at most [default: 64]."),
+    min_new_tokens: Optional[int] = typer.Option(None, "--min-new-tokens", help="EOS is suppressed until this many tokens [default: 0]."),
+    num_beams: Optional[int] = typer.Option(None, "--num-beams", help="Beam search with N beams [default: 1]."),
+    length_penalty: Optional[float] = typer.Option(None, "--length-penalty", help="Beam score = log p / length ** this [default: 1.0]."),
+    early_stopping: Optional[str] = typer.Option(None, "--early-stopping", help="Beam search stopping: true, false or never [default: false]."),
+    do_sample: Optional[bool] = typer.Option(None, "--do-sample/--greedy", help="Sample instead of greedy decoding."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature [default: 1.0]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens [default: off]."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass [default: 1.0 = off]."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats [default: 1.0]."),
+    stop: list[str] = typer.Option([], "--stop", help="A string that ends generation (repeatable)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler [default: 0]."),
+    num_return_sequences: Optional[int] = typer.Option(None, "--num-return-sequences", help="Candidates per prompt [default: 1]."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Prompts decoded together [default: 8]."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow a model directory's own Python code to run."),
+):
+    """Generate text from a model: greedy, sampling or beam search."""
+    from attnlab.generation import generate as run_generate
+    from attnlab.generation.engine import resolve_config
+    from attnlab.loading import describe, load
+
+    if not prompt and input_file is None:
+        raise PreflightError("give at least one --prompt or an --input file")
+    settings = {k: v for k, v in dict(
+        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
+        early_stopping=_parse_early_stopping(early_stopping), do_sample=do_sample, temperature=temperature, top_k=top_k,
+        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, num_return_sequences=num_return_sequences, batch_size=batch_size,
+    ).items() if v is not None}
+    if stop:
+        settings["stop"] = list(stop)
+    cfg = resolve_config(settings)  # impossible settings fail here, before the model loads
+    rows = [{"prompt": p} for p in prompt] + (_read_prompts(input_file) if input_file else [])
+    err_console.print(f"loading {describe(model)}", highlight=False)
+    lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
+    prompts = [_chat_ids(tokenizer, r["prompt"]) if chat else r["prompt"] for r in rows]
+    single = len(rows) == 1 and cfg.num_beams == 1 and cfg.num_return_sequences == 1 and output is None
+    if single:
+        console.print(rows[0]["prompt"], style="dim", end="" if not chat else "\n", highlight=False, soft_wrap=True)
+        result = run_generate(lm, tokenizer, prompts, cfg, stream=lambda piece: console.print(piece, end="", highlight=False, markup=False, soft_wrap=True))
+        console.print()
+        err_console.print(f"[dim]finish: {result[0].finish_reason}, {len(result[0].token_ids)} tokens[/dim]")
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("generating", total=len(rows))
+        results = run_generate(lm, tokenizer, prompts, cfg, progress=lambda n: bar.advance(task, n))
+    records = []
+    for row, res in zip(rows, results):
+        rec = {**row, "text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason}
+        if res.score is not None:
+            rec["score"] = res.score
+        if len(res.candidates) > 1:
+            rec["candidates"] = [{"text": c.text, "finish_reason": c.finish_reason, "score": c.score} for c in res.candidates]
+        records.append(rec)
+    if output is not None:
+        tmp = output.with_name(output.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        tmp.replace(output)
+        console.print(f"wrote {len(records)} results to [bold]{output}[/bold]")
+    else:
+        for rec in records:
+            console.print(Panel(escape(rec["text"]), title=escape(rec["prompt"][:60]), subtitle=rec["finish_reason"], expand=False), highlight=False)
+
+
+def _parse_early_stopping(value: Optional[str]):
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    if v == "never":
+        return "never"
+    raise PreflightError(f"--early-stopping takes true, false or never, not {value!r}")
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise PreflightError("--chat needs a tokenizer with a chat template; this one has none")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def main() -> None:

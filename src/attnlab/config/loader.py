@@ -135,7 +135,8 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
         else:
             got = e.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"{key}: {e['msg']}{got_text}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg}{got_text}" if key else msg)
     return f"invalid config ({origin}):\n  " + "\n  ".join(lines)
 
 
@@ -147,6 +148,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, str(source))) from None
+
+
+def validate_section(cls: type[BaseModel], data: dict[str, Any], origin: str):
+    """Validate `data` as `cls`, turning pydantic's report into one ConfigError."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, origin)) from None
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

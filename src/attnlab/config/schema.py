@@ -88,3 +88,50 @@ class RunConfig(Section):
 
 # Fields that change the model or the data it sees: a resume refuses to continue if any differs.
 RESUME_LOCKED = ("model", "data", "train.seed", "train.batch_size", "train.grad_accum")
+
+
+class GenerateConfig(Section):
+    """Decoding settings, with HF `generate` semantics. Impossible or ineffective combinations are rejected."""
+
+    max_new_tokens: int = Field(64, gt=0, description="tokens generated after the prompt, at most")
+    min_new_tokens: int = Field(0, ge=0, description="EOS is suppressed until this many tokens are generated")
+    num_beams: int = Field(1, gt=0, description="1 = greedy or sampling; > 1 = beam search")
+    length_penalty: float = Field(1.0, description="beam search: score = sum log p / length ** length_penalty")
+    early_stopping: bool | Literal["never"] = Field(False, description="beam search stopping rule, as in HF generate")
+    do_sample: bool = Field(False, description="sample instead of taking the most likely token")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens; 0 = off")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1 = off")
+    repetition_penalty: float = Field(1.0, gt=0, description="> 1 discourages tokens already in the prompt or output")
+    stop: list[str] = Field(default_factory=list, description="strings that end generation (not included in the text)")
+    eos_token_id: int | list[int] | None = Field(None, description="null = the tokenizer's and the model's EOS tokens")
+    seed: int = Field(0, description="seed of the sampling generator")
+    num_return_sequences: int = Field(1, gt=0, description="candidates returned per prompt")
+    batch_size: int = Field(8, gt=0, description="prompts decoded together")
+    output_scores: bool = Field(False, description="also return each sequence's log-probability score")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "GenerateConfig":
+        problems = []
+        if self.min_new_tokens > self.max_new_tokens:
+            problems.append(f"min_new_tokens ({self.min_new_tokens}) > max_new_tokens ({self.max_new_tokens})")
+        if self.do_sample and self.num_beams > 1:
+            problems.append("do_sample with num_beams > 1 (beam sampling) is not supported: choose sampling or beam search")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            problems.append(f"num_return_sequences ({self.num_return_sequences}) > num_beams ({self.num_beams})")
+        if self.num_beams == 1 and not self.do_sample and self.num_return_sequences > 1:
+            problems.append("num_return_sequences > 1 with greedy decoding returns copies: set do_sample=true or num_beams")
+        explicit = self.model_fields_set
+        if not self.do_sample:
+            for name in ("temperature", "top_k", "top_p"):
+                if name in explicit and getattr(self, name) != GenerateConfig.model_fields[name].default:
+                    problems.append(f"{name}={getattr(self, name)} has no effect without do_sample=true")
+        if self.num_beams == 1:
+            for name in ("length_penalty", "early_stopping"):
+                if name in explicit and getattr(self, name) != GenerateConfig.model_fields[name].default:
+                    problems.append(f"{name} only applies to beam search (num_beams > 1)")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self

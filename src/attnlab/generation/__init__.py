@@ -1,0 +1,7 @@
+"""Generation: one engine for attnlab models and any Hugging Face causal LM."""
+
+from attnlab.config import GenerateConfig
+
+from .engine import Candidate, GenerationResult, generate, generate_ids
+
+__all__ = ["GenerateConfig", "Candidate", "GenerationResult", "generate", "generate_ids"]

@@ -1,0 +1,249 @@
+"""The generation engine: greedy, sampling and beam search for attnlab and HF causal LMs.
+
+`generate(model, tokenizer, prompts, config)` takes prompts as strings or token lists of any
+lengths; batching, left padding and attention masks are its own business. Semantics follow
+transformers' `generate` (max_new_tokens / min_new_tokens, EOS handling, beam scoring), and the
+tests hold it to HF token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from attnlab.config import GenerateConfig
+from attnlab.config.loader import validate_section
+from attnlab.errors import ConfigError
+
+from .processors import repetition_penalty, suppress_eos, warp_for_sampling
+from .runner import ModelRunner, left_pad
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass
+class Candidate:
+    """One generated continuation (the prompt is never included)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    score: float | None = None  # beam search: length-normalised log-prob; otherwise sum of log-probs (output_scores)
+
+
+@dataclass
+class GenerationResult:
+    """What one prompt produced: its candidates, best first."""
+
+    prompt: str | list[int]
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.candidates[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.candidates[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.candidates[0].finish_reason
+
+    @property
+    def score(self) -> float | None:
+        return self.candidates[0].score
+
+
+def resolve_config(config: GenerateConfig | dict[str, Any] | None, **overrides) -> GenerateConfig:
+    if isinstance(config, GenerateConfig):
+        data = {k: getattr(config, k) for k in config.model_fields_set}
+    else:
+        data = dict(config or {})
+    data.update(overrides)
+    return validate_section(GenerateConfig, data, "generation settings")
+
+
+def eos_ids_for(model, tokenizer, config: GenerateConfig) -> list[int]:
+    """EOS ids: the config's if given, else the tokenizer's and the model's generation config's."""
+    if config.eos_token_id is not None:
+        ids = config.eos_token_id
+        return [ids] if isinstance(ids, int) else list(ids)
+    found: list[int] = []
+    candidates = [getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    for c in candidates:
+        for i in ([c] if isinstance(c, int) else (c or [])):
+            if i not in found:
+                found.append(i)
+    return found
+
+
+class StopStrings:
+    """Finds the first stop string in the decoded continuation, wherever token boundaries fall."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.tokenizer, self.stops = tokenizer, list(stops)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def cut(self, text: str) -> int | None:
+        """Index where the text ends (the start of the earliest stop string), or None."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+
+def _finish(stops: StopStrings, token_ids: list[int], reason: FinishReason, score: float | None) -> Candidate:
+    text = stops.decode(token_ids)
+    cut = stops.cut(text) if stops.stops else None
+    if cut is not None:
+        text, reason = text[:cut], "stop"
+    return Candidate(text, token_ids, reason, score)
+
+
+def _encode(tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    ids = [int(t) for t in prompt]
+    return ids
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    config: GenerateConfig | dict[str, Any] | None = None,
+    stream: Callable[[str], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    **settings,
+) -> list[GenerationResult]:
+    """Generate a continuation (or several) for each prompt.
+
+    prompts: one prompt or a list; a prompt is a string or a list of token ids.
+    config: a GenerateConfig, a dict of its fields, or None; keyword `settings` override it.
+    stream: called with each new piece of text (one prompt, one candidate only).
+    progress: called with the number of prompts finished after each batch.
+    """
+    cfg = resolve_config(config, **settings)
+    single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+    prompt_list = [prompts] if single else list(prompts)
+    if not prompt_list:
+        return []
+    if stream is not None and (len(prompt_list) > 1 or cfg.num_return_sequences > 1 or cfg.num_beams > 1):
+        raise ConfigError("streaming needs one prompt, one returned sequence and no beam search")
+    encoded = [_encode(tokenizer, p) for p in prompt_list]
+    if any(len(e) == 0 for e in encoded):
+        raise ConfigError("a prompt is empty after tokenisation; every prompt needs at least one token")
+    eos = eos_ids_for(model, tokenizer, cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    stops = StopStrings(tokenizer, cfg.stop)
+    runner = ModelRunner(model)
+    was_training = model.training
+    model.eval()
+    try:
+        # Decode in batches of similar lengths (less padding); results return in prompt order.
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        results: list[GenerationResult | None] = [None] * len(encoded)
+        generator = torch.Generator(device=runner.device).manual_seed(cfg.seed)
+        for start in range(0, len(order), cfg.batch_size):
+            batch = order[start:start + cfg.batch_size]
+            batch_prompts = [encoded[i] for i in batch]
+            if cfg.num_beams > 1:
+                from .beam import beam_search
+
+                outs = beam_search(runner, batch_prompts, cfg, eos, pad_id, stops)
+            else:
+                outs = _greedy_or_sample(runner, batch_prompts, cfg, eos, pad_id, stops, generator, stream)
+            for i, candidates in zip(batch, outs):
+                results[i] = GenerationResult(prompt_list[i], candidates)
+            if progress is not None:
+                progress(len(batch))
+    finally:
+        model.train(was_training)
+    return results  # type: ignore[return-value]
+
+
+def generate_ids(model, tokenizer, prompts, config=None, **settings) -> list[list[int]]:
+    """For evaluation code: one plain list of generated token ids per prompt (best candidate)."""
+    return [r.token_ids for r in generate(model, tokenizer, prompts, config, **settings)]
+
+
+def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConfig, eos: list[int], pad_id: int,
+                      stops: StopStrings, generator: torch.Generator, stream) -> list[list[Candidate]]:
+    n = cfg.num_return_sequences
+    rows = [p for p in prompts for _ in range(n)]  # each prompt n times, like HF's expansion
+    input_ids, mask = left_pad(rows, pad_id, runner.device)
+    logits, state = runner.prefill(input_ids, mask)
+    vocab = logits.shape[-1]
+    eos_t = torch.tensor([e for e in eos if e < vocab], dtype=torch.long, device=runner.device)
+    eos_set = set(eos)
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=runner.device)
+        seen.scatter_(1, input_ids, mask.bool())
+
+    generated: list[list[int]] = [[] for _ in rows]
+    finished: list[Candidate | None] = [None] * len(rows)
+    logprob = [0.0] * len(rows)
+    active = list(range(len(rows)))  # original row of each batch row
+    streamed = 0
+    for step in range(cfg.max_new_tokens):
+        scores = logits
+        if seen is not None:
+            scores = repetition_penalty(scores, seen[active], cfg.repetition_penalty)
+        if step < cfg.min_new_tokens and len(eos_t):
+            scores = suppress_eos(scores, eos_t)
+        if cfg.do_sample:
+            probs = warp_for_sampling(scores, cfg.temperature, cfg.top_k, cfg.top_p).softmax(dim=-1)
+            next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            next_tokens = scores.argmax(dim=-1)
+        if cfg.output_scores:
+            chosen = logits.log_softmax(-1).gather(1, next_tokens[:, None])[:, 0].tolist()
+        if seen is not None:
+            seen[torch.tensor(active, device=runner.device), next_tokens] = True
+
+        keep: list[int] = []
+        for j, (row, token) in enumerate(zip(active, next_tokens.tolist())):
+            if cfg.output_scores:
+                logprob[row] += chosen[j]
+            score = logprob[row] if cfg.output_scores else None
+            if token in eos_set:
+                finished[row] = _finish(stops, generated[row], "eos", score)
+                continue
+            generated[row].append(token)
+            if stops.stops and stops.cut(stops.decode(generated[row])) is not None:
+                finished[row] = _finish(stops, generated[row], "stop", score)
+            elif len(generated[row]) >= cfg.max_new_tokens:
+                finished[row] = _finish(stops, generated[row], "length", score)
+            else:
+                keep.append(j)
+        if stream is not None:
+            streamed = _stream(stream, stops, generated[0], streamed, done=finished[0] is not None, final=finished[0])
+        if not keep:
+            break
+        if len(keep) < len(active):  # drop finished rows from the batch and the cache
+            keep_t = torch.tensor(keep, device=runner.device)
+            runner.select(state, keep_t)
+            next_tokens = next_tokens.index_select(0, keep_t)
+            active = [active[j] for j in keep]
+        logits = runner.step(next_tokens, state)
+    return [finished[i * n:(i + 1) * n] for i in range(len(prompts))]  # type: ignore[misc]
+
+
+def _stream(emit, stops: StopStrings, token_ids: list[int], streamed: int, done: bool, final: Candidate | None) -> int:
+    """Emit the text decoded so far beyond `streamed` characters; hold back what a stop string could still claim."""
+    if done and final is not None:
+        text = final.text
+    else:
+        text = stops.decode(token_ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+            text = text[:-1]
+        hold = max((len(s) for s in stops.stops), default=1) - 1
+        text = text[: max(len(text) - hold, streamed)]
+    if len(text) > streamed:
+        emit(text[streamed:])
+    return max(streamed, len(text))

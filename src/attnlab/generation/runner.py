@@ -1,0 +1,84 @@
+"""One calling convention over attnlab models and any Hugging Face causal LM.
+
+The runner prefills a left-padded batch, then feeds one token per row per step over the
+model's own cache (an `AttnLabCache`, or a transformers `Cache`). It asks for the logits of
+the last position only, and takes the last position itself when a model returns more: a
+[batch, time, vocab] tensor is never kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DecodeState:
+    cache: Any  # the model's cache object
+    attention_mask: torch.Tensor  # [rows, past]: 1 = token, 0 = left padding
+    next_position: torch.Tensor  # [rows]: position id of the next token
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of any lengths -> input_ids and attention_mask [rows, longest], padded on the left."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            input_ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, longest - len(p):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+class ModelRunner:
+    def __init__(self, model):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.keep_arg = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
+        self.takes_positions = "position_ids" in params
+        self.device = next(model.parameters()).device
+
+    def _forward(self, input_ids, attention_mask, positions, cache) -> tuple[torch.Tensor, Any]:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True}
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        if self.keep_arg:
+            kwargs[self.keep_arg] = 1
+        if self.takes_positions:
+            kwargs["position_ids"] = positions
+        out = self.model(**kwargs)
+        logits = out.logits[:, -1, :].float()  # [rows, vocab], also for models that ignored logits_to_keep
+        return logits, out.past_key_values
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+        positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        logits, cache = self._forward(input_ids, attention_mask, positions, None)
+        return logits, DecodeState(cache, attention_mask, positions[:, -1] + 1)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """tokens: [rows] -> next-token logits [rows, vocab]; the state advances by one token."""
+        state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones(len(tokens), 1)], dim=1)
+        logits, state.cache = self._forward(tokens[:, None], state.attention_mask, state.next_position[:, None], state.cache)
+        state.next_position = state.next_position + 1
+        return logits
+
+    def select(self, state: DecodeState, rows: torch.Tensor) -> None:
+        """Keep (or reorder, or repeat) rows of the batch: row i becomes old row rows[i]."""
+        rows = rows.to(self.device)
+        cache = state.cache
+        if hasattr(cache, "select"):  # AttnLabCache
+            cache.select(rows)
+        elif hasattr(cache, "reorder_cache"):  # transformers Cache
+            cache.reorder_cache(rows)
+        elif hasattr(self.model, "_reorder_cache"):  # legacy tuple caches
+            state.cache = self.model._reorder_cache(cache, rows)
+        else:
+            raise TypeError(f"cannot select rows of a {type(cache).__name__} cache")
+        state.attention_mask = state.attention_mask.index_select(0, rows)
+        state.next_position = state.next_position.index_select(0, rows)
