@@ -286,3 +286,18 @@ def test_cli_generate_rejects_bad_settings(saved_model, capsys, args, message):
 def test_cli_generate_on_a_missing_model_says_what_it_expected(tmp_path, capsys):
     assert run_cli("generate", str(tmp_path / "nope"), "--prompt", "x") == 1
     assert "model not found" in capsys.readouterr().err
+
+
+def test_top_level_generate_and_load_round_trip(saved_model):
+    import attnlab
+
+    model, tokenizer = attnlab.load(saved_model, device="cpu")
+    results = attnlab.generate(model, tokenizer, PROMPTS, attnlab.GenerateConfig(max_new_tokens=4))
+    assert [r.token_ids for r in results] == generate_ids(model, tokenizer, PROMPTS, max_new_tokens=4)
+
+
+def test_bench_decode_reports_new_tokens_per_second_for_engine_and_hf(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert run_cli("bench", "decode", "--batch-size", "2", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--device", "cpu", "--out", str(out)) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["batch"] == 2 and row["attnlab_new_tok_per_s"] > 0 and row["hf_generate_new_tok_per_s"] > 0

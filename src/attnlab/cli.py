@@ -250,6 +250,59 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
+bench_app = typer.Typer(help="Benchmarks: throughput and memory against peers.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("decode")
+def bench_decode_cmd(
+    model: Optional[str] = typer.Argument(None, help="A model (as for generate). Omit for the default config's architecture, randomly initialised.", show_default=False),
+    batch_size: list[int] = typer.Option([1, 8], "--batch-size", "-b", help="Batch sizes to time (repeatable)."),
+    prompt_len: int = typer.Option(64, "--prompt-len", help="Prompt tokens."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens generated per row."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs per setting (median reported)."),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time HF generate on the same model."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+):
+    """Time greedy decoding (new tokens/s) with attnlab's engine and with HF generate."""
+    import platform
+
+    import torch
+
+    from attnlab.bench.decode import bench_decode
+
+    if model is None:
+        from attnlab.config import load_config
+        from attnlab.data import load_tokenizer
+        from attnlab.models import AttnLabForCausalLM
+        from attnlab.train.build import model_config_from
+
+        tokenizer = load_tokenizer("byte")
+        torch.manual_seed(0)
+        lm = AttnLabForCausalLM(model_config_from(load_config(), tokenizer))
+        lm = lm.to("cuda" if (device == "auto" and torch.cuda.is_available()) or device == "cuda" else "cpu").eval()
+        name = "default config (untrained)"
+    else:
+        from attnlab.loading import describe, load
+
+        lm, tokenizer = load(model, device=device)
+        name = describe(model)
+    rows = bench_decode(lm, tokenizer, batch_size, prompt_len, new_tokens, repeats, compare_hf=hf)
+    dev = torch.cuda.get_device_name() if next(lm.parameters()).is_cuda else f"cpu ({torch.get_num_threads()} threads)"
+    table = Table(title=f"decode: {name} on {dev}")
+    for col in rows[0]:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*(str(v) for v in r.values()))
+    console.print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
+                                   "command": " ".join(sys.argv), "results": rows}, indent=1))
+        console.print(f"wrote {out}")
+
+
 def main() -> None:
     try:
         app()

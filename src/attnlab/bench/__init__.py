@@ -1,0 +1,1 @@
+"""Benchmarks: throughput and memory, attnlab against the tools our users use now."""
