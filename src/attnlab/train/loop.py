@@ -110,9 +110,10 @@ class TelemetryCallback(TrainerCallback):
             control.should_evaluate = self.val_bytes_per_token is not None
             control.should_save = self.cfg.train.save_every > 0
 
-    def on_log(self, args, state, control, logs=None, **kw):
+    def on_log(self, args, state, control, logs=None, model=None, **kw):
         if not logs or "loss" not in logs or not state.is_world_process_zero:
             return
+        health = getattr(model, "health_stats", None)  # mixers that report training-health statistics (NSA)
         record = {
             "step": state.global_step,
             "loss": float(logs["loss"]),
@@ -120,6 +121,7 @@ class TelemetryCallback(TrainerCallback):
             "grad_norm": float(logs["grad_norm"]) if logs.get("grad_norm") is not None else None,
             "tokens_per_s": round(self.throughput.read(), 1),
             "elapsed_s": round(self.elapsed(), 2),
+            **(health() if callable(health) else {}),
         }
         self.logger.heartbeat(record)
         self.progress.update(self.task, loss=record["loss"], tps=record["tokens_per_s"])
@@ -207,6 +209,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     model = AttnLabForCausalLM(report.model_config)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if hasattr(model, "enable_health_stats"):
+        model.enable_health_stats(True)
     tokenizer, data = report.tokenizer, report.data
     has_val = data.val is not None and len(data.val) > 0
     val_rows = data.val[: cfg.train.eval_batches * cfg.train.batch_size] if has_val else None

@@ -60,9 +60,9 @@ class RunLogger:
             f.write(json.dumps(record) + "\n")
         self._row(record)
         step = record["step"]
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "cpu_rss_mib", "gpu_mem_alloc_gib", "gpu_mem_reserved_gib"):
-            if record.get(key) is not None:
-                self.tb.add_scalar(f"train/{key}", record[key], step)
+        for key, value in record.items():
+            if key not in ("step", "elapsed_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tb.add_scalar(f"train/{key}", value, step)
         if self.wandb is not None:
             self.wandb.log({f"train/{k}": v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
