@@ -263,6 +263,11 @@ def bench_decode_cmd(
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per setting (median reported)."),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time HF generate on the same model."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="Instead of MODEL: a randomly initialised attnlab-gla, fla-gla or hf-llama of the size below (bf16 on CUDA)."),
+    hidden: int = typer.Option(1024, "--hidden", help="With --arch: hidden size."),
+    layers: int = typer.Option(24, "--layers", help="With --arch: layers."),
+    heads: int = typer.Option(4, "--heads", help="With --arch: heads."),
+    vocab: int = typer.Option(32000, "--vocab", help="With --arch: vocabulary."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ):
     """Time greedy decoding (new tokens/s) with attnlab's engine and with HF generate."""
@@ -272,7 +277,16 @@ def bench_decode_cmd(
 
     from attnlab.bench.decode import bench_decode
 
-    if model is None:
+    if arch is not None:
+        from attnlab.bench.train import build
+        from attnlab.data import load_tokenizer
+
+        torch.manual_seed(0)
+        target = "cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"
+        lm = build(arch, hidden, layers, heads, vocab).to(target, torch.bfloat16 if target == "cuda" else torch.float32).eval()
+        tokenizer = load_tokenizer("byte")
+        name = f"{arch} {hidden}x{layers} (untrained)"
+    elif model is None:
         from attnlab.config import load_config
         from attnlab.data import load_tokenizer
         from attnlab.models import AttnLabForCausalLM
@@ -299,6 +313,50 @@ def bench_decode_cmd(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
+                                   "command": " ".join(sys.argv), "results": rows}, indent=1))
+        console.print(f"wrote {out}")
+
+
+@bench_app.command("train")
+def bench_train_cmd(
+    models: list[str] = typer.Option(["attnlab-gla", "fla-gla", "hf-llama"], "--model", "-m", help="attnlab-gla, fla-gla, hf-llama (repeatable)."),
+    hidden: int = typer.Option(1024, "--hidden", help="Hidden size."),
+    layers: int = typer.Option(24, "--layers", help="Decoder layers."),
+    heads: int = typer.Option(4, "--heads", help="Heads."),
+    vocab: int = typer.Option(32000, "--vocab", help="Vocabulary size."),
+    shape: list[str] = typer.Option(["8x2048"], "--shape", help="BATCHxSEQ_LEN to time (repeatable)."),
+    steps: int = typer.Option(10, "--steps", help="Timed steps (median reported)."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed steps first (fla autotunes here)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+):
+    """Training tokens/s and peak memory on CUDA: attnlab GLA against fla's GLA and HF Llama (SDPA), one process."""
+    import platform
+
+    import torch
+
+    from attnlab.bench.train import bench_train
+
+    if not torch.cuda.is_available():
+        raise PreflightError("bench train measures CUDA training; no CUDA device is visible")
+    rows = []
+    for spec in shape:
+        try:
+            batch, seq_len = (int(v) for v in spec.lower().split("x"))
+        except ValueError:
+            raise PreflightError(f"--shape takes BATCHxSEQ_LEN such as 8x2048, not {spec!r}") from None
+        for name in models:
+            row = bench_train(name, hidden, layers, heads, vocab, batch, seq_len, steps=steps, warmup=warmup)
+            console.print(row, highlight=False)
+            rows.append(row)
+    table = Table(title=f"training, bf16 autocast, AdamW, on {torch.cuda.get_device_name()}")
+    for col in ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "step_s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*(str(r.get(c)) for c in ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "step_s")))
+    console.print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                                    "command": " ".join(sys.argv), "results": rows}, indent=1))
         console.print(f"wrote {out}")
 

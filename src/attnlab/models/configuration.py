@@ -35,6 +35,7 @@ class AttnLabConfig(PretrainedConfig):
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     use_cache: bool = True
+    kernels: str = "auto"  # "auto": fla's kernels on CUDA when installed; "torch": always the reference; "fla": insist
     bos_token_id: int | None = 256
     eos_token_id: int | None = 257
     pad_token_id: int | None = 258
@@ -44,6 +45,10 @@ class AttnLabConfig(PretrainedConfig):
 
         if self.mixer not in MIXERS:
             raise ValueError(f"unknown mixer {self.mixer!r}; registered mixers: {sorted(MIXERS)}")
+        from attnlab.models.kernels import KERNEL_CHOICES
+
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, not {self.kernels!r}")
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"

@@ -10,6 +10,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from attnlab.models import kernels
 from attnlab.models.cache import AttnLabCache
 from attnlab.models.configuration import AttnLabConfig
 from attnlab.models.mixers import build_mixer
@@ -22,10 +23,10 @@ class AttnLabBlock(GradientCheckpointingLayer):
     def __init__(self, config: AttnLabConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.attn = build_mixer(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, kernels=config.kernels)
 
     def forward(
         self,
@@ -70,7 +71,7 @@ class AttnLabModel(AttnLabPreTrainedModel):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(AttnLabBlock(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -179,11 +180,12 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                labels[:, 1:].reshape(-1).to(logits.device),
-                ignore_index=-100,
-            )
+            shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+            shifted_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            if kernels.use_fla(self.config.kernels, logits):
+                loss = kernels.cross_entropy(shifted_logits, shifted_labels)
+            else:
+                loss = F.cross_entropy(shifted_logits.float(), shifted_labels, ignore_index=-100)
 
         output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
         return output if return_dict else output.to_tuple()

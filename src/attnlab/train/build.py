@@ -22,6 +22,7 @@ def model_config_from(cfg: RunConfig, tokenizer):
         norm_eps=m.norm_eps,
         tie_word_embeddings=m.tie_word_embeddings,
         initializer_range=m.initializer_range,
+        kernels=m.kernels,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.modules import GatedRMSNorm
 from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
@@ -51,7 +52,8 @@ class GatedLinearAttention(Mixer):
             nn.Linear(options["gate_low_rank_dim"], self.key_dim, bias=True),
         )
         self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps)
+        self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps, kernels=config.kernels)
+        self.kernels = config.kernels
 
     def forward(
         self,
@@ -74,7 +76,11 @@ class GatedLinearAttention(Mixer):
             gk = gk * is_token
 
         state = cache["recurrent_state"] if cache is not None else None
-        if seq_len == 1:
+        if kernels.use_fla(self.kernels, x):
+            # fla: fused recurrence for decoding and short prefills (as fla's layer), chunked kernels otherwise
+            fla_gla = kernels.gla_recurrent if seq_len <= 64 else kernels.gla_chunk
+            o, state = fla_gla(q, k, v, gk, self.scale, state, output_final_state=use_cache)
+        elif seq_len == 1:
             o, state = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], state, scale=self.scale)
             o = o[:, None]  # [B, 1, H, V]
         else:

@@ -1,0 +1,82 @@
+"""Training throughput, side by side in one process: attnlab GLA, fla's GLAForCausalLM, HF Llama (SDPA).
+
+Same width, depth and vocabulary for all three (untied embeddings, the SwiGLU width fla's GLA
+uses); bf16 autocast over fp32 weights, fused AdamW; median step time over timed steps after a
+warm-up (fla's kernels autotune on first use), peak memory from the CUDA allocator.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+PEERS = ("attnlab-gla", "fla-gla", "hf-llama")
+
+
+def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:
+    width = int(hidden * ratio * 2 / 3)
+    return multiple * ((width + multiple - 1) // multiple)
+
+
+def build(name: str, hidden: int, layers: int, heads: int, vocab: int):
+    if name == "attnlab-gla":
+        from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+        cfg = AttnLabConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, mixer="gla",
+                            intermediate_size=fla_mlp_width(hidden), tie_word_embeddings=False, max_position_embeddings=65536)
+        return AttnLabForCausalLM(cfg)
+    if name == "fla-gla":
+        from fla.models import GLAConfig, GLAForCausalLM
+
+        return GLAForCausalLM(GLAConfig(hidden_size=hidden, num_hidden_layers=layers, num_heads=heads, vocab_size=vocab))
+    if name == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=fla_mlp_width(hidden), num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=65536)
+        cfg._attn_implementation = "sdpa"
+        return LlamaForCausalLM(cfg)
+    raise ValueError(f"unknown model {name!r}; choose from {PEERS}")
+
+
+def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
+                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False) -> dict:
+    torch.manual_seed(0)
+    model = build(name, hidden, layers, heads, vocab).cuda().train()
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    row = {"model": name, "params_M": round(params / 1e6, 1), "batch": batch, "seq_len": seq_len}
+    try:
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        step_s = statistics.median(times)
+        row.update(step_s=round(step_s, 4), tok_per_s=round(batch * seq_len / step_s), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                   loss=round(float(loss), 3))
+    except torch.cuda.OutOfMemoryError:
+        row.update(step_s=None, tok_per_s=None, peak_gib=None, error="out of memory")
+    del model, opt
+    torch.cuda.empty_cache()
+    return row

@@ -1,0 +1,92 @@
+"""fla's kernels against the pure-PyTorch reference (CUDA only; skipped without a GPU and the gpu extra)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+from attnlab.models.ops.gla import chunk_gla as reference_chunk_gla
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention (the gpu extra)"),
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def fresh_inputs(B, T, H, K, V, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, K, device="cuda", generator=g)
+    k = torch.randn(B, T, H, K, device="cuda", generator=g)
+    v = torch.randn(B, T, H, V, device="cuda", generator=g)
+    gk = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=g)) / 16
+    h0 = torch.randn(B, H, K, V, device="cuda", generator=g)
+    return q, k, v, gk, h0
+
+
+@pytest.mark.parametrize("T", [1, 37, 64, 300, 2048])
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kernel):
+    from attnlab.models import kernels
+
+    q, k, v, gk, h0 = fresh_inputs(2, T, 4, 64, 128, seed=T)
+    fn = kernels.gla_chunk if kernel == "chunk" else kernels.gla_recurrent
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, gk)]
+    o, ht = fn(*(t.bfloat16() if i < 3 else t for i, t in enumerate(leaves)), 64 ** -0.5, h0, output_final_state=True)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, gk)]
+    ref_o, ref_ht = reference_chunk_gla(*ref_leaves, initial_state=h0, scale=64 ** -0.5)
+    assert rel_err(o, ref_o) <= 1e-2 and rel_err(ht, ref_ht) <= 1e-2
+    do = torch.randn_like(ref_o)
+    (o.float() * do).sum().backward()
+    (ref_o * do).sum().backward()
+    for fast, ref in zip(leaves, ref_leaves):
+        assert rel_err(fast.grad, ref.grad) <= 1e-2
+
+
+@pytest.mark.parametrize("mixer", ["gla", "softmax"])
+def test_model_on_fla_kernels_matches_the_reference_model_forward_and_gradients(mixer):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
+    fast = AttnLabForCausalLM(AttnLabConfig(kernels="fla", **cfg)).cuda()
+    ref = AttnLabForCausalLM(AttnLabConfig(kernels="torch", **cfg)).cuda()
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randint(0, 512, (2, 300), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = fast(input_ids=x, labels=x)
+    out.loss.backward()
+    ref_out = ref(input_ids=x, labels=x)  # fp32 reference
+    ref_out.loss.backward()
+    assert rel_err(out.logits, ref_out.logits) <= 1e-2
+    assert abs(out.loss.item() - ref_out.loss.item()) / ref_out.loss.item() <= 1e-2
+    ref_params = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        assert rel_err(p.grad, ref_params[name].grad) <= 2e-2, name
+
+
+def test_decoding_on_fla_kernels_equals_the_parallel_form():
+    from attnlab.generation import generate_ids
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=256, num_layers=2, num_heads=4, kernels="fla")).cuda().eval()
+    prompt = torch.randint(0, 256, (1, 100)).tolist()[0]
+    new = generate_ids(model, _ByteTok(), [prompt], max_new_tokens=20, eos_token_id=[])[0]
+    full = torch.tensor([prompt + new], device="cuda")
+    with torch.no_grad():
+        logits = model(input_ids=full).logits[0, len(prompt) - 1:-1]
+    assert logits.argmax(-1).tolist() == new
+
+
+class _ByteTok:
+    pad_token_id, eos_token_id = 258, 257
+
+    def __call__(self, text):
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
