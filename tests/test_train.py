@@ -195,3 +195,17 @@ def test_cuda_run_trains_in_bf16_reports_gpu_memory_and_resumes(tmp_path, tiny):
     assert beat["gpu_mem_alloc_mib"] > 0 and beat["gpu_mem_alloc_gib"] == pytest.approx(beat["gpu_mem_alloc_mib"] / 1024, abs=1e-3)
     assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") == 0
     assert os.readlink(run / "checkpoints" / "latest") == "step-0000012"
+
+
+def test_evaluation_during_training_reaches_heartbeat_tensorboard_and_best_json(tmp_path, tiny):
+    run = tmp_path / "run"
+    evaluated = tiny + [
+        "eval.tasks=[{task: perplexity, limit: 2}, {task: spider, limit: 2}]", "eval.every=4",
+        "eval.generation={max_new_tokens: 4}", "eval.best_metric=perplexity/bits_per_byte", "eval.best_mode=min",
+    ]
+    assert run_cli("train", *sets(evaluated), "--run-dir", str(run)) == 0
+    events = [json.loads(line) for line in (run / "heartbeat.jsonl").read_text().splitlines() if '"event": "eval"' in line]
+    assert [e["step"] for e in events] == [4, 8]
+    assert "perplexity/bits_per_byte" in events[-1] and "spider/execution_accuracy" in events[-1]
+    best = json.loads((run / "best.json").read_text())
+    assert best["step"] in (4, 8) and (run / best["checkpoint"]).is_dir()

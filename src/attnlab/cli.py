@@ -250,6 +250,9 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
+from attnlab.eval.cli import eval_command, score_command  # noqa: E402
+app.command("eval")(eval_command)
+app.command("score")(score_command)
 bench_app = typer.Typer(help="Benchmarks: throughput and memory against peers.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

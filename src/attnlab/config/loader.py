@@ -14,7 +14,7 @@ from attnlab.errors import ConfigError
 
 from .schema import RunConfig
 
-FREE_FORM = ("model.mixer_options",)  # dict-valued fields: any sub-key is accepted here, checked by the mixer
+FREE_FORM = ("model.mixer_options", "eval.generation")  # dict-valued fields: any sub-key is accepted here, checked by the mixer
 
 
 def default_config_path() -> Path:

@@ -150,6 +150,23 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
     def _reorder_cache(self, past_key_values: AttnLabCache, beam_idx: torch.LongTensor) -> AttnLabCache:
         return past_key_values.reorder(beam_idx)
 
+    def enable_health_stats(self, on: bool = True) -> None:
+        """Let mixers that report training-health statistics (NSA) record them on training forwards
+        (`on=False` stops that and forgets the latest ones)."""
+        for module in self.modules():
+            if hasattr(module, "collect_stats"):
+                module.collect_stats = on
+                if not on:
+                    module.last_stats = {}
+
+    def health_stats(self) -> dict[str, float]:
+        """The latest statistics of the mixers that report them, averaged over layers, e.g.
+        `nsa_gate_entropy_mean`, `nsa_k_mean`; empty when no mixer reports any."""
+        per_layer = [m.last_stats for m in self.modules() if getattr(m, "last_stats", None)]
+        if not per_layer:
+            return {}
+        return {key: sum(stats[key] for stats in per_layer) / len(per_layer) for key in per_layer[0]}
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

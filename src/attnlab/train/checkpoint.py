@@ -148,8 +148,17 @@ class CheckpointManager:
         _fsync_dir(self.root)
 
     def _rotate(self) -> None:
+        best = self._best_checkpoint_name()
         for _, path in self.checkpoints()[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            if path.name != best:  # the best checkpoint by the eval metric (RUN/best.json) is kept
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _best_checkpoint_name(self) -> str | None:
+        best = self.root.parent / "best.json"
+        try:
+            return Path(json.loads(best.read_text()).get("checkpoint", "")).name or None
+        except (OSError, ValueError, AttributeError):
+            return None
 
     def resume_point(self) -> Path:
         """The newest complete checkpoint, verified; CheckpointError if there is none or it is damaged."""

@@ -224,6 +224,11 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         cfg, logger, tokenizer, data.stats["val_bytes_per_token"] if has_val else None, console,
         tokens_per_step, _elapsed_at(run_dir, start_step), start_step,
     )
+    callbacks: list[TrainerCallback] = [telemetry]
+    if cfg.eval.tasks:
+        from attnlab.eval.callback import EvalDuringTraining
+
+        callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console))
     trainer = AttnLabTrainer(
         model=model,
         args=training_arguments(cfg, report, checkpoints.staging, has_val),
@@ -231,7 +236,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         eval_dataset=BlockDataset(val_rows) if has_val else None,
         data_collator=default_data_collator,
         processing_class=tokenizer,
-        callbacks=[telemetry],
+        callbacks=callbacks,
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
     )

@@ -43,7 +43,7 @@ class RunLogger:
         self.heartbeat_path = self.run_dir / "heartbeat.jsonl"
         self.metrics_path = self.run_dir / "metrics.csv"
         self.samples_path = self.run_dir / "samples.jsonl"
-        for path in (self.heartbeat_path, self.samples_path):
+        for path in (self.heartbeat_path, self.samples_path, self.run_dir / "eval" / "metrics.jsonl"):
             _truncate_jsonl_after(path, resume_step)
         _truncate_csv_after(self.metrics_path, resume_step)
         if not self.metrics_path.exists():
@@ -72,6 +72,16 @@ class RunLogger:
         self.tb.add_scalar("val/bpb", val_bpb, step)
         if self.wandb is not None:
             self.wandb.log({"val/loss": val_loss, "val/bpb": val_bpb}, step=step)
+
+    def validation_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Task metrics from evaluation during training (e.g. spider/execution_accuracy)."""
+        with open(self.heartbeat_path, "a") as f:
+            f.write(json.dumps({"step": step, "event": "eval", **metrics}) + "\n")
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.tb.add_scalar(f"eval/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
 
     def sample(self, step: int, prompt: str, text: str) -> None:
         with open(self.samples_path, "a") as f:

@@ -48,6 +48,53 @@ def register_mixer(name: str):
     return register
 
 
+def register_preset(name: str, family_cls: type["Mixer"], options: dict[str, Any], doc: str | None = None):
+    """Register `name` as a mixer of the family `family_cls` whose defaults are `options`.
+
+    `MIXERS[name]` is then a subclass of the family: `resolve_options` starts from the preset's
+    options, so `model.mixer_options` overrides single options of the preset. The options are
+    checked now, so a bad preset fails at import.
+    """
+    family_cls.resolve_options(options)
+    attrs = {
+        "default_options": {**family_cls.default_options, **options},
+        "preset_options": dict(options),
+        "family": family_cls,
+        "__doc__": doc or f"Preset {name!r} of the {family_cls.name!r} mixer family: {options}",
+        "__module__": family_cls.__module__,
+    }
+    preset_cls = type(family_cls.__name__, (family_cls,), attrs)
+    return register_mixer(name)(preset_cls)
+
+
+def presets_markdown(hidden_size: int = 1024, num_heads: int = 16) -> str:
+    """The README table of every registered preset (of any family that can describe itself)."""
+    head_dim = hidden_size // num_heads
+    lines = [
+        f"Decode state: one layer, one sequence, fp32, at hidden size {hidden_size} "
+        f"({num_heads} heads of {head_dim}); KV-cache variants grow by the per-token figure.",
+        "",
+        "| preset | options (beyond the family defaults) | formula | constant-memory decode | decode state |",
+        "|---|---|---|---|---|",
+    ]
+    for name, cls in MIXERS.items():
+        if not hasattr(cls, "preset_options"):
+            continue
+        options = cls.resolve_options(None)
+        family_defaults = cls.family.default_options
+        shown = ", ".join(
+            f"{key}={value}" for key, value in cls.preset_options.items() if value != family_defaults[key]
+        ) or "(defaults)"
+        fixed, per_token = cls.decode_state_elements(options, hidden_size, num_heads)
+        if per_token:
+            size = f"{fixed:,} + {per_token:,}/token el. ({fixed * 4:,} B + {per_token * 4:,} B/token)"
+        else:
+            size = f"{fixed:,} el. ({fixed * 4:,} B)"
+        constant = "no (KV cache)" if per_token else "yes"
+        lines.append(f"| `{name}` | {cls.family.name}: {shown} | `{cls.formula(options)}` | {constant} | {size} |")
+    return "\n".join(lines)
+
+
 def build_mixer(config, layer_idx: int) -> nn.Module:
     if config.mixer not in MIXERS:
         raise ValueError(f"unknown mixer {config.mixer!r}; registered mixers: {sorted(MIXERS)}")
@@ -55,6 +102,7 @@ def build_mixer(config, layer_idx: int) -> nn.Module:
 
 
 # Importing the families registers them.
-from attnlab.models.mixers import gla, softmax  # noqa: E402,F401
+from attnlab.models.mixers import attention_family, gla, mamba2, nsa, softmax  # noqa: E402,F401
+from attnlab.models.mixers import attention_presets  # noqa: E402,F401  (presets of attention_family)
 
-__all__ = ["MIXERS", "Mixer", "build_mixer", "register_mixer"]
+__all__ = ["MIXERS", "Mixer", "build_mixer", "presets_markdown", "register_mixer", "register_preset"]

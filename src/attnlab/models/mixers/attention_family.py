@@ -1,0 +1,412 @@
+"""One composable mixer for the attention variants of the 2Mamba study (linear, squared, exp and
+softmax-like attention with gates, norms, decay and an input convolution).
+
+Each variant is a choice of a few orthogonal options (`default_options`); the named variants
+of the study are presets (see `attention_presets.py`). A layer computes, per head,
+
+    q, k, v = split(conv(W_qkv x))                 optional causal depthwise conv (+ SiLU)
+    q, k    = phi(rope(q)), phi(rope(k))           optional RoPE, then the feature map phi
+    v       = sigma(W_in x) * dt * v               optional input gate, optional dt = softplus(W_dt x)
+    o_i     = sum_{j<=i} sim(scale q_i.k_j) exp(A_{j+1} + ... + A_i) v_j / den_i
+    y       = norm(sigma(W_out x) * silu(W_z x) * (o + D v)), then sigma(W_out x) * y if gated after the norm
+
+The parallel form is the quadratic one (training, prefill). Decoding keeps, per layer,
+a recurrent state of fixed size where the variant is linearizable (power1 or power2 without a clamp)
+and a KV cache otherwise; the input convolution keeps its last inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.mixers.softmax import SoftmaxAttention, apply_rotary, rotary_cos_sin
+from attnlab.models.modules import RMSNorm
+from attnlab.models.ops.attention_family import (
+    DENOMINATORS,
+    EXP_SIMILARITIES,
+    FEATURE_MAPS,
+    LINEAR_SIMILARITIES,
+    SIMILARITIES,
+    SUM_DENOMINATORS,
+    apply_feature_map,
+    chunk_linear_attention,
+    parallel_attention,
+    recurrent_step,
+)
+
+OUTPUT_NORMS = ("none", "layernorm", "rmsnorm", "l2")
+OUT_GATES = ("none", "before_norm", "after_norm")
+DECAYS = ("none", "discretize", "neg_softplus", "neg_softplus_dt", "neg_softplus2", "neg_silu")
+CONV_SIZES = (0, 2, 3, 4)
+CONV_ACTIVATIONS = ("none", "silu")
+NON_NEGATIVE_FEATURE_MAPS = ("relu", "elu1")
+
+
+def is_linearizable(options: dict) -> bool:
+    """True when decoding keeps a fixed-size recurrent state instead of a KV cache."""
+    return options["similarity"] in LINEAR_SIMILARITIES and options["clamp_scores"] is None
+
+
+def check_options(options: dict, name: str) -> None:
+    """Raise ValueError, with the reason, for an option value or a combination that makes no sense."""
+
+    def fail(reason: str):
+        raise ValueError(f"mixer {name!r}: {reason}")
+
+    choices = {
+        "similarity": SIMILARITIES, "feature_map": FEATURE_MAPS, "denominator": DENOMINATORS,
+        "output_norm": OUTPUT_NORMS, "out_gate": OUT_GATES, "decay": DECAYS,
+        "conv_size": CONV_SIZES, "conv_activation": CONV_ACTIVATIONS,
+    }
+    for key, valid in choices.items():
+        if options[key] not in valid:
+            fail(f"{key}={options[key]!r} is not one of {list(valid)}")
+    for key in ("output_norm_per_head", "in_gate", "z_gate", "value_dt", "rope", "d_residual"):
+        if not isinstance(options[key], bool):
+            fail(f"{key} must be true or false, got {options[key]!r}")
+    terms = options["taylor_terms"]
+    if isinstance(terms, bool) or not isinstance(terms, int) or terms < 2:
+        fail(f"taylor_terms must be an integer >= 2, got {terms!r}")
+    for key in ("clamp_scores", "qk_scale"):
+        value = options[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            fail(f"{key} must be a number or null, got {value!r}")
+    if options["qk_scale"] is not None and options["qk_scale"] <= 0:
+        fail(f"qk_scale must be positive, got {options['qk_scale']!r}")
+
+    similarity, denominator = options["similarity"], options["denominator"]
+    if similarity == "softmax" and denominator not in SUM_DENOMINATORS:
+        fail(
+            f"similarity 'softmax' divides by the sum of its weights, so denominator={denominator!r} contradicts it; "
+            f"use denominator in {list(SUM_DENOMINATORS)}, or similarity 'exp' for exp without that sum"
+        )
+    if (
+        similarity == "power1"
+        and denominator in SUM_DENOMINATORS
+        and options["feature_map"] not in NON_NEGATIVE_FEATURE_MAPS
+    ):
+        fail(
+            f"denominator {denominator!r} needs non-negative similarities, but power1 with "
+            f"feature_map={options['feature_map']!r} can be negative or zero-sum; use feature_map in "
+            f"{list(NON_NEGATIVE_FEATURE_MAPS)}, similarity 'power2', or denominator 'count'/'none' with an output norm"
+        )
+    if (
+        similarity == "exp"
+        and options["clamp_scores"] is None
+        and denominator not in SUM_DENOMINATORS
+        and options["output_norm"] == "none"
+    ):
+        fail(
+            "exp without a sum denominator, a clamp or an output norm grows without bound and overflows; "
+            "set clamp_scores (the study uses 5), a sum denominator, or an output_norm"
+        )
+    if options["out_gate"] == "after_norm" and options["output_norm"] == "none":
+        fail("out_gate 'after_norm' needs an output_norm; without one use out_gate 'before_norm'")
+    if options["conv_activation"] != "none" and options["conv_size"] == 0:
+        fail(f"conv_activation={options['conv_activation']!r} needs an input convolution (conv_size 2, 3 or 4)")
+
+
+@register_mixer("attention_family")
+class AttentionFamily(Mixer):
+    default_options = {
+        "similarity": "softmax",  # softmax | exp | power1 | power2 | taylor
+        "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
+        "qk_scale": None,  # scale of q.k; None: 1 / sqrt(head_dim)
+        "clamp_scores": None,  # clamp scale * q.k from above at this value (the study uses 5)
+        "feature_map": "none",  # on q and k: none | relu | silu | elu1 (elu + 1) | l2 (cosine)
+        "denominator": "sum",  # sum | sum_clamped (>= 1) | sum_detached | count (divide by S) | count_power | none
+        "output_norm": "none",  # none | layernorm | rmsnorm | l2
+        "output_norm_per_head": True,  # norm over each head's dim, else over all heads together
+        "in_gate": False,  # sigmoid gate per head on the values
+        "out_gate": "none",  # sigmoid gate per head on the mixed output: none | before_norm | after_norm
+        "z_gate": False,  # silu(W_z x) gate on the mixed output (Mamba's z), before the norm
+        "decay": "none",  # the 'A mask': none | discretize | neg_softplus | neg_softplus_dt | neg_softplus2 | neg_silu
+        "value_dt": False,  # multiply values by dt = softplus(W_dt x) (Mamba's discretisation)
+        "conv_size": 0,  # causal depthwise conv on q, k, v: 0 (none), 2, 3 or 4
+        "conv_activation": "none",  # after the conv: none | silu
+        "rope": True,  # rotary positions on q and k; False: no positional encoding
+        "d_residual": False,  # add D * v (D per head and channel) to the mixed output
+    }
+
+    @classmethod
+    def resolve_options(cls, options):
+        resolved = super().resolve_options(options)
+        check_options(resolved, cls.name)
+        return resolved
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        opts = self.resolve_options(config.mixer_options)
+        self.options = opts
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.head_dim = config.hidden_size // config.num_heads
+        if opts["rope"] and self.head_dim % 2:
+            raise ValueError(f"mixer {self.name!r}: rope needs an even head dim, got {self.head_dim}")
+        self.rope_theta = config.rope_theta
+        self.scale = opts["qk_scale"] if opts["qk_scale"] is not None else self.head_dim**-0.5
+        self.linearizable = is_linearizable(opts)
+        hidden, heads, inner = config.hidden_size, self.num_heads, self.num_heads * self.head_dim
+
+        self.qkv_proj = nn.Linear(hidden, 3 * inner, bias=False)
+        if opts["conv_size"]:
+            self.conv1d = nn.Conv1d(3 * inner, 3 * inner, kernel_size=opts["conv_size"], groups=3 * inner, bias=True)
+        if opts["value_dt"] or opts["decay"] in ("discretize", "neg_softplus_dt"):
+            self.dt_proj = nn.Linear(hidden, heads, bias=False)
+        if opts["decay"] == "discretize":
+            # Mamba-2's init: A = -exp(A_log) with exp(A_log) uniform in [1, 16]
+            self.A_log = nn.Parameter(torch.empty(heads).uniform_(1, 16).log())
+        elif opts["decay"] != "none":
+            self.decay_proj = nn.Linear(hidden, heads, bias=False)
+        if opts["in_gate"]:
+            self.in_gate_proj = nn.Linear(hidden, heads, bias=True)
+        if opts["out_gate"] != "none":
+            self.out_gate_proj = nn.Linear(hidden, heads, bias=True)
+        if opts["z_gate"]:
+            self.z_proj = nn.Linear(hidden, inner, bias=True)
+        if opts["d_residual"]:
+            self.D = nn.Parameter(torch.ones(heads, self.head_dim))
+        if opts["denominator"] == "count_power":
+            # divide by count ** sigmoid(logit) per head, starting at sigmoid(0.5)
+            self.count_power_logit = nn.Parameter(torch.full((heads,), 0.5))
+        norm_dim = self.head_dim if opts["output_norm_per_head"] else inner
+        if opts["output_norm"] == "layernorm":
+            self.out_norm = nn.LayerNorm(norm_dim, eps=config.norm_eps)
+        elif opts["output_norm"] == "rmsnorm":
+            self.out_norm = RMSNorm(norm_dim, eps=config.norm_eps)
+        self.o_proj = nn.Linear(inner, hidden, bias=False)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _conv(self, qkv: torch.Tensor, conv_state: torch.Tensor | None):
+        """Causal depthwise conv over time. qkv [B, T, C]; conv_state: the last K - 1 inputs [B, K-1, C]."""
+        width = self.options["conv_size"] - 1
+        if conv_state is None:
+            conv_state = qkv.new_zeros(qkv.shape[0], width, qkv.shape[2])
+        padded = torch.cat((conv_state.to(qkv.dtype), qkv), dim=1)  # [B, K-1+T, C]
+        out = F.conv1d(padded.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=qkv.shape[2])
+        out = out.transpose(1, 2)  # [B, T, C]
+        if self.options["conv_activation"] == "silu":
+            out = F.silu(out)
+        return out, padded[:, -width:]
+
+    def _log_decay(self, x: torch.Tensor, dt: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token, per-head log-decay A [B, T, H] (<= 0 for the decaying kinds)."""
+        kind = self.options["decay"]
+        if kind == "none":
+            return None
+        if kind == "discretize":
+            return -torch.exp(self.A_log.float()) * dt
+        a = self.decay_proj(x).float()
+        if kind == "neg_softplus":
+            return -F.softplus(a)
+        if kind == "neg_softplus_dt":
+            return -F.softplus(a) * dt
+        if kind == "neg_softplus2":
+            return -a * F.softplus(a)
+        return -F.silu(a)  # neg_silu
+
+    def _norm(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B, T, H, D]."""
+        kind = self.options["output_norm"]
+        if kind == "none":
+            return y
+        shape = y.shape
+        if not self.options["output_norm_per_head"]:
+            y = y.flatten(-2)
+        y = F.normalize(y, dim=-1) if kind == "l2" else self.out_norm(y)
+        return y.view(shape)
+
+    def _attention_kwargs(self) -> dict:
+        opts = self.options
+        count_power = torch.sigmoid(self.count_power_logit) if opts["denominator"] == "count_power" else None
+        return dict(
+            similarity=opts["similarity"], scale=self.scale, denominator=opts["denominator"], count_power=count_power,
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        opts = self.options
+        batch, seq_len, _ = x.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        cache = cache or {}
+        token_mask = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # [B, T]
+
+        # positions count real tokens only, so left padding does not shift them
+        tokens_before = cache.get("num_tokens")
+        if tokens_before is None:
+            tokens_before = torch.zeros(batch, dtype=torch.long, device=x.device)
+        if token_mask is None:
+            positions = tokens_before[:, None] + torch.arange(seq_len, device=x.device)  # [B, T]
+            num_tokens = tokens_before + seq_len
+        else:
+            positions = (tokens_before[:, None] + token_mask.long().cumsum(-1) - 1).clamp(min=0)
+            num_tokens = tokens_before + token_mask.long().sum(-1)
+
+        qkv = self.qkv_proj(x)  # [B, T, 3 * H * D]
+        if token_mask is not None:
+            qkv = qkv * token_mask[..., None]  # padding enters the conv as the zeros before a sequence
+        conv_state = None
+        if opts["conv_size"]:
+            qkv, conv_state = self._conv(qkv, cache.get("conv_state"))
+        q, k, v = qkv.view(batch, seq_len, 3, heads, head_dim).unbind(2)  # each [B, T, H, D]
+        if opts["rope"]:
+            cos, sin = rotary_cos_sin(positions, head_dim, self.rope_theta)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
+
+        residual = v * self.D if opts["d_residual"] else None
+        dt = F.softplus(self.dt_proj(x).float()) if hasattr(self, "dt_proj") else None  # [B, T, H]
+        log_decay = self._log_decay(x, dt)
+        if opts["value_dt"]:
+            v = v * dt[..., None].to(v.dtype)
+        if opts["in_gate"]:
+            v = v * torch.sigmoid(self.in_gate_proj(x))[..., None]
+        if token_mask is not None:  # padding writes nothing and decays nothing
+            k, v = k * token_mask[..., None, None], v * token_mask[..., None, None]
+            if log_decay is not None:
+                log_decay = log_decay * token_mask[..., None]
+
+        if self.linearizable:
+            o, state = self._mix_recurrent(q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache)
+        else:
+            o, state = self._mix_kv(q, k, v, log_decay, attention_mask, cache, use_cache)
+        y = o.to(x.dtype)  # [B, T, H, D]
+
+        if residual is not None:
+            y = y + residual
+        if opts["z_gate"]:
+            y = y * F.silu(self.z_proj(x)).view(batch, seq_len, heads, head_dim)
+        if opts["out_gate"] != "none":
+            out_gate = torch.sigmoid(self.out_gate_proj(x))[..., None]  # [B, T, H, 1]
+        if opts["out_gate"] == "before_norm":
+            y = y * out_gate
+        y = self._norm(y)
+        if opts["out_gate"] == "after_norm":
+            y = y * out_gate
+        y = self.o_proj(y.reshape(batch, seq_len, heads * head_dim))
+
+        if not use_cache:
+            return y, None
+        state.update(num_tokens=num_tokens, conv_state=conv_state)
+        return y, state
+
+    def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache):
+        """Linearizable variants: the quadratic form for training, a fixed-size state for decoding."""
+        kwargs = self._attention_kwargs()
+        state, normalizer = cache.get("state"), cache.get("normalizer")
+        if "state" in cache and q.shape[1] == 1:  # step form
+            o, state, normalizer = recurrent_step(
+                q[:, 0], k[:, 0], v[:, 0], None if log_decay is None else log_decay[:, 0],
+                state, normalizer, num_tokens, **kwargs,
+            )
+            return o[:, None], {"state": state, "normalizer": normalizer}
+        if "state" not in cache and not use_cache:  # training: quadratic form only
+            c = None if log_decay is None else log_decay.float().cumsum(1)
+            o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, **kwargs)
+            return o, None
+        o, state, normalizer = chunk_linear_attention(
+            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, **kwargs
+        )
+        return o, {"state": state, "normalizer": normalizer}
+
+    def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache):
+        """Other variants: attention over a cache of keys, values and each key's decay so far."""
+        batch, seq_len = q.shape[:2]
+        past_k = cache.get("key")  # [B, past, H, D]
+        past_len = past_k.shape[1] if past_k is not None else 0
+        mask = SoftmaxAttention._full_mask(attention_mask, cache, batch, past_len, seq_len, q.device)
+        if past_k is not None:
+            k = torch.cat((past_k, k), dim=1)  # [B, past + T, H, D]
+            v = torch.cat((cache["value"], v), dim=1)
+        c = query_term = key_term = key_log_decay = None
+        if log_decay is not None:
+            # key_log_decay[j]: the log-decay from after key j through the latest token
+            c = log_decay.float().cumsum(1)  # [B, T, H]
+            past_decay = cache.get("key_log_decay")
+            if past_decay is None:
+                past_decay = c.new_zeros(batch, past_len, c.shape[-1])
+            query_term = c
+            key_term = torch.cat((-past_decay, c), dim=1)  # decay(i, j) = c_i - key_term_j
+            key_log_decay = torch.cat((past_decay + c[:, -1:], c[:, -1:] - c), dim=1)
+        o = parallel_attention(
+            q, k, v, clamp=self.options["clamp_scores"], taylor_terms=self.options["taylor_terms"],
+            query_log_decay=query_term, key_log_decay=key_term, key_mask=mask, **self._attention_kwargs(),
+        )
+        state = {"key": k, "value": v, "mask": mask, "key_log_decay": key_log_decay} if use_cache else None
+        return o, state
+
+    # ------------------------------------------------------------------ description
+
+    @classmethod
+    def decode_state_elements(cls, options: dict, hidden_size: int = 1024, num_heads: int = 16) -> tuple[int, int]:
+        """(fixed, per_token): elements of one layer's decoding state for one sequence.
+
+        fixed: recurrent state (+ normalizer), conv state and the token counter; per_token: what the
+        KV cache grows by per token (keys, values and, with decay, one log-decay per head)."""
+        head_dim = hidden_size // num_heads
+        fixed = 1  # num_tokens
+        if options["conv_size"]:
+            fixed += (options["conv_size"] - 1) * 3 * hidden_size
+        if is_linearizable(options):
+            features = head_dim if options["similarity"] == "power1" else head_dim * head_dim
+            fixed += num_heads * features * head_dim
+            if options["denominator"] in SUM_DENOMINATORS:
+                fixed += num_heads * features
+            return fixed, 0
+        per_token = 2 * hidden_size + (num_heads if options["decay"] != "none" else 0)
+        return fixed, per_token
+
+    @classmethod
+    def formula(cls, options: dict) -> str:
+        """One line of math for a resolved set of options."""
+        o = options
+        phi = {"none": "", "relu": "relu", "silu": "silu", "elu1": "(elu+1)", "l2": "l2n"}[o["feature_map"]]
+        scale = "1/√d" if o["qk_scale"] is None else f"{o['qk_scale']:g}"
+        s = f"{phi}(q_i)·{phi}(k_j)" if phi else "q_i·k_j"
+        if o["rope"]:
+            s = s.replace("q_i", "R q_i").replace("k_j", "R k_j")
+        s = f"{scale}·{s}"
+        if o["clamp_scores"] is not None:
+            s = f"min({s}, {o['clamp_scores']:g})"
+        sim = {
+            "softmax": f"exp({s})", "exp": f"exp({s})", "power1": s, "power2": f"({s})²",
+            "taylor": f"exp_{o['taylor_terms']}({s})",
+        }[o["similarity"]]
+        if o["decay"] != "none":
+            sim += " e^(A_j+1..i)"
+        den = {
+            "sum": " / Σ_j w_ij", "sum_clamped": " / max(Σ_j w_ij, 1)", "sum_detached": " / sg(max(Σ_j w_ij, 1))",
+            "count": " / i", "count_power": " / i^σ(c)", "none": "",
+        }[o["denominator"]]
+        values = "v_j"
+        if o["value_dt"]:
+            values = f"dt_j {values}"
+        if o["in_gate"]:
+            values = f"σ(u_j) {values}"
+        y = f"Σ_j w_ij {values}{den}"
+        if o["d_residual"]:
+            y = f"{y} + D v_i"
+        if o["z_gate"]:
+            y = f"silu(z_i) ⊙ ({y})"
+        if o["out_gate"] == "before_norm":
+            y = f"σ(g_i) ({y})"
+        if o["output_norm"] != "none":
+            norm = {"layernorm": "LN", "rmsnorm": "RMS", "l2": "L2"}[o["output_norm"]]
+            y = f"{norm}({y})"
+        if o["out_gate"] == "after_norm":
+            y = f"σ(g_i) {y}"
+        conv = f"conv{o['conv_size']} " if o["conv_size"] else ""
+        return f"{conv}w_ij = {sim}; y_i = {y}"

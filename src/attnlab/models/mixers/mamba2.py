@@ -1,0 +1,151 @@
+"""Mamba-2 (Dao & Gu, 2024), as `fla.layers.mamba2.Mamba2` / mamba_ssm's `Mamba2Simple`:
+
+    z, xBC, dt = in_proj(x)                       z: gate, xBC: SSM input and B, C; dt: one per head
+    x, B, C    = split(silu(conv1d(xBC)))         causal depthwise conv over time
+    dt         = softplus(dt + dt_bias);  A = -exp(A_log)
+    y          = SSD(x, dt, A, B, C) + D * x       the recurrence of `attnlab.models.ops.mamba2`
+    out        = out_proj(rmsnorm(y * silu(z)))   gated RMSNorm, one norm per group
+
+Parameter names match fla so checkpoints map one to one. The cache holds
+    conv_state:      [B, conv_dim, conv_kernel - 1]  the last inputs of the convolution
+    recurrent_state: [B, num_heads, head_dim, state_size] fp32
+Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.modules import RMSNorm
+from attnlab.models.ops.mamba2 import chunk_ssd, ssd_step
+
+
+class GroupedGatedRMSNorm(RMSNorm):
+    """rmsnorm(x * silu(z)) over groups of `group_size` channels, times a weight (fla's RMSNormGated
+    with norm_before_gate=False)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps=eps, kernels="torch")
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(z.float())
+        groups = h.unflatten(-1, (-1, self.group_size))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (groups.flatten(-2) * self.weight.float()).to(z.dtype)
+
+
+@register_mixer("mamba2")
+class Mamba2(Mixer):
+    default_options = {
+        "state_size": 64,  # N, per head
+        "expand": 2,  # inner width = expand * hidden_size
+        "head_dim": None,  # P; None: inner width / num_heads (so model.num_heads sets the SSM heads)
+        "n_groups": 1,  # groups of heads sharing B and C
+        "conv_kernel": 4,
+        "chunk_size": 64,
+    }
+
+    @classmethod
+    def resolve_options(cls, options):
+        options = super().resolve_options(options)
+        for key in ("state_size", "expand", "n_groups", "conv_kernel", "chunk_size"):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mixer 'mamba2': {key} must be a positive integer, got {value!r}")
+        if options["head_dim"] is not None and (not isinstance(options["head_dim"], int) or options["head_dim"] < 1):
+            raise ValueError(
+                f"mixer 'mamba2': head_dim must be a positive integer or null, got {options['head_dim']!r}"
+            )
+        return options
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        options = self.resolve_options(config.mixer_options)
+        self.layer_idx = layer_idx
+        hidden = config.hidden_size
+        self.intermediate_size = options["expand"] * hidden
+        self.head_dim = options["head_dim"] or self.intermediate_size // config.num_heads
+        if self.intermediate_size % self.head_dim:
+            raise ValueError(
+                f"mamba2: expand * hidden_size ({self.intermediate_size}) must be divisible by "
+                f"head_dim ({self.head_dim})"
+            )
+        self.num_heads = self.intermediate_size // self.head_dim
+        self.n_groups = options["n_groups"]
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba2: the {self.num_heads} heads must split into n_groups ({self.n_groups})")
+        self.ssm_state_size = options["state_size"]
+        self.conv_kernel_size = options["conv_kernel"]
+        self.chunk_size = options["chunk_size"]
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
+
+        self.in_proj = nn.Linear(hidden, self.intermediate_size + self.conv_dim + self.num_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel_size=self.conv_kernel_size, groups=self.conv_dim, bias=True
+        )
+        # dt starts log-uniform in [1e-3, 0.1]; dt_bias is its inverse softplus
+        dt = torch.exp(torch.rand(self.num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_heads).uniform_(1, 16)))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True  # as in mamba_ssm and fla, for optimizers that honour it
+        self.norm = GroupedGatedRMSNorm(
+            self.intermediate_size, self.intermediate_size // self.n_groups, eps=config.norm_eps
+        )
+        self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        batch, seq_len, _ = x.shape
+        z, xBC, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, H]
+        if attention_mask is not None:
+            is_token = attention_mask[:, -seq_len:, None].to(torch.bool)  # [B, T, 1]
+            xBC, dt = xBC * is_token, dt * is_token
+
+        conv_state = cache["conv_state"] if cache is not None else None
+        ssm_state = cache["recurrent_state"] if cache is not None else None
+        xBC, conv_state = self._conv(xBC, conv_state)
+        xs, B, C = xBC.split(
+            [self.intermediate_size, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1
+        )
+        xs = xs.view(batch, seq_len, self.num_heads, self.head_dim)
+        B = B.view(batch, seq_len, self.n_groups, self.ssm_state_size)
+        C = C.view(batch, seq_len, self.n_groups, self.ssm_state_size)
+        A = -torch.exp(self.A_log.float())
+
+        if seq_len == 1 and cache is not None:
+            y, ssm_state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm_state)
+            y = y[:, None]
+        else:
+            y, ssm_state = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=ssm_state)
+        y = y + xs.float() * self.D.float()[:, None]  # [B, T, H, P]
+        y = self.norm(y.reshape(batch, seq_len, self.intermediate_size), z)
+        out = self.out_proj(y.to(x.dtype))
+        return out, ({"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None)
+
+    def _conv(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
+        """Causal depthwise conv + SiLU over [B, T, conv_dim]; returns it and the last K - 1 inputs."""
+        batch, seq_len, _ = xBC.shape
+        inputs = xBC.transpose(1, 2)  # [B, conv_dim, T]
+        if conv_state is None:
+            conv_state = inputs.new_zeros(batch, self.conv_dim, self.conv_kernel_size - 1)
+        inputs = torch.cat((conv_state.to(inputs.dtype), inputs), dim=-1)  # [B, conv_dim, K - 1 + T]
+        if seq_len == 1:
+            out = (inputs * self.conv1d.weight[:, 0]).sum(-1, keepdim=True) + self.conv1d.bias[:, None]
+        else:
+            out = F.conv1d(inputs, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        new_state = inputs[..., inputs.shape[-1] - (self.conv_kernel_size - 1):]
+        return F.silu(out).transpose(1, 2), new_state

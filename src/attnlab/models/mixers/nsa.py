@@ -1,0 +1,218 @@
+"""Native sparse attention (Yuan et al., 2025, arXiv 2502.11089) with grouped-query heads and RoPE.
+
+Three branches per query head, mixed by sigmoid gates from `g_proj` (one per head and branch):
+attention over compressed blocks (mean-pooled keys/values, or a small learned MLP per block),
+attention over the tokens of the top-k blocks that the compressed scores select for the query's
+key/value head group (the local block always included), and sliding-window attention. The math
+lives in `attnlab.models.ops.nsa`; parameter names follow fla's `NativeSparseAttention`.
+
+Keys and values are kept left-aligned per sequence (padding removed), so a key's index is its
+position and block boundaries do not move with left padding. The cache holds them with the
+compressed blocks and each row's length:
+
+    key, value:           [B, L, num_kv_heads, head_dim]   raw KV (also the sliding window)
+    key_cmp, value_cmp:   [B, L // block_size, num_kv_heads, head_dim]
+    length:               [B]  real tokens so far (entries past it are unused)
+
+While training with `collect_stats` set, `last_stats` holds the gate and selection statistics of
+the latest forward (see `_record_stats`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
+from attnlab.models.ops.nsa import mean_pool_blocks, nsa_step, parallel_nsa
+
+COMPRESSIONS = ("mean", "mlp")
+BRANCHES = ("cmp", "slc", "swa")
+
+
+class BlockCompressor(nn.Module):
+    """One vector per block of `block_size` vectors: the block mean plus an MLP of the whole block
+    (with a learned intra-block position embedding). [B, C, bs, H, D] -> [B, C, H, D]."""
+
+    def __init__(self, block_size: int, head_dim: int):
+        super().__init__()
+        self.pos_emb = nn.Parameter(torch.zeros(block_size, head_dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(block_size * head_dim, head_dim), nn.SiLU(), nn.Linear(head_dim, head_dim)
+        )
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
+        flat = (blocks + self.pos_emb[:, None]).transpose(2, 3).flatten(-2)  # [B, C, H, bs * D]
+        return blocks.mean(2) + self.mlp(flat)
+
+
+@register_mixer("nsa")
+class NativeSparseAttention(Mixer):
+    default_options = {
+        "num_kv_heads": 1,  # query heads share selected blocks within a kv-head group
+        "block_size": 16,  # tokens per compression / selection block
+        "block_counts": 4,  # blocks selected per query (top-k, the local block included)
+        "window_size": 32,  # sliding-window length, the query included
+        "compression": "mean",  # mean: mean-pooled blocks; mlp: mean plus a learned MLP of the block
+    }
+
+    @classmethod
+    def resolve_options(cls, options):
+        options = super().resolve_options(options)
+        for key in ("block_size", "block_counts", "window_size"):
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mixer 'nsa': {key} must be a positive integer, got {value!r}")
+        if options["compression"] not in COMPRESSIONS:
+            raise ValueError(
+                f"mixer 'nsa': compression must be one of {list(COMPRESSIONS)}, got {options['compression']!r}"
+            )
+        return options
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        options = self.resolve_options(config.mixer_options)
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = options["num_kv_heads"] or config.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        self.head_dim = config.hidden_size // config.num_heads
+        if self.head_dim % 2:
+            raise ValueError(f"nsa uses RoPE, so the head dim ({self.head_dim}) must be even")
+        self.block_size = options["block_size"]
+        self.block_counts = options["block_counts"]
+        self.window_size = options["window_size"]
+        self.rope_theta = config.rope_theta
+
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.g_proj = nn.Linear(hidden, self.num_heads * 3, bias=False)  # gates: cmp, slc, swa per head
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        if options["compression"] == "mlp":
+            self.compress_key = BlockCompressor(self.block_size, self.head_dim)
+            self.compress_value = BlockCompressor(self.block_size, self.head_dim)
+        else:
+            self.compress_key = self.compress_value = None
+
+        self.collect_stats = False
+        self.last_stats: dict[str, float] = {}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict | None]:
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        g = self.g_proj(x).view(batch, seq_len, self.num_heads, 3).sigmoid()
+
+        # position of each new token among its row's real tokens; -1 for padding
+        is_token = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # [B, T]
+        past_len = cache["length"] if cache is not None else torch.zeros(batch, dtype=torch.long, device=x.device)
+        if is_token is None:
+            pos = torch.arange(seq_len, device=x.device).expand(batch, seq_len) + past_len[:, None]
+        else:
+            pos = (is_token.long().cumsum(-1) - 1 + past_len[:, None]).masked_fill(~is_token, -1)
+        cos, sin = rotary_cos_sin(pos.clamp(min=0), self.head_dim, self.rope_theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k, v, length = self._append(cache, past_len, k, v, is_token)  # [B, L, Hkv, D], left-aligned
+        k_cmp, v_cmp = self._compress(cache, past_len, k, v)
+        branch = dict(
+            block_size=self.block_size, block_counts=self.block_counts, window_size=self.window_size,
+        )
+        g_cmp, g_slc, g_swa = g.unbind(-1)
+        if seq_len == 1 and cache is not None:
+            o, block_indices = nsa_step(
+                q[:, 0], k, v, k_cmp, v_cmp, g_cmp[:, 0], g_slc[:, 0], g_swa[:, 0], q_pos=pos[:, 0], **branch
+            )
+            o, block_indices = o[:, None], block_indices[:, None]  # [B, 1, H, D], [B, 1, Hkv, S]
+        else:
+            o, block_indices = parallel_nsa(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos=pos, **branch)
+        y = self.o_proj(o.reshape(batch, seq_len, self.num_heads * self.head_dim))
+
+        if self.training and self.collect_stats:
+            self._record_stats(g, block_indices, pos)
+        new_cache = None
+        if use_cache:
+            new_cache = {"key": k, "value": v, "key_cmp": k_cmp, "value_cmp": v_cmp, "length": length}
+        return y, new_cache
+
+    def _append(self, cache, past_len, k, v, is_token):
+        """Past and new keys/values, each row's real tokens first and in order. Returns (k, v, length)."""
+        seq_len = k.shape[1]
+        if cache is None:
+            past_k = past_v = None
+        else:
+            past_k, past_v = cache["key"], cache["value"]
+        if past_k is not None:
+            k, v = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
+        past_width = 0 if past_k is None else past_k.shape[1]
+        if is_token is None and bool((past_len == past_width).all()):
+            return k, v, past_len + seq_len  # nothing to move
+        is_past = torch.arange(past_width, device=k.device) < past_len[:, None]
+        new = torch.ones_like(k[:, past_width:, 0, 0], dtype=torch.bool) if is_token is None else is_token
+        valid = torch.cat((is_past, new), dim=1)  # [B, past_width + T]
+        order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # real tokens first, in order
+        length = valid.sum(1)
+        order = order[:, : int(length.max())][..., None, None].expand(-1, -1, *k.shape[2:])
+        return k.gather(1, order), v.gather(1, order), length
+
+    def _compress(self, cache, past_len, k, v):
+        """Compressed keys/values of every complete block; blocks complete in every row of the
+        cache are reused, the rest recomputed."""
+        num_blocks = k.shape[1] // self.block_size
+        start = 0
+        if cache is not None and cache.get("key_cmp") is not None:
+            start = min(int(past_len.min()) // self.block_size, cache["key_cmp"].shape[1], num_blocks)
+        bs, span = self.block_size, slice(start * self.block_size, num_blocks * self.block_size)
+        if self.compress_key is None:
+            k_new, v_new = mean_pool_blocks(k[:, span], bs), mean_pool_blocks(v[:, span], bs)
+        else:
+            def blocks(x):  # [B, n * bs, H, D] -> [B, n, bs, H, D]
+                return x[:, span].reshape(x.shape[0], -1, bs, *x.shape[2:])
+
+            k_new, v_new = self.compress_key(blocks(k)), self.compress_value(blocks(v))
+        if start == 0:
+            return k_new, v_new
+        return (
+            torch.cat((cache["key_cmp"][:, :start], k_new), dim=1),
+            torch.cat((cache["value_cmp"][:, :start], v_new), dim=1),
+        )
+
+    @torch.no_grad()
+    def _record_stats(self, g: torch.Tensor, block_indices: torch.Tensor, pos: torch.Tensor) -> None:
+        """Gate and selection statistics over the real tokens of the latest forward, as floats
+        (keys prefixed `nsa_`):
+
+        gate_entropy_mean: entropy (nats, at most ln 3) of each head's gates normalised to sum to 1;
+        max_gate_mean: mean of each head's largest gate (sigmoid, 0..1);
+        collapse_fraction: share of heads whose gate on some branch averages > 0.99 over the tokens;
+        branch_share_{cmp,slc,swa}: mean normalised gate of each branch (they sum to 1);
+        k_mean: mean number of selected blocks per query and kv head; k_max: the cap (block_counts);
+        pct_at_k_max: percent of (query, kv head) pairs that selected k_max blocks.
+        """
+        real = pos >= 0  # [B, T]
+        if not bool(real.any()):
+            return
+        gates = g.detach().float()[real]  # [N, H, 3]
+        share = gates / gates.sum(-1, keepdim=True)
+        entropy = -(share * share.clamp_min(1e-12).log()).sum(-1).mean()
+        max_gate = gates.max(-1).values.mean()
+        collapse = (gates.mean(0).max(-1).values > 0.99).float().mean()
+        branch_share = share.mean((0, 1))  # [3]
+        k_selected = (block_indices[real] >= 0).sum(-1).float()  # [N, Hkv]
+        at_max = (k_selected == self.block_counts).float().mean() * 100
+        values = torch.stack((entropy, max_gate, collapse, *branch_share, k_selected.mean(), at_max)).tolist()
+        names = ["gate_entropy_mean", "max_gate_mean", "collapse_fraction"]
+        names += [f"branch_share_{b}" for b in BRANCHES] + ["k_mean", "pct_at_k_max"]
+        self.last_stats = {f"nsa_{name}": value for name, value in zip(names, values)}
+        self.last_stats["nsa_k_max"] = float(self.block_counts)

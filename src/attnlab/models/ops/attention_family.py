@@ -1,0 +1,260 @@
+"""Attention with a choice of similarity, decay and denominator (the family of the 2Mamba study).
+
+For one head, query i attends to keys j <= i with weights
+
+    s_ij = scale * q_i . k_j                       (optionally clamped from above before exp)
+    w_ij = sim(s_ij) * exp(a_i - b_j)              a_i - b_j: the sum of log-decays after j through i
+    o_i  = sum_j w_ij v_j / den_i
+
+sim: exp (softmax-like), power1 (s), power2 (s^2) or taylor (the first N terms of the series of exp).
+den: sum_j w_ij ("sum"), that clamped to >= 1 ("sum_clamped"), the same without gradient
+("sum_detached"), the number of attended tokens ("count"), that to a learned power per head
+("count_power"), or 1 ("none").
+
+power1 and power2 are dot products of feature maps, phi(x) = x and phi(x) = x (x) x (size d^2),
+so without a clamp they also have a recurrent form with a fixed-size state per head:
+
+    S_i = exp(A_i) S_{i-1} + phi(k_i)^T v_i      z_i = exp(A_i) z_{i-1} + phi(k_i)
+    o_i = phi(q_i) S_i / den_i                   ("sum": den_i = phi(q_i) . z_i)
+
+Layout: q, k [batch, time, heads, key_dim]; v [batch, time, heads, value_dim]; log-decays
+[batch, time, heads]; recurrent state [batch, heads, features, value_dim]. Computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SIMILARITIES = ("softmax", "exp", "power1", "power2", "taylor")
+FEATURE_MAPS = ("none", "relu", "silu", "elu1", "l2")
+DENOMINATORS = ("sum", "sum_clamped", "sum_detached", "count", "count_power", "none")
+SUM_DENOMINATORS = ("sum", "sum_clamped", "sum_detached")
+EXP_SIMILARITIES = ("softmax", "exp")
+LINEAR_SIMILARITIES = ("power1", "power2")
+
+
+def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The feature map applied to q and k before their dot product."""
+    if name == "none":
+        return x
+    if name == "relu":
+        return F.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    if name == "elu1":
+        return F.elu(x) + 1
+    if name == "l2":
+        return F.normalize(x, dim=-1)
+    raise ValueError(f"unknown feature map {name!r}; choose one of {FEATURE_MAPS}")
+
+
+def taylor_series_exp(x: torch.Tensor, terms: int) -> torch.Tensor:
+    """1 + x + x^2/2! + ... + x^(terms-1)/(terms-1)!, by Horner's rule in float64."""
+    x64 = x.double()
+    out = torch.ones_like(x64)
+    for n in range(terms - 1, 0, -1):
+        out = 1 + out * x64 / n
+    return out.to(x.dtype)
+
+
+class _TruncatedExp(torch.autograd.Function):
+    """Truncated exp series; its derivative is the same series with one term fewer, so the
+    backward pass keeps only x (not one tensor per term)."""
+
+    @staticmethod
+    def forward(ctx, x, terms):
+        ctx.save_for_backward(x)
+        ctx.terms = terms
+        return taylor_series_exp(x, terms)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * taylor_series_exp(x, ctx.terms - 1), None
+
+
+def truncated_exp(x: torch.Tensor, terms: int) -> torch.Tensor:
+    return _TruncatedExp.apply(x, terms)
+
+
+def linear_features(x: torch.Tensor, similarity: str) -> torch.Tensor:
+    """phi with phi(q) . phi(k) = sim(q . k): x for power1, the flattened outer product x x^T for power2."""
+    if similarity == "power1":
+        return x
+    if similarity == "power2":
+        return (x[..., :, None] * x[..., None, :]).flatten(-2)  # [..., d * d]
+    raise ValueError(f"similarity {similarity!r} has no finite feature map")
+
+
+def _finish_denominator(den, denominator: str, count_power: torch.Tensor | None):
+    """den: the row sums of the weights (sum denominators) or the counts of attended tokens."""
+    if denominator == "sum":
+        return den
+    if denominator == "sum_clamped":
+        return den.clamp(min=1)
+    if denominator == "sum_detached":
+        return den.clamp(min=1).detach()
+    if denominator == "count":
+        return den
+    if denominator == "count_power":  # count_power: [H], den: [B, H, T, 1]
+        return den ** count_power.float().view(1, -1, 1, 1)
+    raise ValueError(f"unknown denominator {denominator!r}")
+
+
+def _divide(num: torch.Tensor, den: torch.Tensor | None) -> torch.Tensor:
+    """num / den, with 0 where den is 0 (a query that attends to nothing, or only to zero weights)."""
+    if den is None:
+        return num
+    return num / torch.where(den == 0, torch.ones_like(den), den)
+
+
+def attention_terms(
+    q, k, v, *, similarity, scale, clamp=None, taylor_terms=80, denominator="sum",
+    query_log_decay=None, key_log_decay=None, key_mask=None,
+):
+    """Numerator and raw denominator of the quadratic (parallel) form.
+
+    The Tq queries are the last Tq of the Tk key positions (the earlier Tk - Tq come from a cache).
+    query_log_decay [B, Tq, H] and key_log_decay [B, Tk, H] give the log-decay a_i - b_j.
+    key_mask [B, Tk]: False for padding. Returns num [B, H, Tq, Dv] and den [B, H, Tq, 1]
+    (row sums of w, or counts of attended tokens) or None.
+    """
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    past = num_keys - num_queries
+    query_pos = torch.arange(past, num_keys, device=q.device)[:, None]
+    key_pos = torch.arange(num_keys, device=q.device)[None, :]
+    allowed = (key_pos <= query_pos)[None, None]  # [1, 1, Tq, Tk]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :].bool()  # [B, 1, Tq, Tk]
+
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k.float()) * scale  # [B, H, Tq, Tk]
+    if clamp is not None:
+        s = s.clamp(max=clamp)
+    log_decay = None
+    if query_log_decay is not None:
+        log_decay = query_log_decay.float().transpose(1, 2)[..., :, None] - key_log_decay.float().transpose(1, 2)[..., None, :]
+
+    if similarity in EXP_SIMILARITIES:
+        logits = s if log_decay is None else s + log_decay
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if denominator == "sum":
+            # softmax: the row max cancels between numerator and denominator
+            row_max = logits.amax(-1, keepdim=True).detach()
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            logits = logits - row_max
+        w = torch.exp(logits)
+    else:
+        if similarity == "power1":
+            w = s
+        elif similarity == "power2":
+            w = s * s
+        else:
+            w = truncated_exp(s, taylor_terms)
+        if log_decay is not None:
+            w = w * torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
+        w = w.masked_fill(~allowed, 0.0)
+
+    num = w @ v.float().transpose(1, 2)  # [B, H, Tq, Dv]
+    if denominator in SUM_DENOMINATORS:
+        den = w.sum(-1, keepdim=True)
+    elif denominator in ("count", "count_power"):
+        den = allowed.sum(-1, keepdim=True).float().expand(q.shape[0], q.shape[2], -1, -1)
+    else:
+        den = None
+    return num, den
+
+
+def parallel_attention(q, k, v, *, denominator="sum", count_power=None, **kwargs) -> torch.Tensor:
+    """The quadratic form; see `attention_terms`. Returns o [B, Tq, H, Dv] in fp32."""
+    num, den = attention_terms(q, k, v, denominator=denominator, **kwargs)
+    if den is not None:
+        den = _finish_denominator(den, denominator, count_power)
+    return _divide(num, den).transpose(1, 2)
+
+
+def chunk_linear_attention(
+    q, k, v, log_decay, state, normalizer, count_before, *, similarity, scale, denominator="sum",
+    count_power=None, token_mask=None,
+):
+    """Linearizable variants (power1, power2; no clamp): T tokens continuing from a recurrent state.
+
+    Inside the chunk the quadratic form is used; the state enters through phi(q). Padded tokens
+    (token_mask False) must come with zero k, v and log-decay. log_decay [B, T, H] or None;
+    state [B, H, F, Dv] or None; normalizer [B, H, F] or None; count_before [B] tokens before the chunk.
+    Returns (o [B, T, H, Dv], state, normalizer).
+    """
+    batch, seq_len, heads, _ = q.shape
+    power = 1 if similarity == "power1" else 2
+    c = None if log_decay is None else log_decay.float().cumsum(1)  # [B, T, H]
+    num, den = attention_terms(
+        q, k, v, similarity=similarity, scale=scale, denominator=denominator,
+        query_log_decay=c, key_log_decay=c, key_mask=token_mask,
+    )
+    phi_q = linear_features(q.float(), similarity)  # [B, T, H, F]
+    phi_k = linear_features(k.float(), similarity) * scale**power
+    want_normalizer = denominator in SUM_DENOMINATORS
+    if state is None:
+        state = q.new_zeros(batch, heads, phi_q.shape[-1], v.shape[-1], dtype=torch.float32)
+    if want_normalizer and normalizer is None:
+        normalizer = q.new_zeros(batch, heads, phi_q.shape[-1], dtype=torch.float32)
+
+    # what the state carries in: decayed from the chunk start to each query
+    phi_q_from_start = phi_q if c is None else phi_q * c.exp()[..., None]
+    num = num + torch.einsum("bthf,bhfv->bhtv", phi_q_from_start, state)
+    if want_normalizer:
+        den = den + torch.einsum("bthf,bhf->bht", phi_q_from_start, normalizer)[..., None]
+    elif den is not None:  # counts
+        den = den + count_before.float().view(-1, 1, 1, 1)
+    if den is not None:
+        den = _finish_denominator(den, denominator, count_power)
+    o = _divide(num, den).transpose(1, 2)
+
+    # the state after the chunk
+    if c is None:
+        phi_k_to_end, chunk_decay = phi_k, None
+    else:
+        phi_k_to_end = phi_k * (c[:, -1:] - c).exp()[..., None]
+        chunk_decay = c[:, -1].exp()  # [B, H]
+    if chunk_decay is not None:
+        state = state * chunk_decay[..., None, None]
+    state = state + torch.einsum("bthf,bthv->bhfv", phi_k_to_end, v.float())
+    if want_normalizer:
+        if chunk_decay is not None:
+            normalizer = normalizer * chunk_decay[..., None]
+        normalizer = normalizer + phi_k_to_end.sum(1)
+    return o, state, (normalizer if want_normalizer else None)
+
+
+def recurrent_step(
+    q, k, v, log_decay, state, normalizer, count, *, similarity, scale, denominator="sum", count_power=None,
+):
+    """One decoding step of a linearizable variant. q, k [B, H, K]; v [B, H, Dv]; log_decay [B, H] or None;
+    count [B]: tokens so far, this one included. Returns (o [B, H, Dv], state, normalizer)."""
+    power = 1 if similarity == "power1" else 2
+    phi_q = linear_features(q.float(), similarity)  # [B, H, F]
+    phi_k = linear_features(k.float(), similarity) * scale**power
+    batch, heads, features = phi_q.shape
+    want_normalizer = denominator in SUM_DENOMINATORS
+    if state is None:
+        state = q.new_zeros(batch, heads, features, v.shape[-1], dtype=torch.float32)
+    if want_normalizer and normalizer is None:
+        normalizer = q.new_zeros(batch, heads, features, dtype=torch.float32)
+    if log_decay is not None:
+        decay = log_decay.float().exp()  # [B, H]
+        state = state * decay[..., None, None]
+        if want_normalizer:
+            normalizer = normalizer * decay[..., None]
+    state = state + phi_k[..., :, None] * v.float()[..., None, :]
+    num = torch.einsum("bhf,bhfv->bhv", phi_q, state)[:, :, None]  # [B, H, 1, Dv]
+    if want_normalizer:
+        normalizer = normalizer + phi_k
+        den = (phi_q * normalizer).sum(-1)[..., None, None]  # [B, H, 1, 1]
+    elif denominator in ("count", "count_power"):
+        den = count.float().view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
+    else:
+        den = None
+    if den is not None:
+        den = _finish_denominator(den, denominator, count_power)
+    o = _divide(num, den)[:, :, 0]
+    return o, state, (normalizer if want_normalizer else None)

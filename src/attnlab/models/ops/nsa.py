@@ -1,0 +1,249 @@
+"""Native sparse attention (NSA, Yuan et al., 2025, arXiv 2502.11089) in plain PyTorch.
+
+Every query head attends three ways and mixes the results with its own sigmoid gates:
+
+    o_t = g_cmp * attn(q_t, compressed blocks)            cmp: one key/value per complete past block
+        + g_slc * attn(q_t, tokens of the selected blocks)  slc: top-k blocks by compressed score
+        + g_swa * attn(q_t, the last `window_size` tokens)  swa: sliding window
+
+Keys are cut into blocks of `block_size` tokens. Block c holds positions [c * bs, (c + 1) * bs).
+For a query at position p:
+
+* a compressed block is visible only when complete and in the past: (c + 1) * bs - 1 <= p;
+* the selection ranks the visible compressed blocks by their attention probability summed over
+  the query heads of one key/value head (so a query group shares its blocks), always adds the
+  query's own (local) block p // bs, and keeps the `block_counts` best; a block that contains a
+  token after p is never ranked, and inside the local block only tokens <= p are attended;
+* so a query selects k = min(block_counts, p // bs + 1) blocks, never a block after its own.
+
+Layout: q [batch, time, heads, dim]; k, v [batch, keys, kv_heads, dim], where key index =
+position (the mixer stores keys left-aligned, padding removed); k_cmp, v_cmp [batch, blocks,
+kv_heads, dim]; gates [batch, time, heads]. Query positions `q_pos` [batch, time] say where each
+query sits among the keys (-1: a padding query, whose output is 0). Computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def mean_pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean of each complete block of `block_size` positions: [B, L, H, D] -> [B, L // bs, H, D]."""
+    batch, length, heads, dim = x.shape
+    num_blocks = length // block_size
+    return x[:, : num_blocks * block_size].reshape(batch, num_blocks, block_size, heads, dim).mean(2)
+
+
+def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to `allowed`; rows with nothing allowed give all zeros
+    (with finite gradients)."""
+    none_allowed = ~allowed.any(-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(none_allowed, 0.0)
+    return scores.softmax(-1) * allowed
+
+
+def select_blocks(
+    importance: torch.Tensor, q_pos: torch.Tensor, block_size: int, block_counts: int, num_blocks: int
+) -> torch.Tensor:
+    """Top-k block indices per query and key/value head.
+
+    importance: [B, Hkv, T, C] scores of the complete blocks (only visible ones are read);
+    q_pos: [B, T]. Returns [B, T, Hkv, block_counts] block indices, -1 in unused slots.
+    """
+    batch, kv_heads, seq_len, num_cmp = importance.shape
+    blocks = torch.arange(num_blocks, device=importance.device)
+    pos = q_pos[:, None, :, None]  # [B, 1, T, 1]
+    current = torch.div(pos, block_size, rounding_mode="floor")  # the local block (-1 for padding)
+    visible = (blocks + 1) * block_size - 1 <= pos  # complete blocks entirely at or before p
+    scores = importance.new_full((batch, kv_heads, seq_len, num_blocks), float("-inf"))
+    scores[..., :num_cmp] = importance.float()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill((blocks == current) & (pos >= 0), float("inf"))  # always the local block
+    k = min(block_counts, num_blocks)
+    values, indices = scores.topk(k, dim=-1)  # [B, Hkv, T, k]
+    indices = indices.masked_fill(values == float("-inf"), -1)
+    if k < block_counts:
+        indices = torch.cat((indices, indices.new_full((*indices.shape[:-1], block_counts - k), -1)), dim=-1)
+    return indices.permute(0, 2, 1, 3)  # [B, T, Hkv, S]
+
+
+def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """qg [B, T, Hkv, G, D] (scaled) over k, v [B, L, Hkv, D] where allowed [B, Hkv or 1, 1, T, L]."""
+    scores = torch.einsum("bthgd,blhd->bhgtl", qg, k)
+    probs = _masked_softmax(scores, allowed)
+    return torch.einsum("bhgtl,blhd->bthgd", probs, v)
+
+
+def parallel_nsa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    g_cmp: torch.Tensor,
+    g_slc: torch.Tensor,
+    g_swa: torch.Tensor,
+    block_size: int,
+    block_counts: int,
+    window_size: int,
+    q_pos: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All queries at once, with dense masks. Returns (o [B, T, H, D], block_indices [B, T, Hkv, S])."""
+    batch, seq_len, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    if q_pos is None:
+        q_pos = torch.arange(length - seq_len, length, device=q.device).expand(batch, seq_len)
+    qg = q.float().view(batch, seq_len, kv_heads, groups, dim) * scale
+    k, v, k_cmp, v_cmp = k.float(), v.float(), k_cmp.float(), v_cmp.float()
+    pos = q_pos[:, :, None]  # [B, T, 1]
+
+    # compressed branch: complete blocks at or before the query
+    blocks = torch.arange(k_cmp.shape[1], device=q.device)
+    cmp_visible = ((blocks + 1) * block_size - 1 <= pos)[:, None, None]  # [B, 1, 1, T, C]
+    cmp_probs = _masked_softmax(torch.einsum("bthgd,bchd->bhgtc", qg, k_cmp), cmp_visible)
+    o_cmp = torch.einsum("bhgtc,bchd->bthgd", cmp_probs, v_cmp)
+
+    # selected branch: top-k blocks by the group's summed compressed probabilities
+    num_blocks = cdiv(length, block_size)
+    block_indices = select_blocks(cmp_probs.detach().sum(2), q_pos, block_size, block_counts, num_blocks)
+    selected = torch.zeros(batch, seq_len, kv_heads, num_blocks + 1, device=q.device)
+    selected.scatter_add_(-1, block_indices + 1, torch.ones_like(block_indices, dtype=selected.dtype))
+    selected = selected[..., 1:] > 0  # [B, T, Hkv, num_blocks]; slot 0 collected the unused (-1) entries
+    key_pos = torch.arange(length, device=q.device)
+    causal = key_pos <= pos  # [B, T, L]
+    token_selected = selected.repeat_interleave(block_size, dim=-1)[..., :length] & causal[:, :, None]
+    o_slc = _attend(qg, k, v, token_selected.permute(0, 2, 1, 3)[:, :, None])
+
+    # sliding window branch
+    in_window = causal & (key_pos > pos - window_size)
+    o_swa = _attend(qg, k, v, in_window[:, None, None])
+
+    def gated(o, g):
+        return o.reshape(batch, seq_len, heads, dim) * g.float()[..., None]
+
+    o = gated(o_cmp, g_cmp) + gated(o_slc, g_slc) + gated(o_swa, g_swa)
+    return o.to(q.dtype), block_indices
+
+
+def nsa_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    g_cmp: torch.Tensor,
+    g_slc: torch.Tensor,
+    g_swa: torch.Tensor,
+    block_size: int,
+    block_counts: int,
+    window_size: int,
+    q_pos: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row (decoding), reading only what it attends: the compressed keys, the tokens
+    of its selected blocks and its window, gathered from the cache.
+
+    q [B, H, D]; gates [B, H]; q_pos [B] (-1: padding). Returns (o [B, H, D], block_indices [B, Hkv, S])."""
+    batch, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    qg = q.float().view(batch, kv_heads, groups, dim) * scale
+    k, v, k_cmp, v_cmp = (x.float().transpose(1, 2) for x in (k, v, k_cmp, v_cmp))  # [B, Hkv, L or C, D]
+    pos = q_pos[:, None, None]  # [B, 1, 1]
+
+    def attend(keys, values, allowed):  # keys, values [B, Hkv, N, D]; allowed [B, Hkv or 1, N]
+        probs = _masked_softmax(torch.einsum("bhgd,bhnd->bhgn", qg, keys), allowed[:, :, None])
+        return torch.einsum("bhgn,bhnd->bhgd", probs, values)
+
+    blocks = torch.arange(k_cmp.shape[2], device=q.device)
+    cmp_visible = (blocks + 1) * block_size - 1 <= pos  # [B, 1, C]
+    cmp_probs = _masked_softmax(torch.einsum("bhgd,bhcd->bhgc", qg, k_cmp), cmp_visible[:, :, None])
+    o_cmp = torch.einsum("bhgc,bhcd->bhgd", cmp_probs, v_cmp)
+
+    importance = cmp_probs.detach().sum(2)[:, :, None]  # [B, Hkv, 1, C]
+    block_indices = select_blocks(importance, q_pos[:, None], block_size, block_counts, cdiv(length, block_size))
+    block_indices = block_indices[:, 0]  # [B, Hkv, S]
+    token_idx = (block_indices[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)
+    token_ok = (block_indices[..., None] >= 0).expand(-1, -1, -1, block_size).flatten(-2) & (token_idx <= pos)
+    gather_idx = token_idx.clamp(0, length - 1)[..., None].expand(-1, -1, -1, dim)
+    o_slc = attend(k.gather(2, gather_idx), v.gather(2, gather_idx), token_ok)
+
+    window_idx = pos - torch.arange(window_size - 1, -1, -1, device=q.device)  # [B, 1, W], oldest first
+    window_ok = window_idx >= 0
+    gather_idx = window_idx.clamp(0, length - 1)[..., None].expand(-1, kv_heads, -1, dim)
+    o_swa = attend(k.gather(2, gather_idx), v.gather(2, gather_idx), window_ok)
+
+    def gated(o, g):
+        return o.reshape(batch, heads, dim) * g.float()[..., None]
+
+    o = gated(o_cmp, g_cmp) + gated(o_slc, g_slc) + gated(o_swa, g_swa)
+    return o.to(q.dtype), block_indices
+
+
+def naive_nsa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_cmp: torch.Tensor,
+    g_slc: torch.Tensor,
+    g_swa: torch.Tensor,
+    block_size: int,
+    block_counts: int,
+    window_size: int,
+    k_cmp: torch.Tensor | None = None,
+    v_cmp: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, list]:
+    """Brute-force reference: one query, one head at a time, blocks chosen by sorting in Python.
+
+    q [B, T, H, D], k, v [B, T, Hkv, D] with query t at position t; k_cmp, v_cmp default to the
+    mean of each complete block. Returns (o [B, T, H, D], selected[b][t][kv_head] = sorted block list).
+    """
+    batch, seq_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    in_dtype = q.dtype
+    q, k, v = q.double(), k.double(), v.double()
+    g_cmp, g_slc, g_swa = g_cmp.double(), g_slc.double(), g_swa.double()
+    if k_cmp is None:
+        k_cmp, v_cmp = mean_pool_blocks(k, block_size), mean_pool_blocks(v, block_size)
+    k_cmp, v_cmp = k_cmp.double(), v_cmp.double()
+
+    def softmax_attend(query, keys, values):  # query [D], keys/values [N, D]
+        if keys.shape[0] == 0:
+            return torch.zeros(dim, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+        probs = torch.softmax(keys @ query * scale, dim=0)
+        return probs @ values, probs
+
+    o = torch.zeros(batch, seq_len, heads, dim, dtype=torch.float64)
+    selected = [[[None] * kv_heads for _ in range(seq_len)] for _ in range(batch)]
+    for b in range(batch):
+        for t in range(seq_len):
+            complete = [c for c in range(k_cmp.shape[1]) if (c + 1) * block_size - 1 <= t]
+            local = t // block_size
+            for kh in range(kv_heads):
+                group = range(kh * groups, (kh + 1) * groups)
+                outs_cmp, importance = {}, torch.zeros(len(complete), dtype=torch.float64)
+                for h in group:
+                    outs_cmp[h], probs = softmax_attend(q[b, t, h], k_cmp[b, complete, kh], v_cmp[b, complete, kh])
+                    importance += probs
+                ranked = sorted(range(len(complete)), key=lambda i: -importance[i].item())
+                chosen = [local] + [complete[i] for i in ranked if complete[i] != local]
+                chosen = sorted(chosen[:block_counts])
+                selected[b][t][kh] = chosen
+                slc_tokens = [j for c in chosen for j in range(c * block_size, (c + 1) * block_size) if j <= t]
+                win_tokens = list(range(max(0, t - window_size + 1), t + 1))
+                for h in group:
+                    o_slc, _ = softmax_attend(q[b, t, h], k[b, slc_tokens, kh], v[b, slc_tokens, kh])
+                    o_swa, _ = softmax_attend(q[b, t, h], k[b, win_tokens, kh], v[b, win_tokens, kh])
+                    o[b, t, h] = g_cmp[b, t, h] * outs_cmp[h] + g_slc[b, t, h] * o_slc + g_swa[b, t, h] * o_swa
+    return o.to(in_dtype), selected
