@@ -16,7 +16,7 @@ pytestmark = [
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
@@ -49,20 +49,24 @@ def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kern
 
 
 @pytest.mark.parametrize("mixer", ["gla", "softmax"])
-def test_model_on_fla_kernels_matches_the_reference_model_forward_and_gradients(mixer):
+def test_model_on_fla_kernels_matches_the_reference_path_under_the_same_bf16_autocast(mixer):
+    # The fp32 reference for each kernel is checked above; here the whole model on fla's kernels is
+    # compared with the same model on the PyTorch reference path, both under bf16 autocast, so that
+    # only the kernels differ.
     torch.manual_seed(0)
     cfg = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
     fast = AttnLabForCausalLM(AttnLabConfig(kernels="fla", **cfg)).cuda()
     ref = AttnLabForCausalLM(AttnLabConfig(kernels="torch", **cfg)).cuda()
     ref.load_state_dict(fast.state_dict())
     x = torch.randint(0, 512, (2, 300), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = fast(input_ids=x, labels=x)
-    out.loss.backward()
-    ref_out = ref(input_ids=x, labels=x)  # fp32 reference
-    ref_out.loss.backward()
-    assert rel_err(out.logits, ref_out.logits) <= 1e-2
-    assert abs(out.loss.item() - ref_out.loss.item()) / ref_out.loss.item() <= 1e-2
+    outs = []
+    for model in (fast, ref):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        outs.append(out)
+    assert rel_err(outs[0].logits, outs[1].logits) <= 1e-2
+    assert abs(outs[0].loss.item() - outs[1].loss.item()) / outs[1].loss.item() <= 1e-2
     ref_params = dict(ref.named_parameters())
     for name, p in fast.named_parameters():
         assert rel_err(p.grad, ref_params[name].grad) <= 2e-2, name

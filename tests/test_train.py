@@ -209,3 +209,15 @@ def test_evaluation_during_training_reaches_heartbeat_tensorboard_and_best_json(
     assert "perplexity/bits_per_byte" in events[-1] and "spider/execution_accuracy" in events[-1]
     best = json.loads((run / "best.json").read_text())
     assert best["step"] in (4, 8) and (run / best["checkpoint"]).is_dir()
+
+
+def test_weight_decay_applies_to_matrices_only():
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+    from attnlab.train.loop import AttnLabTrainer
+
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, mixer="mamba2"))
+    decayed = set(AttnLabTrainer.get_decay_parameter_names(None, model))
+    names = dict(model.named_parameters())
+    assert "model.layers.0.mlp.up_proj.weight" in decayed
+    assert not any(names[n].dim() < 2 for n in decayed)
+    assert not any(n.endswith(("A_log", "D", "norm.weight", "dt_bias")) for n in decayed)

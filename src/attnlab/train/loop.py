@@ -59,6 +59,11 @@ class AttnLabTrainer(Trainer):
         staged = self.checkpoints.staging / f"checkpoint-{step}"
         self.checkpoints.publish(staged, step, extra_files={"run_config.yaml": self.run_config_yaml})
 
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """Weight decay on matrices only (as nanoGPT): never on norms, biases, or 1-D SSM parameters
+        (A_log, D, dt_bias), nor on any parameter flagged `_no_weight_decay`."""
+        return [name for name, p in model.named_parameters() if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
+
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
         if not torch.isfinite(loss).all():
