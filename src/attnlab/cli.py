@@ -308,15 +308,17 @@ def bench_decode_cmd(
     rows = bench_decode(lm, tokenizer, batch_size, prompt_len, new_tokens, repeats, compare_hf=hf)
     dev = torch.cuda.get_device_name() if next(lm.parameters()).is_cuda else f"cpu ({torch.get_num_threads()} threads)"
     table = Table(title=f"decode: {name} on {dev}")
+    headers = {"batch": "batch", "prompt_len": "prompt", "new_tokens": "new", "attnlab_s": "attnlab s", "attnlab_new_tok_per_s": "attnlab tok/s",
+               "hf_generate_s": "HF s", "hf_generate_new_tok_per_s": "HF tok/s", "speedup": "speedup"}
     for col in rows[0]:
-        table.add_column(col, justify="right")
+        table.add_column(headers.get(col, col), justify="right")
     for r in rows:
         table.add_row(*(str(v) for v in r.values()))
     console.print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
-                                   "command": " ".join(sys.argv), "results": rows}, indent=1))
+                                   "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1))
         console.print(f"wrote {out}")
 
 
@@ -360,7 +362,7 @@ def bench_train_cmd(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                                   "command": " ".join(sys.argv), "results": rows}, indent=1))
+                                   "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1))
         console.print(f"wrote {out}")
 
 
