@@ -221,3 +221,11 @@ def test_weight_decay_applies_to_matrices_only():
     assert "model.layers.0.mlp.up_proj.weight" in decayed
     assert not any(names[n].dim() < 2 for n in decayed)
     assert not any(n.endswith(("A_log", "D", "norm.weight", "dt_bias")) for n in decayed)
+
+
+def test_gradient_accumulation_follows_the_same_trajectory_as_one_larger_batch(tmp_path, tiny):
+    big, accumulated = tmp_path / "big", tmp_path / "accumulated"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(big)) == 0
+    assert run_cli("train", *sets(tiny + ["train.batch_size=2", "train.grad_accum=2"]), "--run-dir", str(accumulated)) == 0
+    losses = lambda run: [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]  # noqa: E731
+    assert losses(accumulated) == pytest.approx(losses(big), abs=1e-5)

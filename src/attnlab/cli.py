@@ -85,11 +85,16 @@ def train(
     from attnlab.config.preflight import run_preflight
     from attnlab.train import run_training
 
+    from attnlab.train.loop import rank, world_size
+
     cfg = _load(config, set_, run_dir, resume)
     if run_dir is None:
+        if world_size() > 1:
+            raise PreflightError("under torchrun, pass --run-dir: every process must write to the same run")
         run_dir = Path("runs") / f"{cfg.model.mixer}-{time.strftime('%Y%m%d-%H%M%S')}"
+    console.quiet = rank() != 0  # one voice under torchrun
     console.print(Panel(Syntax(config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
-    report = run_preflight(cfg, run_dir, resume)
+    report = run_preflight(cfg, run_dir, resume, check_run_dir=rank() == 0)
     _print_report(report)
     _fail_on_errors(report)
     stats = report.data.stats
@@ -100,7 +105,7 @@ def train(
     )
     if report.resume_from:
         console.print(f"resuming from [bold]{report.resume_from}[/bold]")
-    console.print(f"run directory: [bold]{run_dir}[/bold]")
+    console.print(f"run directory: [bold]{run_dir}[/bold]" + (f" ({world_size()} processes)" if world_size() > 1 else ""))
     result = run_training(cfg, run_dir, report, console)
     summary = Table(title="run finished", show_header=False)
     summary.add_row("steps", str(result.steps))

@@ -8,6 +8,7 @@ run that passes preflight never loads them again.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -60,10 +61,19 @@ def resolve_device(cfg: RunConfig) -> tuple[str, str]:
     return device, precision
 
 
-def run_preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, load_data: bool = True) -> PreflightReport:
+def run_preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, load_data: bool = True,
+                  check_run_dir: bool = True) -> PreflightReport:
+    """check_run_dir=False (ranks other than 0 under torchrun): rank 0 judges the run directory;
+    the others only find the checkpoint to resume from."""
     report = PreflightReport()
     report.device, report.precision = resolve_device(cfg)
-    _check_run_dir(cfg, run_dir, resume, report)
+    if check_run_dir:
+        _check_run_dir(cfg, run_dir, resume, report)
+    elif resume and run_dir is not None:
+        from attnlab.train.checkpoint import CheckpointManager
+
+        report.resume_from = CheckpointManager(run_dir).newest()
+    _check_world_size(cfg, report)
     _check_cadence(cfg, report)
     _check_device(cfg, report)
     _check_model_and_data(cfg, report, load_data)
@@ -105,6 +115,12 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: P
     done = int(report.resume_from.name.split("-")[1])
     if done >= cfg.train.max_steps:
         report.error("train.max_steps", f"the run already reached step {done} (max_steps={cfg.train.max_steps}). To train further, resume with --set train.max_steps=N, N > {done}.")
+
+
+def _check_world_size(cfg: RunConfig, report: PreflightReport) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and cfg.train.batch_size % world:
+        report.error("train.batch_size", f"train.batch_size ({cfg.train.batch_size}) is the global batch and must divide evenly across the {world} processes")
 
 
 def _check_cadence(cfg: RunConfig, report: PreflightReport) -> None:

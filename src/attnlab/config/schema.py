@@ -51,7 +51,7 @@ class TrainSection(Section):
 
     seed: int = Field(0, description="seeds init, data order and samples")
     max_steps: int = Field(400, gt=0, description="optimizer steps")
-    batch_size: int = Field(32, gt=0, description="sequences per device per micro-batch")
+    batch_size: int = Field(32, gt=0, description="sequences per micro-batch, across all processes (split evenly under torchrun)")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms and biases)")

@@ -199,10 +199,16 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         if labels is not None:
             shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
             shifted_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            # With `num_items_in_batch` (transformers.Trainer under gradient accumulation or several
+            # processes) the loss is a sum over this micro-batch divided by the tokens of the whole step.
+            num_items = kwargs.get("num_items_in_batch")
+            reduction = "sum" if num_items is not None else "mean"
             if kernels.use_fla(self.config.kernels, logits):
-                loss = kernels.cross_entropy(shifted_logits, shifted_labels)
+                loss = kernels.cross_entropy(shifted_logits, shifted_labels, reduction=reduction)
             else:
-                loss = F.cross_entropy(shifted_logits.float(), shifted_labels, ignore_index=-100)
+                loss = F.cross_entropy(shifted_logits.float(), shifted_labels, ignore_index=-100, reduction=reduction)
+            if num_items is not None:
+                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 
         output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
         return output if return_dict else output.to_tuple()

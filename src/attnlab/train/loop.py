@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shutil
 import time
@@ -53,11 +54,18 @@ class AttnLabTrainer(Trainer):
         self.run_config_yaml = run_config_yaml
 
     def _save_checkpoint(self, model, trial):
-        self.checkpoints.clear_staging()  # args.output_dir is the staging directory
+        # args.output_dir is the staging directory; every rank writes its part (rank 0 the weights and
+        # optimizer, each rank its RNG state), then rank 0 alone publishes the complete checkpoint.
+        if self.is_world_process_zero():
+            self.checkpoints.clear_staging()
+        self.accelerator.wait_for_everyone()
         super()._save_checkpoint(model, trial)
-        step = self.state.global_step
-        staged = self.checkpoints.staging / f"checkpoint-{step}"
-        self.checkpoints.publish(staged, step, extra_files={"run_config.yaml": self.run_config_yaml})
+        self.accelerator.wait_for_everyone()
+        if self.is_world_process_zero():
+            step = self.state.global_step
+            staged = self.checkpoints.staging / f"checkpoint-{step}"
+            self.checkpoints.publish(staged, step, extra_files={"run_config.yaml": self.run_config_yaml})
+        self.accelerator.wait_for_everyone()
 
     def get_decay_parameter_names(self, model) -> list[str]:
         """Weight decay on matrices only (as nanoGPT): never on norms, biases, or 1-D SSM parameters
@@ -116,7 +124,7 @@ class TelemetryCallback(TrainerCallback):
             control.should_save = self.cfg.train.save_every > 0
 
     def on_log(self, args, state, control, logs=None, model=None, **kw):
-        if not logs or "loss" not in logs or not state.is_world_process_zero:
+        if not logs or "loss" not in logs:
             return
         health = getattr(model, "health_stats", None)  # mixers that report training-health statistics (NSA)
         record = {
@@ -157,6 +165,15 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """Processes training together (torchrun sets WORLD_SIZE); train.batch_size is split across them."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool) -> TrainingArguments:
     t = cfg.train
     scheduler, scheduler_kwargs = {
@@ -167,8 +184,9 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
     return TrainingArguments(
         output_dir=str(staging),
         max_steps=t.max_steps,
-        per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=t.batch_size,
+        per_device_train_batch_size=t.batch_size // world_size(),
+        per_device_eval_batch_size=t.batch_size // world_size(),
+        ddp_backend=("gloo" if report.device == "cpu" else "nccl") if world_size() > 1 else None,
         gradient_accumulation_steps=t.grad_accum,
         learning_rate=t.lr,
         weight_decay=t.weight_decay,
@@ -203,11 +221,13 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     from attnlab.data import BlockDataset
     from attnlab.models import AttnLabForCausalLM
 
-    console = console or Console()
+    is_main = rank() == 0
+    console = console or Console(quiet=not is_main)
     resume_from = report.resume_from
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    _write_status(run_dir, "running", cfg, report)
+    if is_main:
+        save_config(cfg, run_dir / "config.yaml")
+        _write_status(run_dir, "running", cfg, report)
 
     transformers.utils.logging.disable_progress_bar()  # our own progress bar is the only one
     transformers.set_seed(cfg.train.seed)
@@ -221,16 +241,18 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     val_rows = data.val[: cfg.train.eval_batches * cfg.train.batch_size] if has_val else None
 
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.train.keep_last)
-    checkpoints.clear_staging()  # whatever a crash left half-written is never used
+    if is_main:
+        checkpoints.clear_staging()  # whatever a crash left half-written is never used
     start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
-    logger = RunLogger(run_dir, resume_step=start_step, wandb_run=_wandb_run(cfg, run_dir) if cfg.train.wandb else None)
+    logger = RunLogger(run_dir, resume_step=start_step, wandb_run=_wandb_run(cfg, run_dir) if cfg.train.wandb and is_main else None,
+                       rank=rank(), world_size=world_size())
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     telemetry = TelemetryCallback(
         cfg, logger, tokenizer, data.stats["val_bytes_per_token"] if has_val else None, console,
         tokens_per_step, _elapsed_at(run_dir, start_step), start_step,
     )
     callbacks: list[TrainerCallback] = [telemetry]
-    if cfg.eval.tasks:
+    if cfg.eval.tasks and is_main:
         from attnlab.eval.callback import EvalDuringTraining
 
         callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console))
@@ -250,7 +272,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     status = "failed"
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        _save_final(trainer.model, tokenizer, cfg, run_dir)
+        if is_main:
+            _save_final(trainer.model, tokenizer, cfg, run_dir)
         status = "finished"
     except TrainingDivergedError:
         status = "diverged"
@@ -262,8 +285,10 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         wall_s = time.perf_counter() - t0
         telemetry.progress.stop()
         logger.close()
-        checkpoints.clear_staging()
-        _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s)
+        if is_main:
+            checkpoints.clear_staging()
+            _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s,
+                          world_size=world_size())
     return TrainResult(run_dir, trainer.state.global_step, wall_s, telemetry.val_loss, telemetry.val_bpb, telemetry.sample)
 
 

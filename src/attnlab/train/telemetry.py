@@ -36,13 +36,25 @@ def memory_fields() -> dict[str, float | None]:
 
 
 class RunLogger:
-    """Writes one run's telemetry files. On resume it drops rows past the resumed step."""
+    """Writes one run's telemetry files. On resume it drops rows past the resumed step.
 
-    def __init__(self, run_dir: Path, resume_step: int = 0, wandb_run: Any = None):
+    Under several processes (torchrun), rank 0 writes everything; every rank also writes its own
+    `heartbeat_rank{r}.jsonl` (its memory and throughput), as seed 004's runs had.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int = 0, wandb_run: Any = None, rank: int = 0, world_size: int = 1):
         self.run_dir = Path(run_dir)
+        self.is_main = rank == 0
+        self.rank_path = self.run_dir / f"heartbeat_rank{rank}.jsonl" if world_size > 1 else None
         self.heartbeat_path = self.run_dir / "heartbeat.jsonl"
         self.metrics_path = self.run_dir / "metrics.csv"
         self.samples_path = self.run_dir / "samples.jsonl"
+        if self.rank_path is not None:
+            _truncate_jsonl_after(self.rank_path, resume_step)
+        self.tb = None
+        self.wandb = wandb_run
+        if not self.is_main:
+            return
         for path in (self.heartbeat_path, self.samples_path, self.run_dir / "eval" / "metrics.jsonl"):
             _truncate_jsonl_after(path, resume_step)
         _truncate_csv_after(self.metrics_path, resume_step)
@@ -52,10 +64,14 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
-        self.wandb = wandb_run
 
     def heartbeat(self, record: dict[str, Any]) -> None:
         record = {**record, **memory_fields()}
+        if self.rank_path is not None:
+            with open(self.rank_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if not self.is_main:
+            return
         with open(self.heartbeat_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         self._row(record)
@@ -95,8 +111,9 @@ class RunLogger:
             csv.writer(f).writerow([_fmt(record.get(c)) for c in METRICS_COLUMNS])
 
     def close(self) -> None:
-        self.tb.flush()
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -65,8 +65,8 @@ def swiglu(gate, up):
     return fla_swiglu(gate, up)
 
 
-def cross_entropy(logits, labels, ignore_index: int = -100):
-    """Mean token cross-entropy over [N, V] logits without materialising fp32 copies."""
+def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "mean"):
+    """Token cross-entropy over [N, V] logits without materialising fp32 copies."""
     from fla.modules import FusedCrossEntropyLoss
 
-    return FusedCrossEntropyLoss(ignore_index=ignore_index)(logits, labels)
+    return FusedCrossEntropyLoss(ignore_index=ignore_index, reduction=reduction)(logits, labels)
