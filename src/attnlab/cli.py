@@ -106,7 +106,13 @@ def train(
     if report.resume_from:
         console.print(f"resuming from [bold]{report.resume_from}[/bold]")
     console.print(f"run directory: [bold]{run_dir}[/bold]" + (f" ({world_size()} processes)" if world_size() > 1 else ""))
-    result = run_training(cfg, run_dir, report, console)
+    try:
+        result = run_training(cfg, run_dir, report, console)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     summary = Table(title="run finished", show_header=False)
     summary.add_row("steps", str(result.steps))
     summary.add_row("wall time", f"{result.wall_s:.1f} s")
@@ -258,6 +264,13 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
 from attnlab.eval.cli import eval_command, score_command  # noqa: E402
 app.command("eval")(eval_command)
 app.command("score")(score_command)
+from attnlab.report.cli import report as _report_cmd  # noqa: E402
+from attnlab.sweep.cli import sweep as _sweep_cmd  # noqa: E402
+
+app.command("sweep")(_sweep_cmd)
+app.command("report")(_report_cmd)
+
+
 bench_app = typer.Typer(help="Benchmarks: throughput and memory against peers.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
