@@ -229,3 +229,13 @@ def test_gradient_accumulation_follows_the_same_trajectory_as_one_larger_batch(t
     assert run_cli("train", *sets(tiny + ["train.batch_size=2", "train.grad_accum=2"]), "--run-dir", str(accumulated)) == 0
     losses = lambda run: [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]  # noqa: E731
     assert losses(accumulated) == pytest.approx(losses(big), abs=1e-5)
+
+
+def test_a_run_killed_after_its_last_checkpoint_resumes_to_write_its_final_model(tmp_path, tiny):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
+    import shutil
+
+    shutil.rmtree(run / "final")  # as if killed between the last checkpoint and the final save
+    assert run_cli("train", "--resume", "--run-dir", str(run)) == 0
+    assert (run / "final" / "model.safetensors").is_file() and _run_json(run)["status"] == "finished"

@@ -113,7 +113,7 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: P
         report.error("--resume", str(e))
         return
     done = int(report.resume_from.name.split("-")[1])
-    if done >= cfg.train.max_steps:
+    if done >= cfg.train.max_steps and (run_dir / "final").exists():
         report.error("train.max_steps", f"the run already reached step {done} (max_steps={cfg.train.max_steps}). To train further, resume with --set train.max_steps=N, N > {done}.")
 
 
