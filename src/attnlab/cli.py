@@ -208,6 +208,12 @@ def generate(
     rows = [{"prompt": p} for p in prompt] + (_read_prompts(input_file) if input_file else [])
     err_console.print(f"loading {describe(model)}", highlight=False)
     lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
+    presets = getattr(lm, "attnlab_generation_presets", None) or {}  # per-control-token settings of a fine-tuned adapter
+    chat = chat or bool(getattr(lm, "attnlab_chat_template", False))
+    if presets:
+        from attnlab.finetune.presets import settings_for_prompt
+
+        cfg = settings_for_prompt(rows[0]["prompt"], presets, settings) if len(rows) == 1 else cfg
     prompts = [_chat_ids(tokenizer, r["prompt"]) if chat else r["prompt"] for r in rows]
     single = len(rows) == 1 and cfg.num_beams == 1 and cfg.num_return_sequences == 1 and output is None
     if single:
@@ -220,7 +226,13 @@ def generate(
 
     with Progress(console=err_console, transient=True) as bar:
         task = bar.add_task("generating", total=len(rows))
-        results = run_generate(lm, tokenizer, prompts, cfg, progress=lambda n: bar.advance(task, n))
+        if presets:
+            from attnlab.finetune.presets import generate_with_presets
+
+            results = generate_with_presets(lm, tokenizer, [r["prompt"] for r in rows], presets, explicit=settings, chat=chat)
+            bar.advance(task, len(rows))
+        else:
+            results = run_generate(lm, tokenizer, prompts, cfg, progress=lambda n: bar.advance(task, n))
     records = []
     for row, res in zip(rows, results):
         rec = {**row, "text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason}
@@ -271,6 +283,9 @@ app.command("sweep")(_sweep_cmd)
 app.command("report")(_report_cmd)
 
 
+from attnlab.finetune.cli import finetune_command, merge_command  # noqa: E402
+app.command("finetune")(finetune_command)
+app.command("merge")(merge_command)
 bench_app = typer.Typer(help="Benchmarks: throughput and memory against peers.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

