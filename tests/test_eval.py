@@ -438,3 +438,29 @@ def test_callback_fails_before_training_when_task_data_is_missing(tiny_model, tm
 
     with pytest.raises(AttnLabError, match="not found"):
         EvalDuringTraining(EvalSection(tasks=[{"task": "dart", "data": str(tmp_path / "missing.json")}]), tiny_model[1], FakeLogger(tmp_path))
+
+
+def test_prompts_carrying_a_control_token_decode_with_its_preset(monkeypatch):
+    import attnlab.generation
+    from attnlab.data import ByteTokenizer
+    from attnlab.eval.runner import evaluate
+    from attnlab.eval.tasks import get_task
+    from attnlab.eval.tasks.base import Example
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    real, seen = attnlab.generation.generate, {}
+
+    def spy(model, tokenizer, prompts, config=None, **kw):
+        for p in prompts:
+            seen[p.split()[0]] = (config.min_new_tokens, config.max_new_tokens)
+        return real(model, tokenizer, prompts, config, **kw)
+
+    monkeypatch.setattr(attnlab.generation, "generate", spy)
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2)).eval()
+    model.attnlab_generation_presets = {"<T>": {"max_new_tokens": 2}, "<V>": {"min_new_tokens": 9, "max_new_tokens": 12}}
+    examples = [Example(id=str(i), prompt=f"{tag} Speaker A: hi", references=["hi"]) for i, tag in enumerate(["<T>", "<V>", "plain"])]
+    result = evaluate(model, ByteTokenizer(), "samsum", examples=examples)
+    assert len(result.records) == 3
+    task_default = get_task("samsum").generation_defaults["max_new_tokens"]
+    assert seen == {"<T>": (0, 2), "<V>": (9, 12), "plain": (0, task_default)}

@@ -52,6 +52,25 @@ def generation_config(task: Task, settings: GenerateConfig | dict[str, Any] | No
     return resolve_config({**task.generation_defaults, **explicit})
 
 
+def _generate_with_presets(model, tokenizer, task, examples, prompts, presets, generation, progress):
+    """Prompts carrying a control token decode with that token's preset: task defaults, then the
+    adapter's 'default' and token presets, then the settings given explicitly."""
+    from attnlab.finetune.presets import token_in
+    from attnlab.generation import generate
+
+    explicit = ({k: getattr(generation, k) for k in generation.model_fields_set} if isinstance(generation, GenerateConfig)
+                else dict(generation or {}))
+    groups: dict[str | None, list[int]] = {}
+    for i, ex in enumerate(examples):
+        groups.setdefault(token_in(ex.prompt, presets), []).append(i)
+    results: list = [None] * len(examples)
+    for token, idx in groups.items():
+        settings = {**presets.get("default", {}), **(presets.get(token, {}) if token else {}), **explicit}
+        for i, r in zip(idx, generate(model, tokenizer, [prompts[i] for i in idx], generation_config(task, settings), progress=progress)):
+            results[i] = r
+    return results
+
+
 def _special_tokens(tokenizer) -> list[str]:
     return [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
 
@@ -88,7 +107,11 @@ def evaluate(
     if chat and not getattr(tokenizer, "chat_template", None):
         raise DataError("chat prompts need a tokenizer with a chat template; this one has none")
     prompts = [_chat_prompt(tokenizer, ex.prompt) if chat else ex.prompt for ex in examples]
-    results = generate(model, tokenizer, prompts, cfg, progress=progress)
+    presets = getattr(model, "attnlab_generation_presets", None) or {}  # a fine-tuned adapter's per-token settings
+    if presets:
+        results = _generate_with_presets(model, tokenizer, task, examples, prompts, presets, generation, progress)
+    else:
+        results = generate(model, tokenizer, prompts, cfg, progress=progress)
     specials = _special_tokens(tokenizer)
     predictions = [task.postprocess(clean_prediction(r.text, ex.prompt, specials)) for r, ex in zip(results, examples)]
     return _scored(task, examples, predictions, [r.finish_reason for r in results], str(data or ""))
