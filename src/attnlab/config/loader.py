@@ -46,8 +46,8 @@ ALIASES = {
 }
 
 
-def _suggest(key: str) -> str:
-    candidates = valid_keys()
+def _suggest(key: str, candidates: list[str] | None = None) -> str:
+    candidates = candidates or valid_keys()
     section, _, leaf = key.rpartition(".")
     if leaf in ALIASES:
         named = [c for c in candidates if c.endswith("." + ALIASES[leaf])]
@@ -107,12 +107,15 @@ def _looks_numeric(s: str) -> bool:
     return True
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    known = set(valid_keys())
+def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[BaseModel] = RunConfig,
+                    free_form: tuple[str, ...] = FREE_FORM) -> dict[str, Any]:
+    """Set each dotted KEY=VALUE of `overrides` in `data`; keys must exist in `schema` (or lie under `free_form`)."""
+    candidates = valid_keys(schema)
+    known = set(candidates)
     for item in overrides:
         key, value = parse_override(item)
-        if key not in known and not any(key.startswith(p + ".") for p in FREE_FORM):
-            raise ConfigError(f"unknown config key '{key}' in --set{_suggest(key)}")
+        if key not in known and not any(key.startswith(p + ".") for p in free_form):
+            raise ConfigError(f"unknown config key '{key}' in --set{_suggest(key, candidates)}")
         node = data
         parts = key.split(".")
         for part in parts[:-1]:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from attnlab.config.loader import _read_yaml, _format_validation_error, parse_override
+from attnlab.config.loader import _format_validation_error, _read_yaml, apply_overrides
 from attnlab.config.schema import GenerateConfig, Section, TrainSection
 from attnlab.errors import ConfigError
 
@@ -106,40 +106,8 @@ def default_finetune_config_path() -> Path:
     return Path(str(resources.files("attnlab") / "configs" / "finetune-style.yaml"))
 
 
-def _keys(model=FinetuneConfig, prefix: str = "") -> list[str]:
-    from pydantic import BaseModel
-
-    out = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out += _keys(ann, f"{prefix}{name}.")
-        else:
-            out.append(f"{prefix}{name}")
-    return out
-
-
 def apply_finetune_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    import difflib
-
-    known = set(_keys())
-    for item in overrides:
-        key, value = parse_override(item)
-        if key not in known and not any(key.startswith(p + ".") for p in FREE_FORM):
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(known))}"
-            raise ConfigError(f"unknown config key '{key}' in --set{hint}")
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"cannot set '{key}': '{part}' is not a section")
-            node = child
-        node[parts[-1]] = value
-    return data
+    return apply_overrides(data, overrides, schema=FinetuneConfig, free_form=FREE_FORM)
 
 
 def load_finetune_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FinetuneConfig:
