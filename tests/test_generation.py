@@ -301,3 +301,13 @@ def test_bench_decode_reports_new_tokens_per_second_for_engine_and_hf(tmp_path, 
     assert run_cli("bench", "decode", "--batch-size", "2", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--device", "cpu", "--out", str(out)) == 0
     row = json.loads(out.read_text())["results"][0]
     assert row["batch"] == 2 and row["attnlab_new_tok_per_s"] > 0 and row["hf_generate_new_tok_per_s"] > 0
+
+
+def test_bench_decode_times_beam_search_against_greedy_over_as_many_rows_and_hf_on_a_peer(tmp_path):
+    out = tmp_path / "decode.json"
+    assert run_cli("bench", "decode", "--arch", "attnlab-gla", "--hf-arch", "hf-llama", "--hidden", "32", "--layers", "1", "--heads", "2",
+                   "--vocab", "300", "--batch-size", "2", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--beams", "2",
+                   "--device", "cpu", "--out", str(out)) == 0
+    result = json.loads(out.read_text())
+    row = result["results"][0]
+    assert "hf-llama" in result["model"] and row["beams"] == 2 and row["beam_cost_ratio"] > 0 and row["hf_generate_new_tok_per_s"] > 0

@@ -34,12 +34,13 @@ def fresh_inputs(B, T, H, K, V, seed):
 def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kernel):
     from attnlab.models import kernels
 
-    q, k, v, gk, h0 = fresh_inputs(2, T, 4, 64, 128, seed=T)
+    # Head dims of the benchmarked model (hidden 1024, 4 heads): fla autotunes per (K, V), once.
+    q, k, v, gk, h0 = fresh_inputs(2, T, 4, 128, 256, seed=T)
     fn = kernels.gla_chunk if kernel == "chunk" else kernels.gla_recurrent
     leaves = [t.clone().requires_grad_() for t in (q, k, v, gk)]
-    o, ht = fn(*(t.bfloat16() if i < 3 else t for i, t in enumerate(leaves)), 64 ** -0.5, h0, output_final_state=True)
+    o, ht = fn(*(t.bfloat16() if i < 3 else t for i, t in enumerate(leaves)), 128 ** -0.5, h0, output_final_state=True)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, gk)]
-    ref_o, ref_ht = reference_chunk_gla(*ref_leaves, initial_state=h0, scale=64 ** -0.5)
+    ref_o, ref_ht = reference_chunk_gla(*ref_leaves, initial_state=h0, scale=128 ** -0.5)
     assert rel_err(o, ref_o) <= 1e-2 and rel_err(ht, ref_ht) <= 1e-2
     do = torch.randn_like(ref_o)
     (o.float() * do).sum().backward()
@@ -54,7 +55,7 @@ def test_model_on_fla_kernels_matches_the_reference_path_under_the_same_bf16_aut
     # compared with the same model on the PyTorch reference path, both under bf16 autocast, so that
     # only the kernels differ.
     torch.manual_seed(0)
-    cfg = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
+    cfg = dict(vocab_size=512, hidden_size=1024, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
     fast = AttnLabForCausalLM(AttnLabConfig(kernels="fla", **cfg)).cuda()
     ref = AttnLabForCausalLM(AttnLabConfig(kernels="torch", **cfg)).cuda()
     ref.load_state_dict(fast.state_dict())
@@ -76,7 +77,7 @@ def test_decoding_on_fla_kernels_equals_the_parallel_form():
     from attnlab.generation import generate_ids
 
     torch.manual_seed(0)
-    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=256, num_layers=2, num_heads=4, kernels="fla")).cuda().eval()
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4, kernels="fla")).cuda().eval()
     prompt = torch.randint(0, 256, (1, 100)).tolist()[0]
     new = generate_ids(model, _ByteTok(), [prompt], max_new_tokens=20, eos_token_id=[])[0]
     full = torch.tensor([prompt + new], device="cuda")
@@ -93,3 +94,27 @@ class _ByteTok:
 
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+@pytest.mark.parametrize("kernels_choice", ["fla", "torch"])
+@pytest.mark.parametrize("settings", [
+    dict(max_new_tokens=40),
+    dict(max_new_tokens=24, do_sample=True, top_k=50, seed=1, num_return_sequences=2),
+    dict(max_new_tokens=16, num_beams=4, length_penalty=1.2),
+], ids=["greedy", "sample", "beam4"])
+def test_cuda_graph_decoding_equals_the_eager_engine_token_for_token(kernels_choice, settings, monkeypatch):
+    from attnlab.generation import engine, generate
+    from attnlab.generation.graphs import StaticRunner
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4,
+                                             kernels=kernels_choice)).cuda().to(torch.bfloat16).eval()
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 90, 33)]
+    eos = [257, 65]
+    graphed = generate(model, _ByteTok(), prompts, eos_token_id=eos, **settings)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": engine.ModelRunner(m))
+    eager = generate(model, _ByteTok(), prompts, eos_token_id=eos, **settings)
+    assert [[c.token_ids for c in r.candidates] for r in graphed] == [[c.token_ids for c in r.candidates] for r in eager]
+    from attnlab.generation.graphs import make_runner
+
+    assert isinstance(make_runner(model), StaticRunner)  # the first run above decoded through CUDA graphs

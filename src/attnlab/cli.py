@@ -304,9 +304,12 @@ def bench_decode_cmd(
     layers: int = typer.Option(24, "--layers", help="With --arch: layers."),
     heads: int = typer.Option(4, "--heads", help="With --arch: heads."),
     vocab: int = typer.Option(32000, "--vocab", help="With --arch: vocabulary."),
+    hf_arch: Optional[str] = typer.Option(None, "--hf-arch", help="Time HF generate on this randomly initialised architecture of the same size instead (e.g. fla-gla)."),
+    hf_repeats: Optional[int] = typer.Option(None, "--hf-repeats", help="Timed HF generate runs (default: --repeats)."),
+    beams: int = typer.Option(1, "--beams", help="> 1: also time beam search with this many beams against greedy over batch x beams rows."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ):
-    """Time greedy decoding (new tokens/s) with attnlab's engine and with HF generate."""
+    """Time decoding (new tokens/s) with attnlab's engine and with HF generate; optionally beam search against greedy."""
     import platform
 
     import torch
@@ -314,13 +317,13 @@ def bench_decode_cmd(
     from attnlab.bench.decode import bench_decode
 
     if arch is not None:
+        from attnlab.bench.decode import IdTokenizer
         from attnlab.bench.train import build
-        from attnlab.data import load_tokenizer
 
         torch.manual_seed(0)
         target = "cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"
         lm = build(arch, hidden, layers, heads, vocab).to(target, torch.bfloat16 if target == "cuda" else torch.float32).eval()
-        tokenizer = load_tokenizer("byte")
+        tokenizer = IdTokenizer(vocab)
         name = f"{arch} {hidden}x{layers} (untrained)"
     elif model is None:
         from attnlab.config import load_config
@@ -338,11 +341,21 @@ def bench_decode_cmd(
 
         lm, tokenizer = load(model, device=device)
         name = describe(model)
-    rows = bench_decode(lm, tokenizer, batch_size, prompt_len, new_tokens, repeats, compare_hf=hf)
+    hf_model = None
+    if hf_arch is not None:
+        from attnlab.bench.train import build
+
+        torch.manual_seed(0)
+        param = next(lm.parameters())
+        hf_model = build(hf_arch, hidden, layers, heads, vocab).to(param.device, param.dtype).eval()
+        name += f"; HF generate on {hf_arch} {hidden}x{layers}"
+    rows = bench_decode(lm, tokenizer, batch_size, prompt_len, new_tokens, repeats, compare_hf=hf, hf_model=hf_model, beams=beams,
+                        hf_repeats=hf_repeats)
     dev = torch.cuda.get_device_name() if next(lm.parameters()).is_cuda else f"cpu ({torch.get_num_threads()} threads)"
     table = Table(title=f"decode: {name} on {dev}")
     headers = {"batch": "batch", "prompt_len": "prompt", "new_tokens": "new", "attnlab_s": "attnlab s", "attnlab_new_tok_per_s": "attnlab tok/s",
-               "hf_generate_s": "HF s", "hf_generate_new_tok_per_s": "HF tok/s", "speedup": "speedup"}
+               "hf_generate_s": "HF s", "hf_generate_new_tok_per_s": "HF tok/s", "speedup": "speedup", "beams": "beams",
+               "greedy_rows_x_beams_s": "greedy BxN s", "beam_s": "beam s", "beam_cost_ratio": "beam/greedy"}
     for col in rows[0]:
         table.add_column(headers.get(col, col), justify="right")
     for r in rows:
@@ -365,6 +378,7 @@ def bench_train_cmd(
     shape: list[str] = typer.Option(["8x2048"], "--shape", help="BATCHxSEQ_LEN to time (repeatable)."),
     steps: int = typer.Option(10, "--steps", help="Timed steps (median reported)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed steps first (fla autotunes here)."),
+    profile: bool = typer.Option(False, "--profile", help="Also profile one step: GPU time per kernel category and the top kernels."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ):
     """Training tokens/s and peak memory on CUDA: attnlab GLA against fla's GLA and HF Llama (SDPA), one process."""
@@ -383,8 +397,10 @@ def bench_train_cmd(
         except ValueError:
             raise PreflightError(f"--shape takes BATCHxSEQ_LEN such as 8x2048, not {spec!r}") from None
         for name in models:
-            row = bench_train(name, hidden, layers, heads, vocab, batch, seq_len, steps=steps, warmup=warmup)
-            console.print(row, highlight=False)
+            row = bench_train(name, hidden, layers, heads, vocab, batch, seq_len, steps=steps, warmup=warmup, profile=profile)
+            console.print({k: v for k, v in row.items() if k != "profile"}, highlight=False)
+            if "profile" in row:
+                console.print(f"  profile ({row['profile']['gpu_ms']} ms GPU): {row['profile']['by_category_ms']}", highlight=False)
             rows.append(row)
     table = Table(title=f"training, bf16 autocast, AdamW, on {torch.cuda.get_device_name()}")
     for col in ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "step_s"):

@@ -1,4 +1,10 @@
-"""Decode throughput: attnlab's engine against HF `generate` on the same model and prompts."""
+"""Decode throughput: attnlab's engine against HF `generate`, greedy and beam search.
+
+Rows are decoded with EOS disabled, so every row produces exactly `new_tokens` tokens and the
+timings compare equal work. On CUDA the engine decodes fixed-size-state models through CUDA
+graphs; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
+`hf_model`.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,28 @@ import torch
 from attnlab.generation import generate_ids
 
 
+class IdTokenizer:
+    """For randomly initialised models with any vocabulary: token ids are their own text."""
+
+    pad_token_id, eos_token_id = 0, None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device, repeats: int) -> float:
-    fn()  # warm-up
+def _timed(fn, warm, device, repeats: int) -> float:
+    warm()  # kernel compilation, autotuning, graph capture
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -27,26 +48,49 @@ def _timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _engine(model, tokenizer, prompts, new_tokens: int, **settings):
+    return generate_ids(model, tokenizer, prompts, max_new_tokens=new_tokens, eos_token_id=[], batch_size=len(prompts), **settings)
+
+
+def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, pad: int):
+    device = next(model.parameters()).device
+    ids = prompts.to(device)
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=pad)
+
+
 @torch.no_grad()
 def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_tokens: int, repeats: int = 3,
-                 compare_hf: bool = True, seed: int = 0) -> list[dict]:
-    """Greedy decoding of `new_tokens` after random prompts of `prompt_len` tokens; EOS never stops a row."""
+                 compare_hf: bool = True, seed: int = 0, hf_model=None, beams: int = 1, hf_repeats: int | None = None) -> list[dict]:
+    """Greedy decoding of `new_tokens` after random prompts of `prompt_len` tokens; EOS never stops a row.
+
+    hf_model: time HF generate on this model instead of `model` (same prompts).
+    beams > 1: also time beam search with that many beams, and greedy over batch x beams rows, so
+    that the cost per generated token of the two can be compared (`beam_cost_ratio`).
+    """
     device = next(model.parameters()).device
     vocab = min(model.config.vocab_size, len(tokenizer))
     gen = torch.Generator().manual_seed(seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf_target = hf_model if hf_model is not None else model
     rows = []
     for batch in batch_sizes:
         prompts = torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=gen)
-        engine_s = _timed(lambda: generate_ids(model, tokenizer, prompts.tolist(), max_new_tokens=new_tokens,
-                                               eos_token_id=[], batch_size=batch), device, repeats)
+        as_lists = prompts.tolist()
+        engine_s = _timed(lambda: _engine(model, tokenizer, as_lists, new_tokens), lambda: _engine(model, tokenizer, as_lists, 4), device, repeats)
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "attnlab_s": round(engine_s, 4), "attnlab_new_tok_per_s": round(batch * new_tokens / engine_s, 1)}
         if compare_hf:
-            ids, mask = prompts.to(device), torch.ones_like(prompts).to(device)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            hf_s = _timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad), device, repeats)
+            hf_s = _timed(lambda: _hf_generate(hf_target, prompts, new_tokens, pad), lambda: _hf_generate(hf_target, prompts, 4, pad),
+                          device, hf_repeats or repeats)
             row.update(hf_generate_s=round(hf_s, 4), hf_generate_new_tok_per_s=round(batch * new_tokens / hf_s, 1),
                        speedup=round(hf_s / engine_s, 2))
+        if beams > 1:
+            wide = [p for p in as_lists for _ in range(beams)]
+            greedy_wide_s = _timed(lambda: _engine(model, tokenizer, wide, new_tokens), lambda: _engine(model, tokenizer, wide, 4), device, repeats)
+            beam_s = _timed(lambda: _engine(model, tokenizer, as_lists, new_tokens, num_beams=beams),
+                            lambda: _engine(model, tokenizer, as_lists, 4, num_beams=beams), device, repeats)
+            row.update(beams=beams, greedy_rows_x_beams_s=round(greedy_wide_s, 4), beam_s=round(beam_s, 4),
+                       beam_cost_ratio=round(beam_s / greedy_wide_s, 2))
         rows.append(row)
     return rows

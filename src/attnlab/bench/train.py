@@ -40,8 +40,40 @@ def build(name: str, hidden: int, layers: int, heads: int, vocab: int):
     raise ValueError(f"unknown model {name!r}; choose from {PEERS}")
 
 
+CATEGORIES = (  # kernel name fragments -> what the time goes to
+    ("gla (fla chunk/recurrent)", ("chunk", "recurrent", "cumsum")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "ampere", "hopper", "matmul")),
+    ("attention (sdpa/flash)", ("flash", "fmha", "attention", "sdp")),
+    ("norms/swiglu/ce (fused)", ("layer_norm", "rms", "swiglu", "cross_entropy", "logsumexp", "softmax")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("elementwise/copies", ("elementwise", "vectorized", "copy", "reduce", "fill", "cat", "index", "unrolled")),
+)
+
+
+def profile_step(step) -> dict:
+    """One training step under the CUDA profiler: time per kernel category and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1000  # ms
+    total = sum(kernels.values()) or 1.0
+    shares: dict[str, float] = {}
+    for kname, ms in kernels.items():
+        low = kname.lower()
+        cat = next((c for c, frags in CATEGORIES if any(f in low for f in frags)), "other")
+        shares[cat] = shares.get(cat, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"gpu_ms": round(total, 1), "by_category_ms": {k: round(v, 1) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[k[:90], round(v, 2)] for k, v in top]}
+
+
 def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
-                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False) -> dict:
+                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False) -> dict:
     torch.manual_seed(0)
     model = build(name, hidden, layers, heads, vocab).cuda().train()
     if grad_checkpointing:
@@ -75,6 +107,8 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
         step_s = statistics.median(times)
         row.update(step_s=round(step_s, 4), tok_per_s=round(batch * seq_len / step_s), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                    loss=round(float(loss), 3))
+        if profile:
+            row["profile"] = profile_step(step)
     except torch.cuda.OutOfMemoryError:
         row.update(step_s=None, tok_per_s=None, peak_gib=None, error="out of memory")
     del model, opt

@@ -18,6 +18,7 @@ from attnlab.config.loader import validate_section
 from attnlab.errors import ConfigError
 
 from .processors import repetition_penalty, suppress_eos, warp_for_sampling
+from .graphs import make_runner
 from .runner import ModelRunner, left_pad
 
 FinishReason = Literal["eos", "stop", "length"]
@@ -140,9 +141,9 @@ def generate(
     eos = eos_ids_for(model, tokenizer, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     stops = StopStrings(tokenizer, cfg.stop)
-    runner = ModelRunner(model)
     was_training = model.training
     model.eval()
+    runner = make_runner(model, getattr(cfg, "cuda_graphs", "auto"))
     try:
         # Decode in batches of similar lengths (less padding); results return in prompt order.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
@@ -208,6 +209,8 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
 
         keep: list[int] = []
         for j, (row, token) in enumerate(zip(active, next_tokens.tolist())):
+            if finished[row] is not None:  # a finished row kept in a static batch: its output is ignored
+                continue
             if cfg.output_scores:
                 logprob[row] += chosen[j]
             score = logprob[row] if cfg.output_scores else None
@@ -225,7 +228,9 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
             streamed = _stream(stream, stops, generated[0], streamed, done=finished[0] is not None, final=finished[0])
         if not keep:
             break
-        if len(keep) < len(active):  # drop finished rows from the batch and the cache
+        # Drop finished rows from the batch and the cache, except where the batch is static (CUDA
+        # graphs) or rows are sampled: sampling then draws from the same generator stream either way.
+        if len(keep) < len(active) and not cfg.do_sample and not getattr(runner, "keeps_finished_rows", False):
             keep_t = torch.tensor(keep, device=runner.device)
             runner.select(state, keep_t)
             next_tokens = next_tokens.index_select(0, keep_t)

@@ -16,6 +16,7 @@ from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
 
 @register_mixer("gla")
 class GatedLinearAttention(Mixer):
+    fixed_size_state = True  # decodes over one [B, H, K, V] state: CUDA-graph decoding applies
     default_options = {
         "expand_k": 0.5,
         "expand_v": 1.0,

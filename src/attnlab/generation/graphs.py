@@ -1,0 +1,140 @@
+"""Static decoding: preallocated state buffers, and the one-token step captured as a CUDA graph.
+
+When every layer of an attnlab model keeps a state of fixed size while it decodes (GLA,
+Mamba-2: `fixed_size_state` on the mixer class), a decode step reads and writes the same
+buffers every time. The whole step — embedding, every layer, the head — is then recorded once
+per batch size as a CUDA graph and replayed: one launch per token instead of hundreds, which is
+what keeps small-batch decoding from being bound by Python and kernel launches.
+
+Beam search reorders beams as a gather into the same buffers; rows that leave the batch move
+the state into the buffers of the smaller batch size (captured on first use). Without CUDA (and
+in the tests) the same static path runs eagerly, so its logic is checked on any machine; the
+GPU tests hold the captured graph to the eager engine token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnlab.models.cache import AttnLabCache
+
+from .runner import DecodeState, ModelRunner
+
+GRAPH_CHOICES = ("auto", "off")
+
+
+def fixed_size_decoding(model) -> bool:
+    """Whether every layer of `model` decodes over a fixed-size state (no KV cache that grows)."""
+    from attnlab.models import AttnLabForCausalLM
+
+    if not isinstance(model, AttnLabForCausalLM):
+        return False
+    return all(getattr(block.attn, "fixed_size_state", False) for block in model.model.layers)
+
+
+class StaticStep:
+    """The one-token step for one batch size, over buffers it owns: tokens [B], each layer's
+    state tensors, logits [B, vocab]. `capture=True` records the step as a CUDA graph on its
+    first call (a batch size that is only passed through, such as beam search's prompts before
+    they are expanded to beams, is never captured)."""
+
+    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: Any = None):
+        self.model = model
+        self.batch = next(iter(states[0].values())).shape[0]
+        device = next(iter(states[0].values())).device
+        self.tokens = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.states = [{name: t.clone() for name, t in s.items()} for s in states]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.capture, self.pool = capture, pool
+
+    def _run(self) -> torch.Tensor:
+        cache = AttnLabCache(len(self.states))
+        cache.states = [dict(s) for s in self.states]
+        out = self.model(input_ids=self.tokens[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for buffers, new in zip(self.states, cache.states):
+            for name, buf in buffers.items():
+                if new[name] is not buf:
+                    buf.copy_(new[name])
+        return out.logits[:, -1]
+
+    def _capture(self) -> None:
+        saved = [{name: t.clone() for name, t in s.items()} for s in self.states]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph: kernel autotuning, lazy initialisation
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.load(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.logits = self._run()
+
+    def load(self, states: list[dict[str, torch.Tensor]]) -> None:
+        for buffers, new in zip(self.states, states):
+            for name, buf in buffers.items():
+                buf.copy_(new[name])
+
+    def gather(self, rows: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        return [{name: buf.index_select(0, rows) for name, buf in s.items()} for s in self.states]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] -> next-token logits [B, vocab] (float32, a fresh tensor); the state advances."""
+        self.tokens.copy_(tokens)
+        if self.capture and self.graph is None:
+            self._capture()
+        if self.graph is None:
+            return self._run().float()
+        self.graph.replay()
+        return self.logits.float()
+
+
+class StaticRunner(ModelRunner):
+    """`ModelRunner` whose steps run over static buffers, captured as CUDA graphs when `capture`."""
+
+    keeps_finished_rows = True  # finished rows stay in the batch (their outputs are ignored): no re-capture
+
+    def __init__(self, model, capture: bool):
+        super().__init__(model)
+        self.capture = capture
+        self.steps: dict[int, StaticStep] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def _static(self, states: list[dict[str, torch.Tensor]]) -> StaticStep:
+        batch = next(iter(states[0].values())).shape[0]
+        step = self.steps.get(batch)
+        if step is None:
+            step = self.steps[batch] = StaticStep(self.model, states, self.capture, self.pool)
+        step.load(states)
+        return step
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+        logits, state = super().prefill(input_ids, attention_mask)
+        state.cache = self._static(state.cache.states)
+        return logits, state
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        return state.cache.step(tokens)
+
+    def select(self, state: DecodeState, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        current: StaticStep = state.cache
+        gathered = current.gather(rows)
+        if len(rows) == current.batch:  # beam reorder: a gather into the same buffers
+            current.load(gathered)
+        else:
+            state.cache = self._static(gathered)
+
+
+def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:
+    """The runner for `generate`: CUDA-graph steps for fixed-size-state attnlab models on CUDA
+    (unless `cuda_graphs` is "off"), the plain runner otherwise."""
+    runner = ModelRunner(model)
+    if cuda_graphs == "auto" and runner.device.type == "cuda" and fixed_size_decoding(model) and not model.training:
+        return StaticRunner(model, capture=True)
+    return runner

@@ -1,0 +1,85 @@
+"""Static decoding (the path CUDA graphs capture) equals the engine's dynamic path token for token.
+
+On CPU the static path runs eagerly over the same preallocated buffers the graph would replay;
+tests/test_kernels_cuda.py holds the captured graphs to the eager engine on a GPU.
+"""
+
+import pytest
+import torch
+
+from attnlab.data import ByteTokenizer
+from attnlab.generation import engine, generate
+from attnlab.generation.graphs import StaticRunner, fixed_size_decoding, make_runner
+from attnlab.models import MIXERS, AttnLabConfig, AttnLabForCausalLM
+
+PROMPTS = ["Hello there, friend", "A", "The quick brown fox jumps", "Be"]
+FIXED = sorted(name for name, cls in MIXERS.items() if getattr(cls, "fixed_size_state", False))
+
+
+def model_for(mixer: str):
+    torch.manual_seed(0)
+    return AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, mixer=mixer)).eval()
+
+
+def run(model, static: bool, monkeypatch, **settings):
+    if static:
+        monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
+    else:
+        monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": engine.ModelRunner(m))
+    out = generate(model, ByteTokenizer(), PROMPTS, **settings)
+    return [[(c.token_ids, c.finish_reason, c.score) for c in r.candidates] for r in out]
+
+
+def emitted_token(model, **settings) -> int:
+    """A token the first prompt's best continuation emits after min_new_tokens: as an extra EOS it
+    ends that row there (or earlier), while the other rows go on."""
+    out = generate(model, ByteTokenizer(), PROMPTS, **{**settings, "eos_token_id": [257]})
+    return out[0].candidates[0].token_ids[settings.get("min_new_tokens", 0) + 1]
+
+
+def test_gla_and_mamba2_decode_over_fixed_size_state_and_softmax_does_not():
+    assert {"gla", "mamba2"} <= set(FIXED)
+    assert fixed_size_decoding(model_for("gla")) and not fixed_size_decoding(model_for("softmax"))
+
+
+def test_without_cuda_generate_uses_the_plain_runner():
+    assert type(make_runner(model_for("gla"))) is engine.ModelRunner
+    assert type(make_runner(model_for("gla"), "off")) is engine.ModelRunner
+
+
+@pytest.mark.parametrize("mixer", FIXED)
+@pytest.mark.parametrize("settings", [
+    dict(max_new_tokens=12),
+    dict(max_new_tokens=12, repetition_penalty=1.3),
+    dict(max_new_tokens=10, do_sample=True, top_k=20, seed=3, num_return_sequences=2),
+    dict(max_new_tokens=9, num_beams=3, length_penalty=1.5, min_new_tokens=2),
+    dict(max_new_tokens=9, num_beams=4, early_stopping=True, num_return_sequences=2, output_scores=True),
+], ids=["greedy", "greedy-penalty", "sample", "beam3", "beam4-early"])
+def test_static_steps_give_the_dynamic_tokens_with_rows_finishing_early(mixer, settings, monkeypatch):
+    model = model_for(mixer)
+    eos = [257, emitted_token(model, **settings)]  # a token the model emits, so that rows and beams finish at different steps
+    dynamic = run(model, False, monkeypatch, eos_token_id=eos, batch_size=4, **settings)
+    static = run(model, True, monkeypatch, eos_token_id=eos, batch_size=4, **settings)
+    assert static == dynamic
+    if settings.get("num_beams", 1) == 1:  # rows finishing early is exercised (for beams: the test below)
+        assert any(c[1] == "eos" for r in dynamic for c in r)
+
+
+def test_beam_search_shrinking_batch_moves_the_state_into_the_smaller_buffers(monkeypatch):
+    model = model_for("gla")
+    settings = dict(max_new_tokens=9, num_beams=2, early_stopping=True, batch_size=4)
+    first = generate(model, ByteTokenizer(), PROMPTS, eos_token_id=[257], **settings)
+    ids = [r.token_ids for r in first]
+    eos = [257, ids[0][0], ids[2][0], ids[3][0], ids[1][3]]  # prompts end early, at different steps
+    dynamic = run(model, False, monkeypatch, eos_token_id=eos, **settings)
+    runners = []
+
+    def recording(m, choice="auto"):
+        runners.append(StaticRunner(m, capture=False))
+        return runners[-1]
+
+    monkeypatch.setattr(engine, "make_runner", recording)
+    out = generate(model, ByteTokenizer(), PROMPTS, eos_token_id=eos, **settings)
+    assert [[(c.token_ids, c.finish_reason, c.score) for c in r.candidates] for r in out] == dynamic
+    sizes = sorted(runners[-1].steps)
+    assert sizes[-1] == 8 and len(sizes) > 2  # 4 prompts x 2 beams, then fewer as prompts finish
