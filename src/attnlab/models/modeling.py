@@ -197,8 +197,10 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-            shifted_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            # Shift the labels, not the logits: no copy of the [B, T, vocab] logits (nor of their gradient).
+            labels = labels.to(logits.device)
+            shifted_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1).reshape(-1)
+            shifted_logits = logits.reshape(-1, logits.shape[-1])
             # With `num_items_in_batch` (transformers.Trainer under gradient accumulation or several
             # processes) the loss is a sum over this micro-batch divided by the tokens of the whole step.
             num_items = kwargs.get("num_items_in_batch")
