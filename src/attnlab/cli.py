@@ -401,6 +401,11 @@ def bench_train_cmd(
             console.print({k: v for k, v in row.items() if k != "profile"}, highlight=False)
             if "profile" in row:
                 console.print(f"  profile ({row['profile']['gpu_ms']} ms GPU): {row['profile']['by_category_ms']}", highlight=False)
+                for kname, ms in row["profile"]["top_kernels_ms"]:
+                    console.print(f"    {ms:8.2f} ms  {kname}", highlight=False, soft_wrap=True)
+            if out is not None:  # after every row, so that an interrupted run keeps what it measured
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows + [row]}, indent=1))
             rows.append(row)
     table = Table(title=f"training, bf16 autocast, AdamW, on {torch.cuda.get_device_name()}")
     for col in ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "step_s"):

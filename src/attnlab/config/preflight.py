@@ -76,6 +76,7 @@ def run_preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = Fa
     _check_world_size(cfg, report)
     _check_cadence(cfg, report)
     _check_device(cfg, report)
+    _check_strategy(cfg, report)
     _check_model_and_data(cfg, report, load_data)
     return report
 
@@ -150,6 +151,30 @@ def _check_device(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(Problem(level, "train.gradient_checkpointing", "a long CUDA run without gradient checkpointing: activations bound the batch and sequence length. Set train.gradient_checkpointing=true."))
     if cfg.train.profile == "production" and report.device != "cuda":
         report.error("train.profile", "the production profile is for CUDA runs, but this run would train on CPU")
+
+
+def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
+    """FSDP runs as accelerate's FSDP2: on CUDA devices only (accelerate runs several CPU processes as DDP
+    over gloo and drops an FSDP plugin without a word), with torch >= 2.6."""
+    if cfg.train.strategy != "fsdp":
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        report.warn("train.strategy", "train.strategy=fsdp with one process: nothing to shard, so it trains as one process. "
+                    "Launch under torchrun --nproc_per_node N (N > 1) to shard.")
+        return
+    from accelerate.utils import is_torch_version
+    from accelerate.utils.constants import FSDP2_PYTORCH_VERSION
+
+    if report.device != "cuda":
+        report.error("train.strategy", f"train.strategy=fsdp needs CUDA devices, but these {world} processes would train on CPU, where "
+                     "accelerate runs DDP whatever the strategy. Use train.strategy=ddp on CPU, or train on GPUs.")
+    elif not is_torch_version(">=", FSDP2_PYTORCH_VERSION):
+        report.error("train.strategy", f"train.strategy=fsdp (FSDP2) needs torch >= {FSDP2_PYTORCH_VERSION}; this is torch {torch.__version__}. "
+                     "Upgrade torch, or use train.strategy=ddp.")
+    if cfg.eval.tasks:
+        report.error("eval.tasks", "evaluation tasks during training decode on rank 0 alone, which a model sharded by "
+                     "train.strategy=fsdp cannot do. Use train.strategy=ddp, or evaluate the final model with attnlab eval.")
 
 
 def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bool) -> None:

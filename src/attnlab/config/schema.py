@@ -63,6 +63,7 @@ class TrainSection(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on CUDA, fp32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when visible")
     gradient_checkpointing: bool = Field(False, description="recompute block activations in backward")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="how several processes under torchrun share the model: ddp replicates it, fsdp (CUDA only) shards parameters, gradients and optimizer state (FULL_SHARD); one process ignores it")
     eval_every: int = Field(200, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
     eval_batches: int = Field(16, gt=0, description="validation batches per evaluation")
     save_every: int = Field(200, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")
@@ -113,6 +114,7 @@ class GenerateConfig(Section):
     num_return_sequences: int = Field(1, gt=0, description="candidates returned per prompt")
     batch_size: int = Field(8, gt=0, description="prompts decoded together")
     output_scores: bool = Field(False, description="also return each sequence's log-probability score")
+    cuda_graphs: Literal["auto", "off"] = Field("auto", description="auto = on CUDA, decode models whose layers keep fixed-size states (GLA, Mamba-2) through CUDA graphs; off = eager steps")
 
     @model_validator(mode="after")
     def _coherent(self) -> "GenerateConfig":

@@ -143,7 +143,7 @@ def generate(
     stops = StopStrings(tokenizer, cfg.stop)
     was_training = model.training
     model.eval()
-    runner = make_runner(model, getattr(cfg, "cuda_graphs", "auto"))
+    runner = make_runner(model, cfg.cuda_graphs)
     try:
         # Decode in batches of similar lengths (less padding); results return in prompt order.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))

@@ -49,5 +49,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if kernels.use_fla(self.kernels, x):
+            if type(self.down_proj) is nn.Linear:  # not when an adapter (LoRA) wraps down_proj
+                return kernels.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
             return self.down_proj(kernels.swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)

@@ -170,3 +170,76 @@ class CheckpointManager:
             )
         verify_checkpoint(newest)
         return newest
+
+
+# Sharded (FSDP) training state <-> the files one process writes. A checkpoint written under FSDP holds
+# the whole model (model.safetensors) and the whole optimizer state (optimizer.pt) keyed by parameter
+# position, as `torch.optim.Optimizer.state_dict()` keys it; so it resumes with either strategy, on any
+# number of processes. The gathering and scattering is torch.distributed.checkpoint's (the API accelerate uses).
+
+OPTIMIZER_FILE = "optimizer.pt"
+MODEL_FILE = "model.safetensors"
+
+
+def full_optimizer_state(model, optimizer) -> dict | None:
+    """The optimizer state of a sharded model, gathered whole onto rank 0's CPU and keyed by parameter
+    position. Every rank must call it; rank 0 gets the state, the others None."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    names = [name for group in by_name["param_groups"] for name in group["params"]]
+    position = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {position[name]: state for name, state in by_name["state"].items()},
+        "param_groups": [{**group, "params": [position[n] for n in group["params"]]} for group in by_name["param_groups"]],
+    }
+
+
+def load_full_optimizer_state(model, optimizer, checkpoint: Path) -> None:
+    """Load a checkpoint's optimizer.pt (written by one process, DDP or FSDP) into the optimizer of a
+    sharded model: every rank reads the file and keeps its shard."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    path = Path(checkpoint) / OPTIMIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint} has no {OPTIMIZER_FILE}: its optimizer state cannot be resumed. "
+                              "Resume from a checkpoint written by attnlab train.")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    # The parameter names in the optimizer's own order: the order in which one process numbers them.
+    names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
+    positions = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(positions) != len(names) or len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{path} holds optimizer state for {len(positions)} parameters in {len(saved['param_groups'])} groups; "
+            f"this run's optimizer has {len(names)} in {len(optimizer.param_groups)}. Resume with the run's saved config."
+        )
+    name_of = dict(zip(positions, names))
+    by_name = {
+        "state": {name_of[i]: state for i, state in saved["state"].items()},
+        "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_model_state(model, checkpoint: Path) -> None:
+    """Load a checkpoint's model.safetensors into a sharded model: every rank reads the file and keeps its shard.
+    Weights saved once for two names (tied embeddings) are given to both."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    path = Path(checkpoint) / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint} has no {MODEL_FILE}. Resume from a checkpoint written by attnlab train.")
+    full = load_file(path)
+    local = model.state_dict(keep_vars=True)
+    for key, tensor in local.items():
+        if key not in full:
+            twin = next((k for k, t in local.items() if t is tensor and k in full), None)
+            if twin is None:
+                raise CheckpointError(f"{path} has no tensor '{key}': it was written for another model. Resume with the run's saved config.")
+            full[key] = full[twin]
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))

@@ -28,11 +28,12 @@ from attnlab.config import RunConfig, config_to_yaml, save_config
 from attnlab.config.preflight import PreflightReport
 from attnlab.errors import TrainingDivergedError
 
-from .checkpoint import CheckpointManager
+from .checkpoint import OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from .sampling import sample_continuation
 from .telemetry import RunLogger, Throughput
 
 LN2 = math.log(2.0)
+SCHEDULER_FILE = "scheduler.pt"  # transformers.Trainer's name for it
 
 
 @dataclass
@@ -46,7 +47,13 @@ class TrainResult:
 
 
 class AttnLabTrainer(Trainer):
-    """Trainer whose checkpoints are published atomically and which stops on a NaN/inf loss."""
+    """Trainer whose checkpoints are published atomically and which stops on a NaN/inf loss.
+
+    Under FSDP a checkpoint holds the same files as under DDP or in one process: the whole model
+    (model.safetensors) and the whole optimizer state (optimizer.pt, keyed as torch.optim keys it),
+    gathered from the shards by every rank and written by rank 0; a resume scatters them again.
+    So any checkpoint resumes with either strategy and on any number of processes.
+    """
 
     def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -66,6 +73,27 @@ class AttnLabTrainer(Trainer):
             staged = self.checkpoints.staging / f"checkpoint-{step}"
             self.checkpoints.publish(staged, step, extra_files={"run_config.yaml": self.run_config_yaml})
         self.accelerator.wait_for_everyone()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.is_fsdp_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Trainer's own FSDP files (pytorch_model_fsdp.bin, optimizer.bin) resume only under FSDP:
+        # write what one process writes instead. model.safetensors came from save_model (full state dict).
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)  # every rank takes part
+        if self.args.should_save:
+            torch.save(optimizer_state, os.path.join(output_dir, OPTIMIZER_FILE))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_full_model_state(model if model is not None else self.model, Path(resume_from_checkpoint))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self.is_fsdp_enabled or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_full_optimizer_state(self.model, self.optimizer, Path(checkpoint))
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
 
     def get_decay_parameter_names(self, model) -> list[str]:
         """Weight decay on matrices only (as nanoGPT): never on norms, biases, or 1-D SSM parameters
@@ -140,15 +168,20 @@ class TelemetryCallback(TrainerCallback):
         self.progress.update(self.task, loss=record["loss"], tps=record["tokens_per_s"])
 
     def on_evaluate(self, args, state, control, metrics=None, model=None, **kw):
-        if not metrics or "eval_loss" not in metrics or not state.is_world_process_zero:
+        if not metrics or "eval_loss" not in metrics:
+            return
+        sampling = self.cfg.train.sample_tokens > 0 and model is not None
+        prompt = self.cfg.train.sample_prompt
+        if sampling and (state.is_world_process_zero or fsdp_active(self.cfg)):
+            # A sharded model runs forward only with every rank: all of them sample, in step (same seed, same tokens).
+            self.sample = sample_continuation(model, self.tokenizer, prompt, self.cfg.train.sample_tokens, seed=self.cfg.train.seed)
+        if not state.is_world_process_zero:
             return
         self.val_loss = float(metrics["eval_loss"])
         self.val_bpb = self.val_loss / LN2 / self.val_bytes_per_token
         self.logger.validation(state.global_step, round(self.elapsed(), 2), self.val_loss, self.val_bpb)
         line = f"step {state.global_step}: val loss {self.val_loss:.4f} nats/token, {self.val_bpb:.3f} bits/byte"
-        if self.cfg.train.sample_tokens > 0 and model is not None:
-            prompt = self.cfg.train.sample_prompt
-            self.sample = sample_continuation(model, self.tokenizer, prompt, self.cfg.train.sample_tokens, seed=self.cfg.train.seed)
+        if sampling:
             self.logger.sample(state.global_step, prompt, self.sample)
             self.console.print(line)
             self.console.print(f"[dim]{prompt}[/dim]{_escape(self.sample)}", highlight=False)
@@ -213,7 +246,27 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         dataloader_num_workers=0,
         remove_unused_columns=False,
         prediction_loss_only=True,
+        **_strategy_arguments(cfg),
     )
+
+
+def fsdp_active(cfg: RunConfig) -> bool:
+    """train.strategy=fsdp takes effect only with several processes: one process has nothing to shard with."""
+    return cfg.train.strategy == "fsdp" and world_size() > 1
+
+
+def _strategy_arguments(cfg: RunConfig) -> dict:
+    """FSDP2 through accelerate: every decoder block its own shard group, full (unsharded) state dicts on save."""
+    if not fsdp_active(cfg):
+        return {}
+    from attnlab.models.modeling import AttnLabBlock
+
+    return {"fsdp": True, "fsdp_config": {
+        "version": 2,
+        "reshard_after_forward": True,  # FULL_SHARD: parameters are gathered per block and freed after use
+        "transformer_layer_cls_to_wrap": [AttnLabBlock.__name__],
+        "state_dict_type": "FULL_STATE_DICT",
+    }}
 
 
 def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console: Console | None = None) -> TrainResult:
@@ -272,8 +325,10 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     status = "failed"
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        # Sharded weights are gathered whole by every rank (rank 0 keeps them); rank 0 writes the final model.
+        weights = trainer.accelerator.get_state_dict(trainer.model) if trainer.is_fsdp_enabled else None
         if is_main:
-            _save_final(trainer.model, tokenizer, cfg, run_dir)
+            _save_final(trainer.model, tokenizer, cfg, run_dir, weights)
         status = "finished"
     except TrainingDivergedError:
         status = "diverged"
@@ -309,10 +364,10 @@ def _stable_run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path) -> None:
+def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path, state_dict: dict | None = None) -> None:
     final, tmp = run_dir / "final", run_dir / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     save_config(cfg, tmp / "run_config.yaml")
     if final.exists():

@@ -65,6 +65,13 @@ def swiglu(gate, up):
     return fla_swiglu(gate, up)
 
 
+def swiglu_linear(gate, up, weight, bias):
+    """down(swiglu(gate, up)) that keeps only gate and up for the backward (the product is recomputed)."""
+    from fla.modules.activations import swiglu_linear as fla_swiglu_linear
+
+    return fla_swiglu_linear(gate, up, weight, bias)
+
+
 def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "mean"):
     """Token cross-entropy over [N, V] logits without materialising fp32 copies."""
     from fla.modules import FusedCrossEntropyLoss

@@ -68,7 +68,8 @@ class GatedLinearAttention(Mixer):
         k = self.k_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
         v = self.v_proj(x).view(batch, seq_len, self.num_heads, self.head_v_dim)
         gk = self.gk_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
-        gk = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # log forget gate, <= 0
+        use_fla = kernels.use_fla(self.kernels, x)
+        gk = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # log forget gate, <= 0, in fp32
 
         if attention_mask is not None:
             # Padding must not touch the state: no write (k = v = 0) and no decay (log-gate 0).
@@ -77,7 +78,7 @@ class GatedLinearAttention(Mixer):
             gk = gk * is_token
 
         state = cache["recurrent_state"] if cache is not None else None
-        if kernels.use_fla(self.kernels, x):
+        if use_fla:
             # fla: fused recurrence for decoding and short prefills (as fla's layer), chunked kernels otherwise
             fla_gla = kernels.gla_recurrent if seq_len <= 64 else kernels.gla_chunk
             o, state = fla_gla(q, k, v, gk, self.scale, state, output_final_state=use_cache)
