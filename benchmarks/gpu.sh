@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one call: `bash benchmarks/gpu.sh STAGE...`
 # Stages: tests (CUDA tests), train (training throughput at 8x2048), long (T=8192/16384),
-# decode (greedy and beam decoding), all. Logs go to $OUT (or ./gpu-out) as they are written;
+# decode (greedy and beam decoding), train-gla (attnlab and fla GLA only). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
 mkdir -p "$TRITON_CACHE_DIR"
-# A cache from an earlier call, as split parts (tcache.tar.xz.part-aa, -ab, ...) in .tcache-in/
+# A cache carried from another machine, as split parts (tcache.tar.xz.part-aa, -ab, ...) in .tcache-in/
 ls .tcache-in/tcache.tar.xz.part-* >/dev/null 2>&1 && cat .tcache-in/tcache.tar.xz.part-* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
