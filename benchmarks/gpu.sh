@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one call: `bash benchmarks/gpu.sh STAGE...`
 # Stages: tests (CUDA tests), train (training throughput at 8x2048), long (T=8192/16384),
-# decode (greedy and beam decoding), train-gla (attnlab and fla GLA only). Logs go to $OUT (or ./gpu-out) as they are written;
+# decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -16,6 +16,7 @@ for stage in "$@"; do case $stage in
   tests) run tests "${TESTS_LIMIT:-330}" python -m pytest -q -p no:cacheprovider --tb=short -rfs tests/test_kernels_cuda.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-gla-8x2048.json" ;;
+  fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
   decode) run decode "${DECODE_LIMIT:-240}" $AL bench decode --arch attnlab-gla --hf-arch fla-gla --batch-size 8 --prompt-len 2048 --new-tokens 256 --repeats 2 --hf-repeats 1 --beams 4 --out "$OUT/decode-8x2048.json" ;;
   *) echo "unknown stage $stage" ;;

@@ -355,7 +355,8 @@ def bench_decode_cmd(
     table = Table(title=f"decode: {name} on {dev}")
     headers = {"batch": "batch", "prompt_len": "prompt", "new_tokens": "new", "attnlab_s": "attnlab s", "attnlab_new_tok_per_s": "attnlab tok/s",
                "hf_generate_s": "HF s", "hf_generate_new_tok_per_s": "HF tok/s", "speedup": "speedup", "beams": "beams",
-               "greedy_rows_x_beams_s": "greedy BxN s", "beam_s": "beam s", "beam_cost_ratio": "beam/greedy"}
+               "greedy_rows_x_beams_s": "greedy BxN s", "beam_s": "beam s", "beam_cost_ratio": "beam/greedy",
+               "graph_step_ms": "graph step ms", "engine_step_ms": "engine ms/step"}
     for col in rows[0]:
         table.add_column(headers.get(col, col), justify="right")
     for r in rows:

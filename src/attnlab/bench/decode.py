@@ -60,6 +60,27 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, pad: int):
 
 
 @torch.no_grad()
+def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | None:
+    """Milliseconds per replay of the captured one-token step (CUDA, fixed-size-state models), else None."""
+    from attnlab.generation.graphs import StaticRunner, make_runner
+
+    runner = make_runner(model)
+    if not isinstance(runner, StaticRunner):
+        return None
+    _, state = runner.prefill(prompts, torch.ones_like(prompts))
+    tokens = prompts[:, -1]
+    for _ in range(3):
+        state.cache.step(tokens)  # capture and warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        state.cache.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+@torch.no_grad()
 def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_tokens: int, repeats: int = 3,
                  compare_hf: bool = True, seed: int = 0, hf_model=None, beams: int = 1, hf_repeats: int | None = None) -> list[dict]:
     """Greedy decoding of `new_tokens` after random prompts of `prompt_len` tokens; EOS never stops a row.
@@ -80,6 +101,10 @@ def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_
         engine_s = _timed(lambda: _engine(model, tokenizer, as_lists, new_tokens), lambda: _engine(model, tokenizer, as_lists, 4), device, repeats)
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "attnlab_s": round(engine_s, 4), "attnlab_new_tok_per_s": round(batch * new_tokens / engine_s, 1)}
+        step_ms = _graph_step_ms(model, prompts.to(device))
+        if step_ms is not None:
+            # the captured step alone, replayed back to back: what the engine's per-step work adds is the rest
+            row.update(graph_step_ms=round(step_ms, 3), engine_step_ms=round((engine_s * 1000) / new_tokens, 3))
         if compare_hf:
             hf_s = _timed(lambda: _hf_generate(hf_target, prompts, new_tokens, pad), lambda: _hf_generate(hf_target, prompts, 4, pad),
                           device, hf_repeats or repeats)
