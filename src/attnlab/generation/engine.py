@@ -156,6 +156,8 @@ def generate(
                 from .beam import beam_search
 
                 outs = beam_search(runner, batch_prompts, cfg, eos, pad_id, stops)
+            elif getattr(runner, "keeps_finished_rows", False) and not stops.stops and stream is None:
+                outs = _greedy_or_sample_on_device(runner, batch_prompts, cfg, eos, pad_id, stops, generator)
             else:
                 outs = _greedy_or_sample(runner, batch_prompts, cfg, eos, pad_id, stops, generator, stream)
             for i, candidates in zip(batch, outs):
@@ -237,6 +239,63 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
             active = [active[j] for j in keep]
         logits = runner.step(next_tokens, state)
     return [finished[i * n:(i + 1) * n] for i in range(len(prompts))]  # type: ignore[misc]
+
+
+SYNC_EVERY = 16  # steps between the host's looks at whether every row has finished
+
+
+def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConfig, eos: list[int],
+                                pad_id: int, stops: StopStrings, generator: torch.Generator) -> list[list[Candidate]]:
+    """`_greedy_or_sample` for a static batch without stop strings or streaming: tokens, lengths and
+    finish flags stay on the device, so steps are queued back to back and the host looks at them only
+    every SYNC_EVERY steps (rows that finished in between run on; their outputs are ignored).
+    Same tokens, finish reasons and scores as `_greedy_or_sample`."""
+    n, device = cfg.num_return_sequences, runner.device
+    rows = [p for p in prompts for _ in range(n)]
+    input_ids, mask = left_pad(rows, pad_id, device)
+    logits, state = runner.prefill(input_ids, mask)
+    R, vocab = logits.shape
+    eos_t = torch.tensor([e for e in eos if e < vocab], dtype=torch.long, device=device)
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = torch.zeros(R, vocab, dtype=torch.bool, device=device)
+        seen.scatter_(1, input_ids, mask.bool())
+    out = torch.full((R, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.zeros(R, dtype=torch.long, device=device)  # tokens kept (EOS excluded)
+    done = torch.zeros(R, dtype=torch.bool, device=device)
+    ended_by_eos = torch.zeros(R, dtype=torch.bool, device=device)
+    logprob = torch.zeros(R, dtype=torch.float64, device=device)  # summed as the host path sums Python floats
+    all_rows = torch.arange(R, device=device)
+    for step in range(cfg.max_new_tokens):
+        scores = logits
+        if seen is not None:
+            scores = repetition_penalty(scores, seen, cfg.repetition_penalty)
+        if step < cfg.min_new_tokens and len(eos_t):
+            scores = suppress_eos(scores, eos_t)
+        if cfg.do_sample:
+            probs = warp_for_sampling(scores, cfg.temperature, cfg.top_k, cfg.top_p).softmax(dim=-1)
+            next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            next_tokens = scores.argmax(dim=-1)
+        live = ~done
+        if cfg.output_scores:
+            chosen = logits.log_softmax(-1).gather(1, next_tokens[:, None])[:, 0].double()
+            logprob = logprob + torch.where(live, chosen, torch.zeros_like(chosen))
+        if seen is not None:
+            seen[all_rows, next_tokens] = True
+        is_eos = torch.isin(next_tokens, eos_t) & live if len(eos_t) else torch.zeros_like(live)
+        keep = live & ~is_eos
+        out[:, step] = torch.where(keep, next_tokens, out[:, step])
+        lengths += keep.long()
+        ended_by_eos |= is_eos
+        done |= is_eos
+        if step + 1 == cfg.max_new_tokens or ((step + 1) % SYNC_EVERY == 0 and bool(done.all())):
+            break
+        logits = runner.step(next_tokens, state)
+    tokens, lengths_h, eos_h = out.tolist(), lengths.tolist(), ended_by_eos.tolist()
+    scores_h = logprob.tolist() if cfg.output_scores else [None] * R
+    finished = [_finish(stops, tokens[r][:lengths_h[r]], "eos" if eos_h[r] else "length", scores_h[r]) for r in range(R)]
+    return [finished[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
 def _stream(emit, stops: StopStrings, token_ids: list[int], streamed: int, done: bool, final: Candidate | None) -> int:
