@@ -174,6 +174,21 @@ def generate_ids(model, tokenizer, prompts, config=None, **settings) -> list[lis
     return [r.token_ids for r in generate(model, tokenizer, prompts, config, **settings)]
 
 
+def _choose(logits: torch.Tensor, seen: torch.Tensor | None, step: int, cfg: GenerateConfig, eos_t: torch.Tensor,
+            generator: torch.Generator) -> torch.Tensor:
+    """The next token of every row: repetition penalty, EOS suppression before min_new_tokens, then
+    argmax or a draw from the warped distribution."""
+    scores = logits
+    if seen is not None:
+        scores = repetition_penalty(scores, seen, cfg.repetition_penalty)
+    if step < cfg.min_new_tokens and len(eos_t):
+        scores = suppress_eos(scores, eos_t)
+    if cfg.do_sample:
+        probs = warp_for_sampling(scores, cfg.temperature, cfg.top_k, cfg.top_p).softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return scores.argmax(dim=-1)
+
+
 def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConfig, eos: list[int], pad_id: int,
                       stops: StopStrings, generator: torch.Generator, stream) -> list[list[Candidate]]:
     n = cfg.num_return_sequences
@@ -194,16 +209,7 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
     active = list(range(len(rows)))  # original row of each batch row
     streamed = 0
     for step in range(cfg.max_new_tokens):
-        scores = logits
-        if seen is not None:
-            scores = repetition_penalty(scores, seen[active], cfg.repetition_penalty)
-        if step < cfg.min_new_tokens and len(eos_t):
-            scores = suppress_eos(scores, eos_t)
-        if cfg.do_sample:
-            probs = warp_for_sampling(scores, cfg.temperature, cfg.top_k, cfg.top_p).softmax(dim=-1)
-            next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            next_tokens = scores.argmax(dim=-1)
+        next_tokens = _choose(logits, None if seen is None else seen[active], step, cfg, eos_t, generator)
         if cfg.output_scores:
             chosen = logits.log_softmax(-1).gather(1, next_tokens[:, None])[:, 0].tolist()
         if seen is not None:
@@ -267,16 +273,7 @@ def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], c
     logprob = torch.zeros(R, dtype=torch.float64, device=device)  # summed as the host path sums Python floats
     all_rows = torch.arange(R, device=device)
     for step in range(cfg.max_new_tokens):
-        scores = logits
-        if seen is not None:
-            scores = repetition_penalty(scores, seen, cfg.repetition_penalty)
-        if step < cfg.min_new_tokens and len(eos_t):
-            scores = suppress_eos(scores, eos_t)
-        if cfg.do_sample:
-            probs = warp_for_sampling(scores, cfg.temperature, cfg.top_k, cfg.top_p).softmax(dim=-1)
-            next_tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            next_tokens = scores.argmax(dim=-1)
+        next_tokens = _choose(logits, seen, step, cfg, eos_t, generator)
         live = ~done
         if cfg.output_scores:
             chosen = logits.log_softmax(-1).gather(1, next_tokens[:, None])[:, 0].double()
