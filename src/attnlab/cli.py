@@ -149,13 +149,9 @@ def _read_prompts(path: Path) -> list[dict]:
         raise DataError(f"prompt file not found: {path}")
     rows = []
     if path.suffix in (".jsonl", ".json"):
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path}, line {n}: not valid JSON ({e})") from None
+        from attnlab.data.corpus import jsonl_records
+
+        for n, row in jsonl_records(path.read_text(encoding="utf-8"), path):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise DataError(f'{path}, line {n}: expected an object with a "prompt" string, e.g. {{"id": 1, "prompt": "..."}}')
             rows.append(row)

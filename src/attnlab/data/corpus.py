@@ -212,19 +212,21 @@ def _read_json_file(path: Path, text_field: str) -> list[str]:
         else:
             records = data if isinstance(data, list) else [data]
             return [_field_text(rec, text_field, f"{path}, record {i + 1}") for i, rec in enumerate(records)]
-    docs = []
+    hint = f"Each line must be one JSON object, e.g. {{\"{text_field}\": \"...\"}}; fix or remove that line."
+    return [_field_text(record, text_field, f"{path}, line {lineno}") for lineno, record in jsonl_records(content, path, hint)]
+
+
+def jsonl_records(content: str, path: Path, hint: str = ""):
+    """(line number, parsed value) for every non-blank line of JSON Lines text; a line that is not
+    JSON is a DataError naming the file and the line (and `hint`, what to do about it)."""
     for lineno, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield lineno, json.loads(line)
         except ValueError as exc:
-            raise DataError(
-                f"{path}, line {lineno}: not valid JSON ({exc.msg}). Each line must be one JSON object, "
-                f"e.g. {{\"{text_field}\": \"...\"}}; fix or remove that line."
-            ) from exc
-        docs.append(_field_text(record, text_field, f"{path}, line {lineno}"))
-    return docs
+            msg = getattr(exc, "msg", str(exc))
+            raise DataError(f"{path}, line {lineno}: not valid JSON ({msg}).{' ' + hint if hint else ''}") from None
 
 
 def _read_parquet_file(path: Path, text_field: str) -> list[str]:

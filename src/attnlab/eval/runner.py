@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from attnlab.config import GenerateConfig
+from attnlab.data.corpus import jsonl_records
 from attnlab.errors import DataError
 
 from .metrics import clean_prediction
@@ -144,13 +145,7 @@ def read_predictions(path: Path, examples: Sequence[Example]) -> list[str]:
                             "give one prediction per line, in the data's order (or JSONL with an \"id\")")
         return lines
     by_id: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"{path}, line {n}: not valid JSON ({e})") from None
+    for n, row in jsonl_records("\n".join(lines), path):
         text = next((row[k] for k in ("prediction", "text", "sql") if isinstance(row, dict) and isinstance(row.get(k), str)), None)
         if not isinstance(row, dict) or "id" not in row or text is None:
             raise DataError(f'{path}, line {n}: expected an object with "id" and "prediction", e.g. {{"id": "0", "prediction": "..."}}')

@@ -8,7 +8,6 @@ are -100 on every prompt token and on padding, and the token id everywhere else.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from attnlab.data.corpus import jsonl_records
 from attnlab.errors import DataError
 
 IGNORE = -100
@@ -35,13 +35,7 @@ def read_rows(spec: str) -> list[dict[str, Any]]:
         raise DataError(f"dataset not found: {path}. Point data.train / data.val at a JSONL file of "
                         '{"prompt": ..., "completion": ...} or {"messages": [...]} rows.')
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"{path}, line {n}: not valid JSON ({e})") from None
+    for n, row in jsonl_records(path.read_text(encoding="utf-8"), path):
         if not isinstance(row, dict):
             raise DataError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
         if "messages" in row:
