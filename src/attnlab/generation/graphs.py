@@ -134,7 +134,7 @@ class StaticRunner(ModelRunner):
 def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:
     """The runner for `generate`: CUDA-graph steps for fixed-size-state attnlab models on CUDA
     (unless `cuda_graphs` is "off"), the plain runner otherwise."""
-    runner = ModelRunner(model)
-    if cuda_graphs == "auto" and runner.device.type == "cuda" and fixed_size_decoding(model) and not model.training:
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if cuda_graphs == "auto" and on_cuda and fixed_size_decoding(model) and not model.training:
         return StaticRunner(model, capture=True)
-    return runner
+    return ModelRunner(model)
