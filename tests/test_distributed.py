@@ -277,3 +277,23 @@ def test_a_one_process_checkpoint_resumes_under_fsdp_and_follows_the_one_process
     _train_under_torchrun([], sharded, "--resume", "--set", "train.max_steps=10", "--set", "train.strategy=fsdp")
     assert run_cli("train", "--resume", "--run-dir", str(alone), "--set", "train.max_steps=10") == 0
     assert _losses(sharded)[-1] == pytest.approx(_losses(alone)[-1], abs=1e-4)
+
+
+def test_one_process_with_several_gpus_visible_trains_on_one_with_the_batch_it_was_given(monkeypatch):
+    """The Trainer wraps one process's model in nn.DataParallel when several GPUs are visible and
+    multiplies the batch by their count; attnlab keeps one process on one device and says how to use all."""
+    from pathlib import Path
+
+    from attnlab.config import load_config
+    from attnlab.config.preflight import PreflightReport, run_preflight
+    from attnlab.train.loop import training_arguments
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = load_config(None, ["train.batch_size=4", "train.device=cuda", "train.precision=fp32"])
+    args = training_arguments(cfg, PreflightReport(device="cuda", precision="fp32"), Path("staging"), has_val=True)
+    assert args.n_gpu == 1 and args.train_batch_size == 4
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    report = run_preflight(cfg, load_data=False)
+    assert [p.key for p in report.problems if "2 GPUs are visible" in p.message] == ["train.device"]
+    assert "torchrun --nproc_per_node 2" in next(p.message for p in report.problems if p.key == "train.device")

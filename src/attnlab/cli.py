@@ -303,6 +303,7 @@ def bench_decode_cmd(
     hf_arch: Optional[str] = typer.Option(None, "--hf-arch", help="Time HF generate on this randomly initialised architecture of the same size instead (e.g. fla-gla)."),
     hf_repeats: Optional[int] = typer.Option(None, "--hf-repeats", help="Timed HF generate runs (default: --repeats)."),
     beams: int = typer.Option(1, "--beams", help="> 1: also time beam search with this many beams against greedy over batch x beams rows."),
+    profile: bool = typer.Option(False, "--profile", help="On CUDA: also count the kernels of one decode step and their GPU time, by category."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ):
     """Time decoding (new tokens/s) with attnlab's engine and with HF generate; optionally beam search against greedy."""
@@ -346,18 +347,27 @@ def bench_decode_cmd(
         hf_model = build(hf_arch, hidden, layers, heads, vocab).to(param.device, param.dtype).eval()
         name += f"; HF generate on {hf_arch} {hidden}x{layers}"
     rows = bench_decode(lm, tokenizer, batch_size, prompt_len, new_tokens, repeats, compare_hf=hf, hf_model=hf_model, beams=beams,
-                        hf_repeats=hf_repeats)
+                        hf_repeats=hf_repeats, profile=profile)
     dev = torch.cuda.get_device_name() if next(lm.parameters()).is_cuda else f"cpu ({torch.get_num_threads()} threads)"
     table = Table(title=f"decode: {name} on {dev}")
     headers = {"batch": "batch", "prompt_len": "prompt", "new_tokens": "new", "attnlab_s": "attnlab s", "attnlab_new_tok_per_s": "attnlab tok/s",
                "hf_generate_s": "HF s", "hf_generate_new_tok_per_s": "HF tok/s", "speedup": "speedup", "beams": "beams",
                "greedy_rows_x_beams_s": "greedy BxN s", "beam_s": "beam s", "beam_cost_ratio": "beam/greedy",
-               "graph_step_ms": "graph step ms", "engine_step_ms": "engine ms/step"}
-    for col in rows[0]:
+               "graph_step_ms": "graph step ms", "engine_step_ms": "engine ms/step", "step_kernels": "kernels/step",
+               "step_kernel_ms": "kernel ms/step",
+               "prefill_ms": "prefill ms"}
+    columns = [col for col in rows[0] if col != "step_profile"]
+    for col in columns:
         table.add_column(headers.get(col, col), justify="right")
     for r in rows:
-        table.add_row(*(str(v) for v in r.values()))
+        table.add_row(*(str(r.get(col)) for col in columns))
     console.print(table)
+    for r in rows:
+        if "step_profile" in r:
+            prof = r["step_profile"]
+            console.print(f"decode step, batch {r['batch']}: {prof['kernels']} kernels, {prof['gpu_ms']} ms GPU: {prof['by_category_ms']}", highlight=False)
+            for kname, ms in prof["top_kernels_ms"]:
+                console.print(f"    {ms:8.3f} ms  {kname}", highlight=False)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
@@ -376,6 +386,7 @@ def bench_train_cmd(
     steps: int = typer.Option(10, "--steps", help="Timed steps (median reported)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed steps first (fla autotunes here)."),
     profile: bool = typer.Option(False, "--profile", help="Also profile one step: GPU time per kernel category and the top kernels."),
+    saved: bool = typer.Option(False, "--saved", help="Also list what one forward keeps for the backward, largest first (where the activation memory goes)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
 ):
     """Training tokens/s and peak memory on CUDA: attnlab GLA against fla's GLA and HF Llama (SDPA), one process."""
@@ -395,7 +406,15 @@ def bench_train_cmd(
             raise PreflightError(f"--shape takes BATCHxSEQ_LEN such as 8x2048, not {spec!r}") from None
         for name in models:
             row = bench_train(name, hidden, layers, heads, vocab, batch, seq_len, steps=steps, warmup=warmup, profile=profile)
-            console.print({k: v for k, v in row.items() if k != "profile"}, highlight=False)
+            if saved:
+                from attnlab.bench.train import saved_for_backward
+
+                row["saved"] = saved_for_backward(name, hidden, layers, heads, vocab, batch, seq_len)
+            console.print({k: v for k, v in row.items() if k not in ("profile", "saved")}, highlight=False)
+            if "saved" in row:
+                console.print(f"  saved for backward: {row['saved']['saved_gib']} GiB; largest (module, shape, dtype, tensors, GiB):", highlight=False)
+                for entry in row["saved"]["largest"]:
+                    console.print(f"    {entry}", highlight=False, soft_wrap=True)
             if "profile" in row:
                 console.print(f"  profile ({row['profile']['gpu_ms']} ms GPU): {row['profile']['by_category_ms']}", highlight=False)
                 for kname, ms in row["profile"]["top_kernels_ms"]:

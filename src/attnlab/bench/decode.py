@@ -81,8 +81,26 @@ def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | N
 
 
 @torch.no_grad()
+def _step_kernels(model, prompts: torch.Tensor) -> dict | None:
+    """The one-token step run eagerly under the CUDA profiler: how many kernels it launches and
+    their summed GPU time (what the captured graph replays, without the gaps between kernels)."""
+    from attnlab.bench.train import profile_step
+    from attnlab.generation.graphs import StaticRunner, fixed_size_decoding
+
+    if prompts.device.type != "cuda" or not fixed_size_decoding(model):
+        return None
+    runner = StaticRunner(model, capture=False)
+    _, state = runner.prefill(prompts, torch.ones_like(prompts))
+    tokens = prompts[:, -1]
+    state.cache.step(tokens)
+    prof = profile_step(lambda: state.cache.step(tokens))
+    return {"step_kernels": prof["kernels"], "step_kernel_ms": round(prof["gpu_ms"], 3), "step_profile": prof}
+
+
+@torch.no_grad()
 def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_tokens: int, repeats: int = 3,
-                 compare_hf: bool = True, seed: int = 0, hf_model=None, beams: int = 1, hf_repeats: int | None = None) -> list[dict]:
+                 compare_hf: bool = True, seed: int = 0, hf_model=None, beams: int = 1, hf_repeats: int | None = None,
+                 profile: bool = False) -> list[dict]:
     """Greedy decoding of `new_tokens` after random prompts of `prompt_len` tokens; EOS never stops a row.
 
     hf_model: time HF generate on this model instead of `model` (same prompts).
@@ -105,6 +123,10 @@ def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_
         if step_ms is not None:
             # the captured step alone, replayed back to back: what the engine's per-step work adds is the rest
             row.update(graph_step_ms=round(step_ms, 3), engine_step_ms=round((engine_s * 1000) / new_tokens, 3))
+            if profile:
+                prefill_s = _timed(lambda: _engine(model, tokenizer, as_lists, 1), lambda: None, device, repeats)
+                row.update(prefill_ms=round(prefill_s * 1000, 1))
+                row.update(_step_kernels(model, prompts.to(device)) or {})
         if compare_hf:
             hf_s = _timed(lambda: _hf_generate(hf_target, prompts, new_tokens, pad), lambda: _hf_generate(hf_target, prompts, 4, pad),
                           device, hf_repeats or repeats)

@@ -58,9 +58,11 @@ def profile_step(step) -> dict:
         step()
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
+    launches = 0
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1000  # ms
+            launches += 1
     total = sum(kernels.values()) or 1.0
     shares: dict[str, float] = {}
     for kname, ms in kernels.items():
@@ -68,8 +70,8 @@ def profile_step(step) -> dict:
         cat = next((c for c, frags in CATEGORIES if any(f in low for f in frags)), "other")
         shares[cat] = shares.get(cat, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"gpu_ms": round(total, 1), "by_category_ms": {k: round(v, 1) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[k[:90], round(v, 2)] for k, v in top]}
+    return {"gpu_ms": round(total, 3), "kernels": launches, "by_category_ms": {k: round(v, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}
 
 
 def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
@@ -114,3 +116,46 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
     del model, opt
     torch.cuda.empty_cache()
     return row
+
+
+def saved_for_backward(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int, top: int = 15) -> dict:
+    """What one forward under bf16 autocast keeps for the backward: GiB in all, and the largest
+    groups of saved tensors by (module path with layer numbers as *, shape, dtype)."""
+    import re
+
+    torch.manual_seed(0)
+    model = build(name, hidden, layers, heads, vocab).cuda().train()
+    x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    where: list[str] = ["(top)"]
+    hooks = []
+    for mod_name, module in model.named_modules():
+        label = re.sub(r"\.\d+\.", ".*.", f".{mod_name}.").strip(".") or "(model)"
+        hooks.append(module.register_forward_pre_hook(lambda m, a, label=label: where.append(label)))
+        hooks.append(module.register_forward_hook(lambda m, a, o: where.pop() and None))  # a hook that returns a value replaces the output
+    seen = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in model.parameters()}  # weights are not activations
+    groups: dict[tuple[str, str, str], list[float]] = {}
+
+    def pack(t: torch.Tensor):
+        if t.device.type == "cuda":
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                g = groups.setdefault((where[-1], "x".join(map(str, t.shape)), str(t.dtype).replace("torch.", "")), [0, 0.0])
+                g[0] += 1
+                g[1] += storage.nbytes() / 2**30
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = sorted(((k, v) for k, v in groups.items()), key=lambda kv: -kv[1][1])
+    total = sum(v[1] for k, v in rows)
+    del model
+    torch.cuda.empty_cache()
+    return {"model": name, "saved_gib": round(total, 3),
+            "largest": [[where_, shape, dtype, n, round(gib, 3)] for (where_, shape, dtype), (n, gib) in rows[:top]]}

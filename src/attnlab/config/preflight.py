@@ -141,6 +141,10 @@ def _check_device(cfg: RunConfig, report: PreflightReport) -> None:
     if report.device == "cuda" and not torch.cuda.is_available():
         report.error("train.device", "train.device is 'cuda' but no CUDA device is visible. Use train.device=auto or cpu.")
         return
+    gpus = torch.cuda.device_count() if report.device == "cuda" else 0
+    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        report.warn("train.device", f"{gpus} GPUs are visible but one process trains on one of them (train.batch_size is "
+                    f"not multiplied). To train on all {gpus}: torchrun --nproc_per_node {gpus} -m attnlab.cli train ...")
     if report.device == "cpu" and report.precision == "bf16":
         report.warn("train.precision", "bf16 on CPU is slow and gains nothing; use fp32 (train.precision=auto)")
     long_cuda = report.device == "cuda" and t.max_steps >= LONG_RUN_STEPS

@@ -214,7 +214,7 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         "linear": ("linear", {}),
         "constant": ("constant_with_warmup", {}),
     }[t.schedule]
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(staging),
         max_steps=t.max_steps,
         per_device_train_batch_size=t.batch_size // world_size(),
@@ -248,6 +248,12 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         prediction_loss_only=True,
         **_strategy_arguments(cfg),
     )
+    # One process trains on one device. With several GPUs visible and no torchrun, the Trainer would
+    # wrap the model in nn.DataParallel and multiply the batch by the GPU count: train.batch_size would
+    # silently mean something else, and the run would leave the trajectory of the same config elsewhere.
+    if args.n_gpu > 1:
+        args._n_gpu = 1  # as the Trainer itself does for model-parallel models
+    return args
 
 
 def fsdp_active(cfg: RunConfig) -> bool:
