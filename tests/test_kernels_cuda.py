@@ -89,6 +89,25 @@ def test_decoding_on_fla_kernels_equals_the_parallel_form():
     assert logits.argmax(-1).tolist() == new
 
 
+def test_fused_projections_on_fla_kernels_match_the_separate_ones_in_bf16():
+    """The decode path's fused input projections (sliced, so not contiguous) through fla's kernels."""
+    from attnlab.models.modules import fuse_projections, fused_projections
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4,
+                                             kernels="fla")).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (4, 70), device="cuda")
+    pairs = fuse_projections(model)
+    assert len(pairs) == 4
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :-1], use_cache=True)
+        plain = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        with fused_projections(pairs):
+            out = model(input_ids=ids[:, :-1], use_cache=True)
+            fused = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+    assert rel_err(fused.float(), plain.float()) < 1e-2
+
+
 class _ByteTok:
     pad_token_id, eos_token_id = 258, 257
 

@@ -112,3 +112,34 @@ def test_without_stop_strings_a_static_batch_decodes_on_the_device_and_looks_at_
     assert calls == [1]
     run(model, True, monkeypatch, max_new_tokens=5, stop=["x"])  # stop strings need the decoded text each step
     assert calls == [1]
+
+
+def test_fused_projections_compute_what_the_separate_projections_compute():
+    from attnlab.models.modules import FusedProjections, fuse_projections, fused_projections
+
+    model = model_for("gla")
+    pairs = fuse_projections(model)
+    assert {type(m).__name__ for m, _ in pairs} == {"GatedLinearAttention", "SwiGLU"} and len(pairs) == 4
+    ids = torch.randint(0, 256, (3, 11))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with fused_projections(pairs):
+            assert all(m.fused_weight is not None for m, _ in pairs)
+            fused = model(input_ids=ids).logits
+    assert all(m.fused_weight is None for m in model.modules() if isinstance(m, FusedProjections))
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_fuses_for_its_own_steps_only_and_skips_wrapped_projections():
+    from attnlab.models.modules import FusedProjections, fuse_projections
+
+    model = model_for("gla")
+    seen = []
+    block = model.model.layers[0]
+    hook = block.attn.register_forward_pre_hook(lambda m, a: seen.append(m.fused_weight is not None))
+    generate(model, ByteTokenizer(), PROMPTS[:2], max_new_tokens=3)
+    hook.remove()
+    assert seen and all(seen)  # prefill and every step ran with the fused weights
+    assert all(m.fused_weight is None for m in model.modules() if isinstance(m, FusedProjections))
+    block.attn.k_proj = torch.nn.Sequential(block.attn.k_proj)  # stands for an adapter around k_proj
+    assert block.attn not in [m for m, _ in fuse_projections(model)]

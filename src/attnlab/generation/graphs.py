@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from attnlab.models.cache import AttnLabCache
+from attnlab.models.modules import fused_projections
 
 from .runner import DecodeState, ModelRunner
 
@@ -40,12 +41,26 @@ class StaticStep:
     first call (a batch size that is only passed through, such as beam search's prompts before
     they are expanded to beams, is never captured)."""
 
-    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: Any = None):
+    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: Any = None, fused: list | None = None):
         self.model = model
+        self.fused = fused or []  # the runner's fused projection weights (kept alive by the runner)
         self.batch = next(iter(states[0].values())).shape[0]
         device = next(iter(states[0].values())).device
         self.tokens = torch.zeros(self.batch, dtype=torch.long, device=device)
-        self.states = [{name: t.clone() for name, t in s.items()} for s in states]
+        # Each layer's state tensors are views into one stacked tensor per (name, shape, dtype), so
+        # that a beam reorder is one gather and one copy per stack rather than two per layer.
+        groups: dict[tuple, list[tuple[int, str]]] = {}
+        for i, s in enumerate(states):
+            for name, t in s.items():
+                groups.setdefault((name, tuple(t.shape), t.dtype), []).append((i, name))
+        self.stacks: list[torch.Tensor] = []
+        self.states = [{} for _ in states]
+        for members in groups.values():
+            stacked = torch.stack([states[i][name] for i, name in members])  # [layers, batch, ...]
+            self.stacks.append(stacked)
+            for j, (i, name) in enumerate(members):
+                self.states[i][name] = stacked[j]
+        self.members = list(groups.values())
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.capture, self.pool = capture, pool
@@ -53,7 +68,8 @@ class StaticStep:
     def _run(self) -> torch.Tensor:
         cache = AttnLabCache(len(self.states))
         cache.states = [dict(s) for s in self.states]
-        out = self.model(input_ids=self.tokens[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with fused_projections(self.fused):
+            out = self.model(input_ids=self.tokens[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
         for buffers, new in zip(self.states, cache.states):
             for name, buf in buffers.items():
                 if new[name] is not buf:
@@ -79,7 +95,18 @@ class StaticStep:
                 buf.copy_(new[name])
 
     def gather(self, rows: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        return [{name: buf.index_select(0, rows) for name, buf in s.items()} for s in self.states]
+        """Each layer's state for the batch rows `rows` (copies)."""
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self.states]
+        for stacked, members in zip(self.stacks, self.members):
+            picked = stacked.index_select(1, rows)
+            for j, (i, name) in enumerate(members):
+                out[i][name] = picked[j]
+        return out
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row r of every state becomes old row rows[r] (beam search), in place."""
+        for stacked in self.stacks:
+            stacked.copy_(stacked.index_select(1, rows))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] -> next-token logits [B, vocab] (float32, a fresh tensor); the state advances."""
@@ -107,7 +134,7 @@ class StaticRunner(ModelRunner):
         batch = next(iter(states[0].values())).shape[0]
         step = self.steps.get(batch)
         if step is None:
-            step = self.steps[batch] = StaticStep(self.model, states, self.capture, self.pool)
+            step = self.steps[batch] = StaticStep(self.model, states, self.capture, self.pool, self.fused)
         step.load(states)
         return step
 
@@ -124,11 +151,10 @@ class StaticRunner(ModelRunner):
     def select(self, state: DecodeState, rows: torch.Tensor) -> None:
         rows = rows.to(self.device)
         current: StaticStep = state.cache
-        gathered = current.gather(rows)
         if len(rows) == current.batch:  # beam reorder: a gather into the same buffers
-            current.load(gathered)
+            current.reorder(rows)
         else:
-            state.cache = self._static(gathered)
+            state.cache = self._static(current.gather(rows))
 
 
 def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from attnlab.models.modeling import AttnLabPreTrainedModel
+from attnlab.models.modules import fuse_projections, fused_projections
+
 
 @dataclass
 class DecodeState:
@@ -41,6 +44,9 @@ class ModelRunner:
         self.keep_arg = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
         self.takes_positions = "position_ids" in params
         self.device = next(model.parameters()).device
+        # attnlab models decode with their input projections fused (one product per group instead
+        # of several), in every step and on every path, so the graphed and eager paths stay equal
+        self.fused = fuse_projections(model) if isinstance(model, AttnLabPreTrainedModel) else []
 
     def _forward(self, input_ids, attention_mask, positions, cache) -> tuple[torch.Tensor, Any]:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True}
@@ -50,7 +56,8 @@ class ModelRunner:
             kwargs[self.keep_arg] = 1
         if self.takes_positions:
             kwargs["position_ids"] = positions
-        out = self.model(**kwargs)
+        with fused_projections(self.fused):
+            out = self.model(**kwargs)
         logits = out.logits[:, -1, :].float()  # [rows, vocab], also for models that ignored logits_to_keep
         return logits, out.past_key_values
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,7 +38,56 @@ class GatedRMSNorm(RMSNorm):
         return (normed * F.silu(gate.float())).to(gate.dtype)
 
 
-class SwiGLU(nn.Module):
+class FusedProjections:
+    """A module whose input projections (plain, bias-free `nn.Linear`s reading the same input)
+    can run as one matrix product. While decoding, the runner concatenates their weights once per
+    `generate` call (`fuse_projections`) and sets `fused_weight` for its forward passes
+    (`fused_projections`): a one-token step then reads the weights in one larger product instead
+    of several small ones, each bound by its launch rather than by memory bandwidth. Training,
+    and any module with a wrapped projection (a LoRA adapter), keeps the separate products."""
+
+    fused_weight: torch.Tensor | None = None
+
+    def projection_group(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        group = self.projection_group()
+        if self.fused_weight is None:
+            return tuple(linear(x) for linear in group)
+        return F.linear(x, self.fused_weight).split([linear.out_features for linear in group], dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
+    """(module, concatenated weight) for every `FusedProjections` module of `model` whose group
+    is all plain bias-free `nn.Linear`s of one dtype and device; the weights are copies."""
+    pairs = []
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, FusedProjections):
+                continue
+            group = module.projection_group()
+            if not all(type(linear) is nn.Linear and linear.bias is None for linear in group):
+                continue
+            weights = [linear.weight for linear in group]
+            if len({(w.dtype, w.device) for w in weights}) == 1:
+                pairs.append((module, torch.cat(weights, dim=0)))
+    return pairs
+
+
+@contextmanager
+def fused_projections(pairs: list[tuple[nn.Module, torch.Tensor]]):
+    """Forward passes inside use the fused weights of `fuse_projections`; outside, the modules' own."""
+    for module, weight in pairs:
+        module.fused_weight = weight
+    try:
+        yield
+    finally:
+        for module, _ in pairs:
+            module.fused_weight = None
+
+
+class SwiGLU(FusedProjections, nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: str = "auto"):
@@ -46,8 +97,11 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def projection_group(self) -> list[nn.Module]:
+        return [self.gate_proj, self.up_proj]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.project(x)
         if kernels.use_fla(self.kernels, x):
             if type(self.down_proj) is nn.Linear:  # not when an adapter (LoRA) wraps down_proj
                 return kernels.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)

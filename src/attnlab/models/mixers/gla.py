@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
-from attnlab.models.modules import GatedRMSNorm
+from attnlab.models.modules import FusedProjections, GatedRMSNorm
 from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
 
 
 @register_mixer("gla")
-class GatedLinearAttention(Mixer):
+class GatedLinearAttention(FusedProjections, Mixer):
     fixed_size_state = True  # decodes over one [B, H, K, V] state: CUDA-graph decoding applies
     default_options = {
         "expand_k": 0.5,
@@ -56,6 +56,9 @@ class GatedLinearAttention(Mixer):
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v_dim, eps=config.norm_eps, kernels=config.kernels)
         self.kernels = config.kernels
 
+    def projection_group(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.gk_proj[0]]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -64,10 +67,11 @@ class GatedLinearAttention(Mixer):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
-        k = self.k_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
-        v = self.v_proj(x).view(batch, seq_len, self.num_heads, self.head_v_dim)
-        gk = self.gk_proj(x).view(batch, seq_len, self.num_heads, self.head_k_dim)
+        q, k, v, g, gk = self.project(x)
+        q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
+        k = k.view(batch, seq_len, self.num_heads, self.head_k_dim)
+        v = v.view(batch, seq_len, self.num_heads, self.head_v_dim)
+        gk = self.gk_proj[1](gk).view(batch, seq_len, self.num_heads, self.head_k_dim)
         use_fla = kernels.use_fla(self.kernels, x)
         gk = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # log forget gate, <= 0, in fp32
 
@@ -88,7 +92,7 @@ class GatedLinearAttention(Mixer):
         else:
             o, state = chunk_gla(q, k, v, gk, chunk_size=self.chunk_size, initial_state=state, scale=self.scale)
 
-        g = self.g_proj(x).view(batch, seq_len, self.num_heads, self.head_v_dim)
+        g = g.view(batch, seq_len, self.num_heads, self.head_v_dim)
         o = self.g_norm_swish_gate(o, g)  # [B, T, H, V]
         y = self.o_proj(o.reshape(batch, seq_len, self.value_dim))
         return y, ({"recurrent_state": state} if use_cache else None)
