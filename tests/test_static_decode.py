@@ -128,6 +128,10 @@ def test_fused_projections_compute_what_the_separate_projections_compute():
             fused = model(input_ids=ids).logits
     assert all(m.fused_weight is None for m in model.modules() if isinstance(m, FusedProjections))
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    attn, stacks = pairs[0]
+    assert [tuple(w.shape[:2]) for w in stacks] == [(2, 16), (2, 32), (1, 16)]  # q,k | v,g | low-rank gate
+    with fused_projections(pairs), torch.no_grad():
+        assert all(p.is_contiguous() for p in attn.project(torch.randn(3, 1, 32)))  # as fla's kernels want them
 
 
 def test_generate_fuses_for_its_own_steps_only_and_skips_wrapped_projections():

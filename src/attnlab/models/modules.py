@@ -40,27 +40,37 @@ class GatedRMSNorm(RMSNorm):
 
 class FusedProjections:
     """A module whose input projections (plain, bias-free `nn.Linear`s reading the same input)
-    can run as one matrix product. While decoding, the runner concatenates their weights once per
-    `generate` call (`fuse_projections`) and sets `fused_weight` for its forward passes
-    (`fused_projections`): a one-token step then reads the weights in one larger product instead
-    of several small ones, each bound by its launch rather than by memory bandwidth. Training,
-    and any module with a wrapped projection (a LoRA adapter), keeps the separate products."""
+    can run as fewer, larger matrix products. While decoding, the runner stacks their weights once
+    per `generate` call (`fuse_projections`) and sets `fused_weight` for its forward passes
+    (`fused_projections`): a one-token step then reads the weights in one batched product per run
+    of equally wide projections instead of one small product each (each bound by its launch rather
+    than by memory bandwidth), and every output is a contiguous [.., width] tensor as the kernels
+    downstream want. Training, and any module with a wrapped projection (a LoRA adapter), keeps
+    the separate products."""
 
-    fused_weight: torch.Tensor | None = None
+    fused_weight: list[torch.Tensor] | None = None  # one [G, width, in] stack per run of equal widths
 
     def projection_group(self) -> list[nn.Module]:
         raise NotImplementedError
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        group = self.projection_group()
         if self.fused_weight is None:
-            return tuple(linear(x) for linear in group)
-        return F.linear(x, self.fused_weight).split([linear.out_features for linear in group], dim=-1)
+            return tuple(linear(x) for linear in self.projection_group())
+        flat = x.reshape(-1, x.shape[-1])
+        outs: list[torch.Tensor] = []
+        for stack in self.fused_weight:
+            if stack.shape[0] == 1:
+                outs.append(F.linear(x, stack[0]))
+            else:
+                product = torch.matmul(flat, stack.transpose(1, 2))  # [G, rows, width]: each slice contiguous
+                outs.extend(p.view(*x.shape[:-1], stack.shape[1]) for p in product)
+        return tuple(outs)
 
 
-def fuse_projections(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
-    """(module, concatenated weight) for every `FusedProjections` module of `model` whose group
-    is all plain bias-free `nn.Linear`s of one dtype and device; the weights are copies."""
+def fuse_projections(model: nn.Module) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """(module, stacked weights) for every `FusedProjections` module of `model` whose group is all
+    plain bias-free `nn.Linear`s of one dtype and device; consecutive projections of equal width
+    share a stack. The stacks are copies, made once per call."""
     pairs = []
     with torch.no_grad():
         for module in model.modules():
@@ -70,14 +80,21 @@ def fuse_projections(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
             if not all(type(linear) is nn.Linear and linear.bias is None for linear in group):
                 continue
             weights = [linear.weight for linear in group]
-            if len({(w.dtype, w.device) for w in weights}) == 1:
-                pairs.append((module, torch.cat(weights, dim=0)))
+            if len({(w.dtype, w.device) for w in weights}) != 1:
+                continue
+            runs: list[list[torch.Tensor]] = []
+            for w in weights:
+                if runs and runs[-1][0].shape == w.shape:
+                    runs[-1].append(w)
+                else:
+                    runs.append([w])
+            pairs.append((module, [torch.stack(run) for run in runs]))
     return pairs
 
 
 @contextmanager
-def fused_projections(pairs: list[tuple[nn.Module, torch.Tensor]]):
-    """Forward passes inside use the fused weights of `fuse_projections`; outside, the modules' own."""
+def fused_projections(pairs: list[tuple[nn.Module, list[torch.Tensor]]]):
+    """Forward passes inside use the stacked weights of `fuse_projections`; outside, the modules' own."""
     for module, weight in pairs:
         module.fused_weight = weight
     try:
