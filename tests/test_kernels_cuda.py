@@ -134,6 +134,8 @@ def test_cuda_graph_decoding_equals_the_eager_engine_token_for_token(kernels_cho
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 90, 33)]
     eos = [257, 65]
     graphed = generate(model, _ByteTok(), prompts, eos_token_id=eos, **settings)
+    replayed = generate(model, _ByteTok(), prompts, eos_token_id=eos, **settings)  # the graphs kept from the first call
+    assert [[c.token_ids for c in r.candidates] for r in replayed] == [[c.token_ids for c in r.candidates] for r in graphed]
     monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": engine.ModelRunner(m))
     eager = generate(model, _ByteTok(), prompts, eos_token_id=eos, **settings)
     assert [[c.token_ids for c in r.candidates] for r in graphed] == [[c.token_ids for c in r.candidates] for r in eager]

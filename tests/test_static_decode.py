@@ -147,3 +147,25 @@ def test_generate_fuses_for_its_own_steps_only_and_skips_wrapped_projections():
     assert all(m.fused_weight is None for m in model.modules() if isinstance(m, FusedProjections))
     block.attn.k_proj = torch.nn.Sequential(block.attn.k_proj)  # stands for an adapter around k_proj
     assert block.attn not in [m for m, _ in fuse_projections(model)]
+
+
+def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_they_are():
+    from attnlab.generation.graphs import _RUNNERS, cached_static_runner, release_graphs
+
+    model = model_for("gla")
+    first = cached_static_runner(model, capture=False)
+    assert cached_static_runner(model, capture=False) is first
+    ids = torch.randint(0, 256, (2, 9))
+    logits, _ = first.prefill(ids, torch.ones_like(ids))
+    with torch.no_grad():
+        model.model.layers[0].attn.q_proj.weight.mul_(2.0)  # an in-place update (an optimizer step) ...
+    again = cached_static_runner(model, capture=False)
+    assert again is first
+    changed, _ = again.prefill(ids, torch.ones_like(ids))
+    expected, _ = engine.ModelRunner(model).prefill(ids, torch.ones_like(ids))
+    torch.testing.assert_close(changed, expected)  # ... reaches the fused weights
+    assert not torch.allclose(changed, logits)
+    model.double()  # new tensors: the old buffers (and any captured graph) no longer apply
+    assert cached_static_runner(model, capture=False) is not first
+    release_graphs(model)
+    assert model not in _RUNNERS

@@ -80,6 +80,9 @@ class EvalDuringTraining(TrainerCallback):
         finally:
             if was_training:
                 model.train()
+            from attnlab.generation.graphs import release_graphs
+
+            release_graphs(model)  # the decode graphs and buffers would otherwise sit in memory through training
         self.last_step, self.latest = step, metrics
         self.logger.validation_metrics(step, metrics)
         (self.run_dir / "eval").mkdir(parents=True, exist_ok=True)

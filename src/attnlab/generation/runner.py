@@ -48,6 +48,15 @@ class ModelRunner:
         # of several), in every step and on every path, so the graphed and eager paths stay equal
         self.fused = fuse_projections(model) if isinstance(model, AttnLabPreTrainedModel) else []
 
+    def refresh_fused(self) -> None:
+        """Copy the modules' current weights into the fused stacks (in place: captured graphs read them)."""
+        with torch.no_grad():
+            for module, stacks in self.fused:
+                group, first = module.projection_group(), 0
+                for stack in stacks:
+                    torch.stack([linear.weight for linear in group[first:first + len(stack)]], out=stack)
+                    first += len(stack)
+
     def _forward(self, input_ids, attention_mask, positions, cache) -> tuple[torch.Tensor, Any]:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True}
         if cache is not None:
