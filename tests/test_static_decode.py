@@ -83,9 +83,13 @@ def test_static_steps_give_the_dynamic_tokens_with_rows_finishing_early(mixer, s
         assert any(c[1] == "eos" for r in dynamic for c in r)
 
 
-def test_beam_search_shrinking_batch_moves_the_state_into_the_smaller_buffers(monkeypatch):
+@pytest.mark.parametrize("stop, expected_sizes", [
+    ([], [4, 8]),  # on the device: finished prompts stay in the batch, frozen, until the host looks
+    (["zzzz"], None),  # stop strings need the host each step: finished prompts leave the batch
+])
+def test_beam_search_on_a_static_batch_equals_the_dynamic_path_as_prompts_finish(monkeypatch, stop, expected_sizes):
     model = model_for("gla")
-    settings = dict(max_new_tokens=9, num_beams=2, early_stopping=True, batch_size=4)
+    settings = dict(max_new_tokens=9, num_beams=2, early_stopping=True, batch_size=4, stop=stop)
     first = generate(model, ByteTokenizer(), PROMPTS, eos_token_id=[257], **settings)
     ids = [r.token_ids for r in first]
     eos = [257, ids[0][0], ids[2][0], ids[3][0], ids[1][3]]  # prompts end early, at different steps
@@ -100,7 +104,10 @@ def test_beam_search_shrinking_batch_moves_the_state_into_the_smaller_buffers(mo
     out = generate(model, ByteTokenizer(), PROMPTS, eos_token_id=eos, **settings)
     assert [[(c.token_ids, c.finish_reason, c.score) for c in r.candidates] for r in out] == dynamic
     sizes = sorted(runners[-1].steps)
-    assert sizes[-1] == 8 and len(sizes) > 2  # 4 prompts x 2 beams, then fewer as prompts finish
+    if expected_sizes is not None:
+        assert sizes == expected_sizes
+    else:
+        assert sizes[-1] == 8 and len(sizes) > 2  # 4 prompts x 2 beams, then fewer as prompts finish
 
 
 def test_without_stop_strings_a_static_batch_decodes_on_the_device_and_looks_at_it_every_few_steps(monkeypatch):

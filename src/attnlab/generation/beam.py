@@ -14,7 +14,7 @@ import torch
 
 from attnlab.config import GenerateConfig
 
-from .engine import Candidate, StopStrings, _finish
+from .engine import SYNC_EVERY, Candidate, StopStrings, _finish
 from .processors import repetition_penalty
 from .runner import ModelRunner, left_pad
 
@@ -55,10 +55,18 @@ def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConf
     if cfg.repetition_penalty != 1.0:
         prompt_seen = torch.zeros(B, V, dtype=torch.bool, device=device).scatter_(1, input_ids, mask.bool())
     out: list[list[Candidate] | None] = [None] * B
+    # A static runner keeps finished items in the batch (their finished hypotheses frozen), so the
+    # host looks at the search only every SYNC_EVERY steps instead of after each one; stop strings
+    # need the host at every step.
+    on_device = getattr(runner, "keeps_finished_rows", False) and not stops.stops
+    frozen = torch.zeros(B, dtype=torch.bool, device=device)  # items finished at an earlier step (on_device)
+    item_rows = torch.arange(B, device=device)
 
     for t in range(L):
         n = len(items)
-        item_rows = torch.tensor(items, device=device)
+        if not on_device:
+            item_rows = torch.tensor(items, device=device)
+        before = (done_seqs, done_lens, done_flags, done_scores)
         log_probs = logits.log_softmax(dim=-1)  # [n*K, V]
         if t < cfg.min_new_tokens and len(eos_t):
             log_probs[:, eos_t] = float("-inf")
@@ -106,6 +114,27 @@ def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConf
         worst_done = torch.where(done_flags, done_scores.min(dim=1, keepdim=True).values, torch.full_like(done_scores, NEG))
         improvable = improvable & (best_running > worst_done).any(dim=1, keepdim=True)
         finished_items = (~improvable[:, 0]) | (done_flags.all(dim=1) & (cfg.early_stopping is True))
+        if on_device:
+            keep = frozen[:, None]
+            done_seqs = torch.where(keep[:, :, None], before[0], done_seqs)
+            done_lens, done_flags, done_scores = (torch.where(keep, old, new) for old, new in zip(before[1:], (done_lens, done_flags, done_scores)))
+            finished_items = finished_items | frozen | ends.all()
+            frozen = finished_items
+            if t + 1 < L and (t + 1) % SYNC_EVERY:
+                runner.select(state, (running_parent + torch.arange(n, device=device)[:, None] * K).reshape(-1))
+                logits = runner.step(running[:, :, t].reshape(-1), state)
+                continue
+            if t + 1 == L:
+                finished_items = torch.ones_like(finished_items)
+            fin = finished_items.tolist()
+            for j in range(n):
+                if fin[j] and out[items[j]] is None:
+                    out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
+            if all(fin):
+                break
+            runner.select(state, (running_parent + torch.arange(n, device=device)[:, None] * K).reshape(-1))
+            logits = runner.step(running[:, :, t].reshape(-1), state)
+            continue
         if t + 1 == L or bool(ends.all()):
             finished_items = torch.ones_like(finished_items)
 
