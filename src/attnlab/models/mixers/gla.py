@@ -14,30 +14,6 @@ from attnlab.models.modules import FusedProjections, GatedRMSNorm
 from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
 
 
-class _LogForgetGate(torch.autograd.Function):
-    """y = logsigmoid(x) / n in (at least) fp32, keeping only y for the backward: dy/dx =
-    sigmoid(-x) / n = -expm1(n * y) / n (expm1 keeps it exact where the gate is nearly open).
-    The chunk kernel keeps y anyway, so the gate costs no memory of its own; autograd's
-    logsigmoid would keep an fp32 copy of x besides (16,384 x 512 x 4 B a layer at 8 x 2048)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, normalizer: float) -> torch.Tensor:
-        y = F.logsigmoid(x.to(torch.promote_types(x.dtype, torch.float32))) / normalizer
-        ctx.save_for_backward(y)
-        ctx.normalizer, ctx.in_dtype = normalizer, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        (y,) = ctx.saved_tensors
-        return (dy * (-torch.expm1(y * ctx.normalizer)) / ctx.normalizer).to(ctx.in_dtype), None
-
-
-def log_forget_gate(x: torch.Tensor, normalizer: float) -> torch.Tensor:
-    """logsigmoid(x) / normalizer in fp32 (fp64 for fp64 input), with a backward that keeps only its output."""
-    return _LogForgetGate.apply(x, normalizer)
-
-
 @register_mixer("gla")
 class GatedLinearAttention(FusedProjections, Mixer):
     fixed_size_state = True  # decodes over one [B, H, K, V] state: CUDA-graph decoding applies
@@ -97,7 +73,7 @@ class GatedLinearAttention(FusedProjections, Mixer):
         v = v.view(batch, seq_len, self.num_heads, self.head_v_dim)
         gk = self.gk_proj[1](gk).view(batch, seq_len, self.num_heads, self.head_k_dim)
         use_fla = kernels.use_fla(self.kernels, x)
-        gk = log_forget_gate(gk, self.gate_logit_normalizer)  # log forget gate, <= 0, in fp32
+        gk = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # log forget gate, <= 0, in fp32
 
         if attention_mask is not None:
             # Padding must not touch the state: no write (k = v = 0) and no decay (log-gate 0).
