@@ -121,6 +121,7 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
 def saved_for_backward(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int, top: int = 15) -> dict:
     """What one forward under bf16 autocast keeps for the backward: GiB in all, and the largest
     groups of saved tensors by (module path with layer numbers as *, shape, dtype)."""
+    import gc
     import re
 
     torch.manual_seed(0)
@@ -144,12 +145,13 @@ def saved_for_backward(name: str, hidden: int, layers: int, heads: int, vocab: i
                 g = groups.setdefault((where[-1], "x".join(map(str, t.shape)), str(t.dtype).replace("torch.", "")), [0, 0.0])
                 g[0] += 1
                 g[1] += storage.nbytes() / 2**30
-        return t
+        return t.detach()  # the same storage, without a reference back to the graph
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
         del loss
+        gc.collect()  # a saved output held by its own node is a reference cycle: free the graph before the next model
     finally:
         for h in hooks:
             h.remove()
