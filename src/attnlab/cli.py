@@ -85,7 +85,7 @@ def train(
     from attnlab.config.preflight import run_preflight
     from attnlab.train import run_training
 
-    from attnlab.train.loop import rank, world_size
+    from attnlab.launch import rank, world_size
 
     cfg = _load(config, set_, run_dir, resume)
     if run_dir is None:

@@ -8,7 +8,6 @@ run that passes preflight never loads them again.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from attnlab.errors import AttnLabError
+from attnlab.launch import world_size
 
 from .loader import diff_configs, load_config
 from .schema import RESUME_LOCKED, RunConfig
@@ -119,7 +119,7 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: P
 
 
 def _check_world_size(cfg: RunConfig, report: PreflightReport) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world > 1 and cfg.train.batch_size % world:
         report.error("train.batch_size", f"train.batch_size ({cfg.train.batch_size}) is the global batch and must divide evenly across the {world} processes")
 
@@ -142,7 +142,7 @@ def _check_device(cfg: RunConfig, report: PreflightReport) -> None:
         report.error("train.device", "train.device is 'cuda' but no CUDA device is visible. Use train.device=auto or cpu.")
         return
     gpus = torch.cuda.device_count() if report.device == "cuda" else 0
-    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if gpus > 1 and world_size() == 1:
         report.warn("train.device", f"{gpus} GPUs are visible but one process trains on one of them (train.batch_size is "
                     f"not multiplied). To train on all {gpus}: torchrun --nproc_per_node {gpus} -m attnlab.cli train ...")
     if report.device == "cpu" and report.precision == "bf16":
@@ -162,7 +162,7 @@ def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
     over gloo and drops an FSDP plugin without a word), with torch >= 2.6."""
     if cfg.train.strategy != "fsdp":
         return
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world == 1:
         report.warn("train.strategy", "train.strategy=fsdp with one process: nothing to shard, so it trains as one process. "
                     "Launch under torchrun --nproc_per_node N (N > 1) to shard.")

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from attnlab.generation import release_graphs
+
 from .config import EvalSection
 from .runner import evaluate, evaluate_perplexity, resolve_data
 from .tasks import get_task
@@ -80,8 +82,6 @@ class EvalDuringTraining(TrainerCallback):
         finally:
             if was_training:
                 model.train()
-            from attnlab.generation.graphs import release_graphs
-
             release_graphs(model)  # the decode graphs and buffers would otherwise sit in memory through training
         self.last_step, self.latest = step, metrics
         self.logger.validation_metrics(step, metrics)

@@ -60,12 +60,10 @@ def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConf
     # need the host at every step.
     on_device = getattr(runner, "keeps_finished_rows", False) and not stops.stops
     frozen = torch.zeros(B, dtype=torch.bool, device=device)  # items finished at an earlier step (on_device)
-    item_rows = torch.arange(B, device=device)
+    item_rows = torch.arange(B, device=device)  # `items` on the device
 
     for t in range(L):
         n = len(items)
-        if not on_device:
-            item_rows = torch.tensor(items, device=device)
         before = (done_seqs, done_lens, done_flags, done_scores)
         log_probs = logits.log_softmax(dim=-1)  # [n*K, V]
         if t < cfg.min_new_tokens and len(eos_t):
@@ -114,43 +112,34 @@ def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConf
         worst_done = torch.where(done_flags, done_scores.min(dim=1, keepdim=True).values, torch.full_like(done_scores, NEG))
         improvable = improvable & (best_running > worst_done).any(dim=1, keepdim=True)
         finished_items = (~improvable[:, 0]) | (done_flags.all(dim=1) & (cfg.early_stopping is True))
+        beam_rows = running_parent + torch.arange(n, device=device)[:, None] * K  # [n, K] rows of the last step
         if on_device:
-            keep = frozen[:, None]
+            keep = frozen[:, None]  # finished earlier: their hypotheses stay as they were
             done_seqs = torch.where(keep[:, :, None], before[0], done_seqs)
             done_lens, done_flags, done_scores = (torch.where(keep, old, new) for old, new in zip(before[1:], (done_lens, done_flags, done_scores)))
-            finished_items = finished_items | frozen | ends.all()
-            frozen = finished_items
-            if t + 1 < L and (t + 1) % SYNC_EVERY:
-                runner.select(state, (running_parent + torch.arange(n, device=device)[:, None] * K).reshape(-1))
-                logits = runner.step(running[:, :, t].reshape(-1), state)
-                continue
-            if t + 1 == L:
+            frozen = finished_items = finished_items | frozen | ends.all()
+            if t + 1 == L or (t + 1) % SYNC_EVERY == 0:  # the host looks
+                fin = [True] * n if t + 1 == L else finished_items.tolist()
+                for j in range(n):
+                    if fin[j] and out[items[j]] is None:
+                        out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
+                if all(fin):
+                    break
+        else:
+            if t + 1 == L or bool(ends.all()):
                 finished_items = torch.ones_like(finished_items)
-            fin = finished_items.tolist()
-            for j in range(n):
-                if fin[j] and out[items[j]] is None:
-                    out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
-            if all(fin):
+            for j in finished_items.nonzero()[:, 0].tolist():
+                out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
+            still = (~finished_items).nonzero()[:, 0]
+            if len(still) == 0:
                 break
-            runner.select(state, (running_parent + torch.arange(n, device=device)[:, None] * K).reshape(-1))
-            logits = runner.step(running[:, :, t].reshape(-1), state)
-            continue
-        if t + 1 == L or bool(ends.all()):
-            finished_items = torch.ones_like(finished_items)
-
-        for j in finished_items.nonzero()[:, 0].tolist():
-            out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
-        still = (~finished_items).nonzero()[:, 0]
-        if len(still) == 0:
-            break
-        beam_rows = (running_parent + torch.arange(n, device=device)[:, None] * K)  # [n, K] rows of the last step
-        if len(still) < n:
-            beam_rows = beam_rows.index_select(0, still)
-            running, running_scores = running.index_select(0, still), running_scores.index_select(0, still)
-            done_seqs, done_lens = done_seqs.index_select(0, still), done_lens.index_select(0, still)
-            done_scores, done_flags = done_scores.index_select(0, still), done_flags.index_select(0, still)
-            improvable = improvable.index_select(0, still)
-            items = [items[j] for j in still.tolist()]
+            if len(still) < n:
+                beam_rows = beam_rows.index_select(0, still)
+                running, running_scores = running.index_select(0, still), running_scores.index_select(0, still)
+                done_seqs, done_lens = done_seqs.index_select(0, still), done_lens.index_select(0, still)
+                done_scores, done_flags = done_scores.index_select(0, still), done_flags.index_select(0, still)
+                improvable = improvable.index_select(0, still)
+                items, item_rows = [items[j] for j in still.tolist()], item_rows.index_select(0, still)
         runner.select(state, beam_rows.reshape(-1))
         logits = runner.step(running[:, :, t].reshape(-1), state)
     return out  # type: ignore[return-value]

@@ -27,6 +27,7 @@ import attnlab
 from attnlab.config import RunConfig, config_to_yaml, save_config
 from attnlab.config.preflight import PreflightReport
 from attnlab.errors import TrainingDivergedError
+from attnlab.launch import rank, world_size
 
 from .checkpoint import OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from .sampling import sample_continuation
@@ -196,15 +197,6 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(text)
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    """Processes training together (torchrun sets WORLD_SIZE); train.batch_size is split across them."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool) -> TrainingArguments:
