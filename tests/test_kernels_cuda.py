@@ -35,18 +35,56 @@ def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kern
     from attnlab.models import kernels
 
     # Head dims of the benchmarked model (hidden 1024, 4 heads): fla autotunes per (K, V), once.
-    q, k, v, gk, h0 = fresh_inputs(2, T, 4, 128, 256, seed=T)
-    fn = kernels.gla_chunk if kernel == "chunk" else kernels.gla_recurrent
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, gk)]
-    o, ht = fn(*(t.bfloat16() if i < 3 else t for i, t in enumerate(leaves)), 128 ** -0.5, h0, output_final_state=True)
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, gk)]
-    ref_o, ref_ht = reference_chunk_gla(*ref_leaves, initial_state=h0, scale=128 ** -0.5)
+    q, k, v, _, h0 = fresh_inputs(2, T, 4, 128, 256, seed=T)
+    logits = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T + 1)) * 2
+    keep = (torch.rand(2, T, 1, 1, device="cuda") > 0.1).float()  # padding: no write, no decay
+    keep[:, -1] = 1
+    if kernel == "chunk":
+        k, v = k * keep, v * keep
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, logits)]
+    bf16 = [t.bfloat16() for t in leaves]
+    if kernel == "chunk":  # the log forget gate is computed inside, from its bf16 logits
+        o, ht = kernels.gla_chunk_gated(*bf16, 16, 128 ** -0.5, h0, output_final_state=True, keep=keep)
+    else:  # the gate is passed in fp32 (decoding)
+        gate = torch.nn.functional.logsigmoid(bf16[3].float()) / 16
+        o, ht = kernels.gla_recurrent(*bf16[:3], gate, 128 ** -0.5, h0, output_final_state=True)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, logits)]
+    ref_gate = torch.nn.functional.logsigmoid(ref_leaves[3]) / 16 * (keep if kernel == "chunk" else 1)
+    ref_o, ref_ht = reference_chunk_gla(*ref_leaves[:3], ref_gate, initial_state=h0, scale=128 ** -0.5)
     assert rel_err(o, ref_o) <= 1e-2 and rel_err(ht, ref_ht) <= 1e-2
     do = torch.randn_like(ref_o)
     (o.float() * do).sum().backward()
     (ref_o * do).sum().backward()
     for fast, ref in zip(leaves, ref_leaves):
         assert rel_err(fast.grad, ref.grad) <= 1e-2
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rms_norm_matches_the_fp32_reference_forward_and_backward(with_residual):
+    from attnlab.models import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4, 300, 1024, device="cuda", generator=g)
+    residual = torch.randn(4, 300, 1024, device="cuda", generator=g) * 3
+    weight = 1 + 0.1 * torch.randn(1024, device="cuda", generator=g)
+    leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
+    fast_x = leaves[0].bfloat16()  # a branch output under autocast; the residual stream stays fp32
+    out = kernels.add_rms_norm(fast_x, leaves[1] if with_residual else None, leaves[2], 1e-6, torch.bfloat16)
+    summed = ref_leaves[0] + ref_leaves[1] if with_residual else ref_leaves[0]
+    ref_normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * ref_leaves[2]
+    normed = out[0] if with_residual else out
+    assert normed.dtype == torch.bfloat16 and rel_err(normed, ref_normed) <= 1e-2
+    dy, ds = torch.randn_like(ref_normed), torch.randn_like(ref_normed)
+    loss = (normed.float() * dy).sum() + ((out[1] * ds).sum() if with_residual else 0)
+    ref_loss = (ref_normed * dy).sum() + ((summed * ds).sum() if with_residual else 0)
+    if with_residual:
+        assert out[1].dtype == torch.float32 and rel_err(out[1], summed) <= 1e-2
+    loss.backward()
+    ref_loss.backward()
+    for fast, ref in zip(leaves, ref_leaves):
+        if ref.grad is not None:
+            assert rel_err(fast.grad, ref.grad) <= 1e-2
 
 
 @pytest.mark.parametrize("mixer", ["gla", "softmax"])
@@ -72,8 +110,9 @@ def test_model_on_fla_kernels_matches_the_reference_path_under_the_same_bf16_aut
     assert abs(outs[0].loss.item() - outs[1].loss.item()) / outs[1].loss.item() <= 1e-2
     ref_params = dict(ref.named_parameters())
     for name, p in fast.named_parameters():
-        # the low-rank gate projection's gradients (entries ~1e-5) land at ~2.1e-2 on an H100
-        assert rel_err(p.grad, ref_params[name].grad) <= (3e-2 if ".gk_proj." in name else 2e-2), name
+        # Measured on an H100: 1.2e-2 to 2.03e-2 (the output gate's norm weight, a sum over every
+        # token), and up to ~2.1e-2 for the low-rank gate projection (entries ~1e-5).
+        assert rel_err(p.grad, ref_params[name].grad) <= (3e-2 if ".gk_proj." in name else 2.5e-2), name
 
 
 def test_decoding_on_fla_kernels_equals_the_parallel_form():
@@ -142,3 +181,39 @@ def test_cuda_graph_decoding_equals_the_eager_engine_token_for_token(kernels_cho
     from attnlab.generation.graphs import make_runner
 
     assert isinstance(make_runner(model), StaticRunner)  # the first run above decoded through CUDA graphs
+
+
+@pytest.mark.parametrize("mixer", ["gla", "softmax"])
+def test_captured_training_step_equals_the_eager_one_through_optimizer_steps_and_accumulation(mixer):
+    from attnlab.train.graphs import CapturedLoss, graph_blocker
+
+    torch.manual_seed(0)
+    cfg = AttnLabConfig(vocab_size=512, hidden_size=1024, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
+    model = AttnLabForCausalLM(cfg).cuda().train()
+    assert graph_blocker(model) is None
+    batches = [torch.randint(0, 512, (2, 300), device="cuda") for _ in range(3)]
+    captured = CapturedLoss(model, batches[0], batches[0], torch.bfloat16)
+
+    def grads_after(micro_batches, graphed: bool):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for ids in micro_batches:
+            if graphed:
+                assert captured.matches(ids, ids)
+                loss = captured(ids, ids)
+            else:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids, num_items_in_batch=1).loss
+            loss.backward()
+            losses.append(loss.item())
+        return losses, [p.grad.clone() for p in model.parameters()]
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for micro_batches in ([batches[0]], [batches[1], batches[2]], [batches[2]]):  # an optimizer step between each
+        eager_losses, eager_grads = grads_after(micro_batches, graphed=False)
+        graphed_losses, graphed_grads = grads_after(micro_batches, graphed=True)
+        assert graphed_losses == pytest.approx(eager_losses, rel=1e-6)
+        for fast, ref in zip(graphed_grads, eager_grads):
+            assert rel_err(fast, ref) <= 1e-5
+        opt.step()  # in place: the next replay must see the new weights
+    assert not captured.matches(batches[0][:1], batches[0][:1])

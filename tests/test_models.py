@@ -197,6 +197,51 @@ def test_gradients_reach_every_parameter(setup):
         assert p.grad.abs().sum() > 0, f"zero gradient for {name}"
 
 
+def test_prenorm_with_a_residual_adds_then_norms_and_keeps_the_sum_in_the_residual_dtype():
+    from attnlab.models.modules import PreNorm
+
+    norm = PreNorm(64, kernels="torch")
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    branch, residual = torch.randn(2, 5, 64).bfloat16(), torch.randn(2, 5, 64)
+    normed, summed = norm(branch, residual=residual)
+    assert summed.dtype == torch.float32 and torch.equal(summed, residual + branch)
+    assert torch.equal(normed, norm(summed))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        normed_bf16, summed_again = norm(branch, residual=residual)
+    assert normed_bf16.dtype == torch.bfloat16 and summed_again.dtype == torch.float32
+    assert torch.equal(normed_bf16, normed.bfloat16())
+
+
+@pytest.mark.parametrize("setup", ["gla", "softmax"])
+def test_under_autocast_a_branchs_input_projections_keep_one_shared_copy_of_their_input(setup):
+    # The norm emits autocast's dtype, so q/k/v/gates (and the MLP's gate/up) do not each cast
+    # the fp32 stream and keep their own copy for the backward.
+    model = tiny_model(setup).train()
+    block = model.model.layers[0]
+    current: list[str] = []
+    saved: dict[str, set[int]] = {}
+    for name, module in block.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda m, a, name=name: current.append(name))
+            module.register_forward_hook(lambda m, a, o: current.pop() and None)
+
+    tokens = random_tokens(2, 37)
+
+    def pack(t):
+        if current and t.dtype == torch.bfloat16 and t.numel() == tokens.numel() * 64:  # a [tokens, hidden] input
+            saved.setdefault(current[-1], set()).add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens, labels=tokens).loss.backward()
+    groups = [[n for n in saved if n.startswith("attn.") and n != "attn.o_proj" and not n.startswith("attn.gk_proj.1")],
+              ["mlp.gate_proj", "mlp.up_proj"]]
+    for group in groups:
+        assert len(group) >= 2
+        assert len(set().union(*(saved[n] for n in group))) == 1, group
+
+
 @all_mixers
 @pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
 def test_gradient_checkpointing_gives_same_loss_and_gradients(setup):

@@ -239,3 +239,33 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_write_its_final_model
     shutil.rmtree(run / "final")  # as if killed between the last checkpoint and the final save
     assert run_cli("train", "--resume", "--run-dir", str(run)) == 0
     assert (run / "final" / "model.safetensors").is_file() and _run_json(run)["status"] == "finished"
+
+
+@pytest.mark.parametrize("mixer, checkpointing, world, reason", [
+    ("nsa", False, 1, "not verified for capture"),
+    ("gla", True, 1, "gradient checkpointing"),
+    ("gla", False, 2, "several processes"),
+    ("gla", False, 1, "not on a CUDA device"),
+    ("softmax", False, 1, "not on a CUDA device"),
+])
+def test_a_training_step_that_cannot_be_captured_says_why(mixer, checkpointing, world, reason):
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+    from attnlab.train.graphs import graph_blocker
+
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, mixer=mixer))
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    assert reason in graph_blocker(model, world)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_training_follows_the_eager_trajectory(tmp_path, tiny, capsys):
+    on_gpu = [o for o in tiny if not o.startswith("train.device")] + ["train.device=cuda", "train.batch_size=2", "train.grad_accum=2"]
+    runs = {}
+    for graphs in ("false", "true"):
+        run = tmp_path / f"graphs-{graphs}"
+        assert run_cli("train", *sets(on_gpu + [f"train.cuda_graphs={graphs}"]), "--run-dir", str(run)) == 0
+        runs[graphs] = [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]
+    assert "captured as CUDA graphs" in capsys.readouterr().out
+    assert runs["true"] == pytest.approx(runs["false"], abs=1e-4)

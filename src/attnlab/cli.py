@@ -377,7 +377,7 @@ def bench_decode_cmd(
 
 @bench_app.command("train")
 def bench_train_cmd(
-    models: list[str] = typer.Option(["attnlab-gla", "fla-gla", "hf-llama"], "--model", "-m", help="attnlab-gla, fla-gla, hf-llama (repeatable)."),
+    models: list[str] = typer.Option(["attnlab-gla", "fla-gla", "hf-llama"], "--model", "-m", help="attnlab-gla (its step captured as CUDA graphs, as `attnlab train` runs it), attnlab-gla-eager, fla-gla, hf-llama (repeatable)."),
     hidden: int = typer.Option(1024, "--hidden", help="Hidden size."),
     layers: int = typer.Option(24, "--layers", help="Decoder layers."),
     heads: int = typer.Option(4, "--heads", help="Heads."),
@@ -416,7 +416,7 @@ def bench_train_cmd(
                 for entry in row["saved"]["largest"]:
                     console.print(f"    {entry}", highlight=False, soft_wrap=True)
             if "profile" in row:
-                console.print(f"  profile ({row['profile']['gpu_ms']} ms GPU): {row['profile']['by_category_ms']}", highlight=False)
+                console.print(f"  profile ({row['profile']['gpu_ms']} ms GPU, host issues the step in {row['profile']['host_issue_ms']} ms): {row['profile']['by_category_ms']}", highlight=False)
                 for kname, ms in row["profile"]["top_kernels_ms"]:
                     console.print(f"    {ms:8.2f} ms  {kname}", highlight=False, soft_wrap=True)
             if out is not None:  # after every row, so that an interrupted run keeps what it measured

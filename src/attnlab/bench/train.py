@@ -2,7 +2,10 @@
 
 Same width, depth and vocabulary for all three (untied embeddings, the SwiGLU width fla's GLA
 uses); bf16 autocast over fp32 weights, fused AdamW; median step time over timed steps after a
-warm-up (fla's kernels autotune on first use), peak memory from the CUDA allocator.
+warm-up (fla's kernels autotune on first use), peak memory from the CUDA allocator over the
+whole run of a model (capture included). attnlab GLA runs its step as `attnlab train` does, with
+the forward and backward captured as CUDA graphs (attnlab.train.graphs); `attnlab-gla-eager`
+is the same model without them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import statistics
 
 import torch
 
-PEERS = ("attnlab-gla", "fla-gla", "hf-llama")
+PEERS = ("attnlab-gla", "attnlab-gla-eager", "fla-gla", "hf-llama")
 
 
 def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:
@@ -20,7 +23,7 @@ def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:
 
 
 def build(name: str, hidden: int, layers: int, heads: int, vocab: int):
-    if name == "attnlab-gla":
+    if name in ("attnlab-gla", "attnlab-gla-eager"):
         from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 
         cfg = AttnLabConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, mixer="gla",
@@ -50,13 +53,31 @@ CATEGORIES = (  # kernel name fragments -> what the time goes to
 )
 
 
+def host_ms(step, repeats: int = 3) -> float:
+    """How long the host takes to issue one step (median), with the GPU drained before each: when
+    this is close to the step time, the step is bound by the host, not by the GPU's kernels."""
+    import time
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1000, 1)
+
+
 def profile_step(step) -> dict:
-    """One training step under the CUDA profiler: time per kernel category and the top kernels."""
+    """One training step under the profiler: GPU time per kernel category, the top kernels, the
+    host's time to issue the step, and the host-side calls that take most of it."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    issue_ms = host_ms(step)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    host_calls = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
     kernels: dict[str, float] = {}
     launches = 0
     for evt in prof.events():
@@ -70,34 +91,46 @@ def profile_step(step) -> dict:
         cat = next((c for c, frags in CATEGORIES if any(f in low for f in frags)), "other")
         shares[cat] = shares.get(cat, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"gpu_ms": round(total, 3), "kernels": launches, "by_category_ms": {k: round(v, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+    return {"gpu_ms": round(total, 3), "kernels": launches, "host_issue_ms": issue_ms,
+            "host_self_ms": [[e.key[:60], e.count, round(e.self_cpu_time_total / 1000, 2)] for e in host_calls],
+            "by_category_ms": {k: round(v, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}
 
 
 def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
                 steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False) -> dict:
     torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
     model = build(name, hidden, layers, heads, vocab).cuda().train()
     if grad_checkpointing:
         model.gradient_checkpointing_enable()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    captured = None
+    if name == "attnlab-gla":  # as `attnlab train` runs it: the step's forward and backward as CUDA graphs
+        from attnlab.train.graphs import CapturedLoss, graph_blocker
+
+        if graph_blocker(model) is None:
+            captured = CapturedLoss(model, x, x, torch.bfloat16)
+    predicted = (x[:, 1:] >= 0).sum()
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=x, labels=x).loss
+        if captured is not None:
+            loss = captured(x, x) / predicted  # the summed loss, as the Trainer divides it
+        else:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    row = {"model": name, "params_M": round(params / 1e6, 1), "batch": batch, "seq_len": seq_len}
+    row = {"model": name, "params_M": round(params / 1e6, 1), "batch": batch, "seq_len": seq_len, "cuda_graphs": captured is not None}
     try:
         for _ in range(warmup):
             step()
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -113,7 +146,7 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
             row["profile"] = profile_step(step)
     except torch.cuda.OutOfMemoryError:
         row.update(step_s=None, tok_per_s=None, peak_gib=None, error="out of memory")
-    del model, opt
+    del model, opt, captured
     torch.cuda.empty_cache()
     return row
 

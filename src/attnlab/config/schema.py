@@ -63,6 +63,7 @@ class TrainSection(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on CUDA, fp32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when visible")
     gradient_checkpointing: bool = Field(False, description="recompute block activations in backward")
+    cuda_graphs: bool = Field(True, description="on CUDA, capture the step's forward and backward as CUDA graphs and replay them (one process, attnlab GLA/softmax models, no gradient checkpointing; other runs train eagerly and say why)")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="how several processes under torchrun share the model: ddp replicates it, fsdp (CUDA only) shards parameters, gradients and optimizer state (FULL_SHARD); one process ignores it")
     eval_every: int = Field(200, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
     eval_batches: int = Field(16, gt=0, description="validation batches per evaluation")

@@ -14,7 +14,7 @@ from attnlab.models import kernels
 from attnlab.models.cache import AttnLabCache
 from attnlab.models.configuration import AttnLabConfig
 from attnlab.models.mixers import build_mixer
-from attnlab.models.modules import GatedRMSNorm, RMSNorm, SwiGLU
+from attnlab.models.modules import GatedRMSNorm, PreNorm, RMSNorm, SwiGLU
 
 
 class AttnLabBlock(GradientCheckpointingLayer):
@@ -23,9 +23,9 @@ class AttnLabBlock(GradientCheckpointingLayer):
     def __init__(self, config: AttnLabConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
+        self.attn_norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.attn = build_mixer(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
+        self.mlp_norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, kernels=config.kernels)
 
     def forward(
@@ -41,9 +41,8 @@ class AttnLabBlock(GradientCheckpointingLayer):
         )
         if use_cache and past_key_values is not None:
             past_key_values.update(self.layer_idx, layer_state)
-        hidden_states = hidden_states + mixed
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states
+        normed, hidden_states = self.mlp_norm(mixed, residual=hidden_states)  # hidden_states + mixed, and its norm
+        return hidden_states + self.mlp(normed)
 
 
 class AttnLabPreTrainedModel(PreTrainedModel):
@@ -71,7 +70,7 @@ class AttnLabModel(AttnLabPreTrainedModel):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(AttnLabBlock(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
+        self.norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.gradient_checkpointing = False
         self.post_init()
 

@@ -28,6 +28,32 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the next matrix product computes in: autocast's when it is on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class PreNorm(RMSNorm):
+    """The RMSNorm in front of a residual branch, with the residual add fused in.
+
+    `norm(x)` returns the normed stream; `norm(x, residual)` adds first and returns
+    (normed, residual + x): the sum stays in the residual's dtype (fp32 under autocast) and only the
+    normed copy is cast. Under autocast the normed output is already in autocast's dtype, so the
+    branch's input projections (q, k, v, gates; MLP gate and up) share one saved copy for the
+    backward instead of each casting and keeping its own."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if kernels.use_fla(self.kernels, x):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, output_dtype(x))
+        summed = x if residual is None else residual + x
+        x32 = summed.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (x32 * self.weight.float()).to(output_dtype(summed))
+        return normed if residual is None else (normed, summed)
+
+
 class GatedRMSNorm(RMSNorm):
     """RMSNorm of `x` multiplied by swish(`gate`), as fla's `FusedRMSNormGated`."""
 

@@ -30,6 +30,7 @@ from attnlab.errors import TrainingDivergedError
 from attnlab.launch import rank, world_size
 
 from .checkpoint import OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state
+from .graphs import CapturedLoss, graph_blocker
 from .sampling import sample_continuation
 from .telemetry import RunLogger, Throughput
 
@@ -56,10 +57,47 @@ class AttnLabTrainer(Trainer):
     So any checkpoint resumes with either strategy and on any number of processes.
     """
 
-    def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, **kwargs):
+    def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, cuda_graphs: bool = False,
+                 say=print, **kwargs):
         super().__init__(*args, **kwargs)
         self.checkpoints = checkpoints
         self.run_config_yaml = run_config_yaml
+        self.cuda_graphs = cuda_graphs  # capture the step's forward and backward (train/graphs.py)
+        self.say = say
+        self.captured: CapturedLoss | None = None
+        self.graph_note: str | None = None  # why the step runs eagerly, once decided
+
+    def _captured_loss(self, model, inputs) -> CapturedLoss | None:
+        """The captured loss for this batch, capturing it on first use; None where the step runs eagerly."""
+        if not self.cuda_graphs or not model.training or set(inputs) != {"input_ids", "labels"}:
+            return None
+        if self.captured is not None and self.captured.matches(inputs["input_ids"], inputs["labels"]):
+            return self.captured
+        if self.graph_note is not None:
+            return None
+        blocker = graph_blocker(self.accelerator.unwrap_model(model), world_size())
+        if blocker is None:
+            autocast_dtype = torch.bfloat16 if self.args.bf16 else None
+            self.captured = None  # a new shape or moved weights: the old graphs' memory goes first
+            try:
+                self.captured = CapturedLoss(self.accelerator.unwrap_model(model), inputs["input_ids"], inputs["labels"], autocast_dtype)
+                self.say(f"training step captured as CUDA graphs (batch {tuple(inputs['input_ids'].shape)}; other shapes run eagerly)")
+                return self.captured
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
+                blocker = f"capture failed ({str(err).splitlines()[0][:200]})"
+                torch.cuda.empty_cache()
+        self.graph_note = blocker
+        self.say(f"training step runs eagerly: {blocker} (train.cuda_graphs)")
+        return None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        captured = None if return_outputs else self._captured_loss(model, inputs)
+        if captured is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss_sum = captured(inputs["input_ids"], inputs["labels"])
+        if num_items_in_batch is None:  # the mean over predicted tokens, as the model's own loss
+            return loss_sum / (inputs["labels"][:, 1:] != -100).sum()
+        return loss_sum / num_items_in_batch
 
     def _save_checkpoint(self, model, trial):
         # args.output_dir is the staging directory; every rank writes its part (rank 0 the weights and
@@ -317,6 +355,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         callbacks=callbacks,
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
+        cuda_graphs=cfg.train.cuda_graphs and report.device == "cuda",
+        say=lambda text: console.print(f"[dim]{text}[/dim]"),
     )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     t0 = time.perf_counter()

@@ -33,11 +33,52 @@ def use_fla(choice: str, x: torch.Tensor) -> bool:
     return False
 
 
-def gla_chunk(q, k, v, gk, scale, initial_state, output_final_state: bool):
-    """fla's chunked GLA: [B, T, H, D] layout, fp32 state [B, H, K, V]."""
-    from fla.ops.gla import chunk_gla
+def _log_forget_gate(logits: torch.Tensor, normalizer: float, keep: torch.Tensor | None) -> torch.Tensor:
+    gate = torch.nn.functional.logsigmoid(logits.float()).div_(normalizer)
+    return gate if keep is None else gate.mul_(keep)
 
-    return chunk_gla(q, k, v, g=gk, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+
+class _GatedChunkGLA(torch.autograd.Function):
+    """fla's chunked GLA with the log forget gate logsigmoid(logits) / normalizer computed in fp32
+    inside. It keeps the gate's logits (bf16 under autocast) for the backward and recomputes the
+    fp32 gate there, where applying the gate outside keeps two fp32 copies per layer (the
+    logsigmoid's input and the kernel's cumulative sum). The values and gradients are those of the
+    fp32 gate: the logits are the only input and are kept exactly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, logits, normalizer, keep, scale, initial_state, output_final_state):
+        import triton
+        from fla.ops.gla.chunk import chunk_gla_fwd
+
+        chunk_size = min(64, max(16, triton.next_power_of_2(q.shape[1])))  # as fla's chunk_gla
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        gate = _log_forget_gate(logits, normalizer, keep)
+        _, A, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=gate, g_cumsum=None, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state, chunk_size=chunk_size)
+        ctx.save_for_backward(q, k, v, logits, keep, initial_state, A)
+        ctx.normalizer, ctx.scale, ctx.chunk_size = normalizer, scale, chunk_size
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from fla.ops.gla.chunk import chunk_gla_bwd
+
+        q, k, v, logits, keep, initial_state, A = ctx.saved_tensors
+        gate = _log_forget_gate(logits, ctx.normalizer, keep)
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd(q=q, k=k, v=v, g=gate, g_cumsum=None, scale=ctx.scale, initial_state=initial_state,
+                                            h=None, A=A, do=do.contiguous(), dht=dht, chunk_size=ctx.chunk_size)
+        del gate
+        # d logsigmoid(x) / dx = sigmoid(-x)
+        dlogits = torch.sigmoid(logits.float().neg_()).mul_(dg).div_(ctx.normalizer)
+        if keep is not None:
+            dlogits.mul_(keep)
+        return dq.to(q), dk.to(k), dv.to(v), dlogits.to(logits.dtype), None, None, None, dh0, None
+
+
+def gla_chunk_gated(q, k, v, logits, normalizer: float, scale, initial_state, output_final_state: bool, keep=None):
+    """fla's chunked GLA on the log forget gate logsigmoid(`logits`) / `normalizer` (times `keep`,
+    0 at padding), computed in fp32 inside; see `_GatedChunkGLA`."""
+    return _GatedChunkGLA.apply(q, k, v, logits, normalizer, keep, scale, initial_state, output_final_state)
 
 
 def gla_recurrent(q, k, v, gk, scale, initial_state, output_final_state: bool):
@@ -51,6 +92,45 @@ def rms_norm(x, weight, eps: float):
     from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 
     return fla_rms_norm(x, weight, None, eps=eps)
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    """(residual + x, and its RMSNorm in `out_dtype`) in one pass of fla's norm kernels; the
+    backward gets the gradients of x and of the residual from one pass too. Keeps the sum (the
+    residual's dtype) and the fp32 inverse norms, as fla's own prenorm path does."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, out_dtype):
+        from fla.modules.norm.layernorm import layer_norm_fwd
+
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).contiguous()
+        res_rows = None if residual is None else residual.reshape(-1, shape[-1]).contiguous()
+        y, _, rstd, summed = layer_norm_fwd(rows, weight, None, eps, residual=res_rows, out_dtype=out_dtype, is_rms_norm=True)
+        ctx.save_for_backward(summed, weight, rstd)
+        ctx.shape, ctx.x_dtype, ctx.has_residual = shape, x.dtype, residual is not None
+        if residual is None:
+            return y.view(shape)
+        return y.view(shape), summed.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dsummed=None):
+        from fla.modules.norm.layernorm import layer_norm_bwd
+
+        summed, weight, rstd = ctx.saved_tensors
+        width = ctx.shape[-1]
+        dy = torch.zeros(summed.shape, dtype=summed.dtype, device=summed.device) if dy is None else dy.reshape(-1, width).contiguous()
+        dres = None if dsummed is None else dsummed.reshape(-1, width).contiguous()
+        dx, dw, _, dres_in = layer_norm_bwd(dy, summed, weight, None, None, rstd, dres=dres, has_residual=ctx.has_residual,
+                                            is_rms_norm=True, x_dtype=ctx.x_dtype)
+        dresidual = dres_in.view(ctx.shape) if ctx.has_residual else None
+        return dx.view(ctx.shape), dresidual, dw, None, None
+
+
+def add_rms_norm(x, residual, weight, eps: float, out_dtype: torch.dtype):
+    """RMSNorm of `x` (or of `residual + x`) with its output in `out_dtype`; with a residual,
+    returns (normed, residual + x)."""
+    return _AddRMSNorm.apply(x, residual, weight, eps, out_dtype)
 
 
 def rms_norm_swish_gate(x, gate, weight, eps: float):

@@ -23,6 +23,9 @@ class Mixer(nn.Module):
     """Base class: option handling shared by all mixers."""
 
     default_options: dict[str, Any] = {}
+    # The training step's forward and backward may be captured as CUDA graphs (attnlab.train.graphs):
+    # no host synchronisation and no host-side state in the training forward, checked on the GPU.
+    train_graph_safe: bool = False
 
     @classmethod
     def resolve_options(cls, options: dict[str, Any] | None) -> dict[str, Any]:

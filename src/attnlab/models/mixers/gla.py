@@ -17,6 +17,7 @@ from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
 @register_mixer("gla")
 class GatedLinearAttention(FusedProjections, Mixer):
     fixed_size_state = True  # decodes over one [B, H, K, V] state: CUDA-graph decoding applies
+    train_graph_safe = True
     default_options = {
         "expand_k": 0.5,
         "expand_v": 1.0,
@@ -71,28 +72,34 @@ class GatedLinearAttention(FusedProjections, Mixer):
         q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
         k = k.view(batch, seq_len, self.num_heads, self.head_k_dim)
         v = v.view(batch, seq_len, self.num_heads, self.head_v_dim)
-        gk = self.gk_proj[1](gk).view(batch, seq_len, self.num_heads, self.head_k_dim)
+        gate_logits = self.gk_proj[1](gk).view(batch, seq_len, self.num_heads, self.head_k_dim)
         use_fla = kernels.use_fla(self.kernels, x)
-        gk = F.logsigmoid(gk.float()) / self.gate_logit_normalizer  # log forget gate, <= 0, in fp32
-
+        is_token = None
         if attention_mask is not None:
             # Padding must not touch the state: no write (k = v = 0) and no decay (log-gate 0).
             is_token = attention_mask[:, -seq_len:, None, None].to(torch.bool)  # [B, T, 1, 1]
             k, v = k * is_token, v * is_token
-            gk = gk * is_token
 
         state = cache["recurrent_state"] if cache is not None else None
-        if use_fla:
-            # fla: fused recurrence for decoding and short prefills (as fla's layer), chunked kernels otherwise
-            fla_gla = kernels.gla_recurrent if seq_len <= 64 else kernels.gla_chunk
-            o, state = fla_gla(q, k, v, gk, self.scale, state, output_final_state=use_cache)
-        elif seq_len == 1:
-            o, state = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], state, scale=self.scale)
-            o = o[:, None]  # [B, 1, H, V]
+        if use_fla and seq_len > 64:
+            # fla's chunked kernels, the fp32 log forget gate computed inside (not kept for the backward)
+            keep = None if is_token is None else is_token.float()
+            o, state = kernels.gla_chunk_gated(q, k, v, gate_logits, self.gate_logit_normalizer, self.scale, state,
+                                               output_final_state=use_cache, keep=keep)
         else:
-            o, state = chunk_gla(q, k, v, gk, chunk_size=self.chunk_size, initial_state=state, scale=self.scale)
+            gk = F.logsigmoid(gate_logits.float()) / self.gate_logit_normalizer  # log forget gate, <= 0, in fp32
+            if is_token is not None:
+                gk = gk * is_token
+            if use_fla:  # fused recurrence for decoding and short prefills, as fla's layer
+                o, state = kernels.gla_recurrent(q, k, v, gk, self.scale, state, output_final_state=use_cache)
+            elif seq_len == 1:
+                o, state = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], state, scale=self.scale)
+                o = o[:, None]  # [B, 1, H, V]
+            else:
+                o, state = chunk_gla(q, k, v, gk, chunk_size=self.chunk_size, initial_state=state, scale=self.scale)
+        return self.output(o, g, batch, seq_len), ({"recurrent_state": state} if use_cache else None)
 
-        g = g.view(batch, seq_len, self.num_heads, self.head_v_dim)
-        o = self.g_norm_swish_gate(o, g)  # [B, T, H, V]
-        y = self.o_proj(o.reshape(batch, seq_len, self.value_dim))
-        return y, ({"recurrent_state": state} if use_cache else None)
+    def output(self, o: torch.Tensor, g: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+        """o_proj(norm(o) * swish(g)) for the heads' outputs o [B, T, H, V]."""
+        o = self.g_norm_swish_gate(o, g.view(batch, seq_len, self.num_heads, self.head_v_dim))
+        return self.o_proj(o.reshape(batch, seq_len, self.value_dim))

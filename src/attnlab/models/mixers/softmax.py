@@ -27,6 +27,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @register_mixer("softmax")
 class SoftmaxAttention(Mixer):
     default_options = {"num_kv_heads": None}  # None: as many as num_heads
+    train_graph_safe = True
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
