@@ -301,6 +301,17 @@ def test_bench_decode_reports_new_tokens_per_second_for_engine_and_hf(tmp_path, 
     assert run_cli("bench", "decode", "--batch-size", "2", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--device", "cpu", "--out", str(out)) == 0
     row = json.loads(out.read_text())["results"][0]
     assert row["batch"] == 2 and row["attnlab_new_tok_per_s"] > 0 and row["hf_generate_new_tok_per_s"] > 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot beside the JSON
+
+
+def test_bench_train_plot_shows_every_row_including_one_that_ran_out_of_memory(tmp_path):
+    from attnlab.bench.plot import plot_train
+
+    rows = [dict(model="attnlab-gla", batch=8, seq_len=2048, tok_per_s=129220, peak_gib=17.3, reserved_gib=21.0),
+            dict(model="fla-gla", batch=8, seq_len=2048, tok_per_s=98021, peak_gib=22.8, reserved_gib=24.0),
+            dict(model="hf-llama", batch=1, seq_len=16384, tok_per_s=None, peak_gib=None, reserved_gib=None)]
+    path = plot_train(rows, tmp_path / "train.png", "a GPU")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
 def test_bench_decode_times_beam_search_against_greedy_over_as_many_rows_and_hf_on_a_peer(tmp_path):

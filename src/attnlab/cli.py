@@ -304,7 +304,7 @@ def bench_decode_cmd(
     hf_repeats: Optional[int] = typer.Option(None, "--hf-repeats", help="Timed HF generate runs (default: --repeats)."),
     beams: int = typer.Option(1, "--beams", help="> 1: also time beam search with this many beams against greedy over batch x beams rows."),
     profile: bool = typer.Option(False, "--profile", help="On CUDA: also count the kernels of one decode step and their GPU time, by category."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here, and a PNG plot beside it (same name, .png)."),
 ):
     """Time decoding (new tokens/s) with attnlab's engine and with HF generate; optionally beam search against greedy."""
     import platform
@@ -372,7 +372,9 @@ def bench_decode_cmd(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
                                    "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1))
-        console.print(f"wrote {out}")
+        from attnlab.bench.plot import plot_decode
+
+        console.print(f"wrote {out} and {plot_decode(rows, out.with_suffix('.png'), dev)}")
 
 
 @bench_app.command("train")
@@ -387,7 +389,7 @@ def bench_train_cmd(
     warmup: int = typer.Option(3, "--warmup", help="Untimed steps first (fla autotunes here)."),
     profile: bool = typer.Option(False, "--profile", help="Also profile one step: GPU time per kernel category and the top kernels."),
     saved: bool = typer.Option(False, "--saved", help="Also list what one forward keeps for the backward, largest first (where the activation memory goes)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here, and a PNG plot beside it (same name, .png)."),
 ):
     """Training tokens/s and peak memory on CUDA: attnlab GLA against fla's GLA and HF Llama (SDPA), one process."""
     import platform
@@ -424,16 +426,19 @@ def bench_train_cmd(
                 out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows + [row]}, indent=1))
             rows.append(row)
     table = Table(title=f"training, bf16 autocast, AdamW, on {torch.cuda.get_device_name()}")
-    for col in ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "step_s"):
+    columns = ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "reserved_gib", "step_s")
+    for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(*(str(r.get(c)) for c in ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "step_s")))
+        table.add_row(*(str(r.get(c)) for c in columns))
     console.print(table)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                                    "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1))
-        console.print(f"wrote {out}")
+        from attnlab.bench.plot import plot_train
+
+        console.print(f"wrote {out} and {plot_train(rows, out.with_suffix('.png'), torch.cuda.get_device_name())}")
 
 
 def main() -> None:

@@ -3,7 +3,9 @@
 Same width, depth and vocabulary for all three (untied embeddings, the SwiGLU width fla's GLA
 uses); bf16 autocast over fp32 weights, fused AdamW; median step time over timed steps after a
 warm-up (fla's kernels autotune on first use), peak memory from the CUDA allocator over the
-whole run of a model (capture included). attnlab GLA runs its step as `attnlab train` does, with
+whole run of a model (capture included): allocated, and reserved (what the process holds; a
+captured graph's activations live in memory reserved for it, which `allocated` does not count
+while the graph replays). attnlab GLA runs its step as `attnlab train` does, with
 the forward and backward captured as CUDA graphs (attnlab.train.graphs); `attnlab-gla-eager`
 is the same model without them.
 """
@@ -100,6 +102,7 @@ def profile_step(step) -> dict:
 def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
                 steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False) -> dict:
     torch.manual_seed(0)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build(name, hidden, layers, heads, vocab).cuda().train()
     if grad_checkpointing:
@@ -141,11 +144,12 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
             times.append(start.elapsed_time(end) / 1000)
         step_s = statistics.median(times)
         row.update(step_s=round(step_s, 4), tok_per_s=round(batch * seq_len / step_s), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                   reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
                    loss=round(float(loss), 3))
         if profile:
             row["profile"] = profile_step(step)
     except torch.cuda.OutOfMemoryError:
-        row.update(step_s=None, tok_per_s=None, peak_gib=None, error="out of memory")
+        row.update(step_s=None, tok_per_s=None, peak_gib=None, reserved_gib=None, error="out of memory")
     del model, opt, captured
     torch.cuda.empty_cache()
     return row

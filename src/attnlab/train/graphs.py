@@ -45,9 +45,9 @@ def graph_blocker(model: nn.Module, world_size: int = 1) -> str | None:
 
 
 class _Replay(torch.autograd.Function):
-    """Replays the captured forward; its backward replays the captured backward. The parameters are
-    inputs only so that autograd hands their gradients on; the gradients are copied out of the
-    graph's buffers, which the next replay overwrites (so accumulation over micro-batches is exact)."""
+    """Replays the captured forward; its backward replays the captured backward and hands the
+    gradients to the parameters itself (`CapturedLoss.replay_backward`). The parameters are inputs
+    only so that the loss requires grad."""
 
     @staticmethod
     def forward(ctx, step: CapturedLoss, input_ids, labels, *params):
@@ -57,7 +57,8 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        return (None, None, None, *ctx.step.replay_backward(grad_loss))
+        ctx.step.replay_backward(grad_loss)
+        return (None,) * (3 + len(ctx.step.params))
 
 
 class CapturedLoss:
@@ -110,10 +111,20 @@ class CapturedLoss:
         self.forward_graph.replay()
         return self.static_loss.clone()
 
-    def replay_backward(self, grad_loss: torch.Tensor) -> list[torch.Tensor]:
+    def replay_backward(self, grad_loss: torch.Tensor) -> None:
+        """Gradients into `.grad`, accumulated as autograd would. A parameter without a gradient gets
+        the graph's buffer itself (no copy of every gradient per step); one whose gradient is that
+        buffer from an earlier micro-batch gets a copy first, as the replay overwrites the buffer."""
+        for p, buffer in zip(self.params, self.static_grads):
+            if p.grad is not None and p.grad.data_ptr() == buffer.data_ptr():
+                p.grad = p.grad.clone()
         self.static_grad_loss.copy_(grad_loss)
         self.backward_graph.replay()
-        return [g.clone() for g in self.static_grads]
+        for p, buffer in zip(self.params, self.static_grads):
+            if p.grad is None:
+                p.grad = buffer
+            else:
+                p.grad.add_(buffer)
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _Replay.apply(self, input_ids, labels, *self.params)
