@@ -106,6 +106,12 @@ class CapturedLoss:
                 and input_ids.device == self.static_ids.device and self._fingerprint() == self.fingerprint)
 
     def replay_forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The forward's scratch memory overlaps the gradient buffers (both live in the graphs' pool):
+        # a gradient still held in a buffer (an earlier micro-batch, or gradients zeroed in place)
+        # is copied out before the replay.
+        for p, buffer in zip(self.params, self.static_grads):
+            if p.grad is not None and p.grad.data_ptr() == buffer.data_ptr():
+                p.grad = p.grad.clone()
         self.static_ids.copy_(input_ids)
         self.static_labels.copy_(labels)
         self.forward_graph.replay()
@@ -113,11 +119,8 @@ class CapturedLoss:
 
     def replay_backward(self, grad_loss: torch.Tensor) -> None:
         """Gradients into `.grad`, accumulated as autograd would. A parameter without a gradient gets
-        the graph's buffer itself (no copy of every gradient per step); one whose gradient is that
-        buffer from an earlier micro-batch gets a copy first, as the replay overwrites the buffer."""
-        for p, buffer in zip(self.params, self.static_grads):
-            if p.grad is not None and p.grad.data_ptr() == buffer.data_ptr():
-                p.grad = p.grad.clone()
+        the graph's buffer itself (no copy of every gradient per step); the next forward replay
+        copies it out if it is still there (see `replay_forward`)."""
         self.static_grad_loss.copy_(grad_loss)
         self.backward_graph.replay()
         for p, buffer in zip(self.params, self.static_grads):
