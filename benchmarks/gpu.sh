@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one call: `bash benchmarks/gpu.sh STAGE...`
 # Stages: tests (CUDA tests), train (training throughput at 8x2048), long (T=8192/16384),
-# decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
+# decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), train-run (`attnlab train` with and
+# without CUDA graphs), fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -19,6 +20,14 @@ for stage in "$@"; do case $stage in
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
   decode) run decode "${DECODE_LIMIT:-240}" $AL bench decode --arch attnlab-gla --hf-arch fla-gla --batch-size 8 --prompt-len 2048 --new-tokens 256 --repeats 2 --hf-repeats 1 --beams 4 --profile --out "$OUT/decode-8x2048.json" ;;
+  train-run)  # `attnlab train` itself, the bench model's shape on the built-in corpus, with and without CUDA graphs
+    for graphs in true false; do
+      run "train-run-graphs-$graphs" "${RUN_LIMIT:-200}" $AL train --run-dir "$OUT/run-graphs-$graphs" --set model.hidden_size=1024 \
+        --set model.num_layers=24 --set model.num_heads=4 --set model.intermediate_size=2816 --set model.tie_word_embeddings=false \
+        --set data.seq_len=2048 --set train.batch_size=8 --set train.max_steps=40 --set train.log_every=5 --set train.eval_every=0 \
+        --set train.save_every=0 --set train.sample_tokens=0 --set train.lr=1e-3 --set train.warmup_steps=10 --set "train.cuda_graphs=$graphs"
+      python -c "import csv,statistics,sys; r=[float(x['tokens_per_s']) for x in csv.DictReader(open(sys.argv[1])) if x.get('tokens_per_s')][1:]; print('attnlab train, cuda_graphs=$graphs: median tokens/s', round(statistics.median(r)), 'over', len(r), 'logs')" "$OUT/run-graphs-$graphs/metrics.csv" | tee -a "$OUT/summary.txt"
+    done ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/tcache.tar.xz.part-" && ls -la "$OUT"
