@@ -136,7 +136,8 @@ def test_fused_projections_compute_what_the_separate_projections_compute():
     assert all(m.fused_weight is None for m in model.modules() if isinstance(m, FusedProjections))
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     attn, stacks = pairs[0]
-    assert [tuple(w.shape[:2]) for w in stacks] == [(2, 16), (2, 32), (1, 16)]  # q,k | v,g | low-rank gate
+    # q, k and the forget gate (its two low-rank factors multiplied) | v, g
+    assert [tuple(w.shape[:2]) for w in stacks] == [(3, 16), (2, 32)]
     with fused_projections(pairs), torch.no_grad():
         assert all(p.is_contiguous() for p in attn.project(torch.randn(3, 1, 32)))  # as fla's kernels want them
 
@@ -154,6 +155,9 @@ def test_generate_fuses_for_its_own_steps_only_and_skips_wrapped_projections():
     assert all(m.fused_weight is None for m in model.modules() if isinstance(m, FusedProjections))
     block.attn.k_proj = torch.nn.Sequential(block.attn.k_proj)  # stands for an adapter around k_proj
     assert block.attn not in [m for m, _ in fuse_projections(model)]
+    other = model.model.layers[1].attn
+    other.gk_proj[1] = torch.nn.Sequential(other.gk_proj[1])  # ... or around the gate's second factor
+    assert other not in [m for m, _ in fuse_projections(model)]
 
 
 def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_they_are():
@@ -166,6 +170,7 @@ def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_th
     logits, _ = first.prefill(ids, torch.ones_like(ids))
     with torch.no_grad():
         model.model.layers[0].attn.q_proj.weight.mul_(2.0)  # an in-place update (an optimizer step) ...
+        model.model.layers[0].attn.gk_proj[0].weight.mul_(3.0)  # (the gate's fused product is refreshed too)
     again = cached_static_runner(model, capture=False)
     assert again is first
     changed, _ = again.prefill(ids, torch.ones_like(ids))

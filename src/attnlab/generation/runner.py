@@ -52,9 +52,9 @@ class ModelRunner:
         """Copy the modules' current weights into the fused stacks (in place: captured graphs read them)."""
         with torch.no_grad():
             for module, stacks in self.fused:
-                group, first = module.projection_group(), 0
+                weights, first = module.fusion_weights(), 0
                 for stack in stacks:
-                    torch.stack([linear.weight for linear in group[first:first + len(stack)]], out=stack)
+                    torch.stack(weights[first:first + len(stack)], out=stack)
                     first += len(stack)
 
     def _forward(self, input_ids, attention_mask, positions, cache) -> tuple[torch.Tensor, Any]:

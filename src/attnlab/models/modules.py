@@ -79,6 +79,14 @@ class FusedProjections:
     def projection_group(self) -> list[nn.Module]:
         raise NotImplementedError
 
+    def fusion_weights(self) -> list[torch.Tensor] | None:
+        """The [width, in] weights to stack, in the order `project` returns their products while
+        fused; None when a projection is not a plain bias-free `nn.Linear` (an adapter wraps it)."""
+        group = self.projection_group()
+        if not all(type(linear) is nn.Linear and linear.bias is None for linear in group):
+            return None
+        return [linear.weight for linear in group]
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.fused_weight is None:
             return tuple(linear(x) for linear in self.projection_group())
@@ -102,10 +110,9 @@ def fuse_projections(model: nn.Module) -> list[tuple[nn.Module, list[torch.Tenso
         for module in model.modules():
             if not isinstance(module, FusedProjections):
                 continue
-            group = module.projection_group()
-            if not all(type(linear) is nn.Linear and linear.bias is None for linear in group):
+            weights = module.fusion_weights()
+            if weights is None:
                 continue
-            weights = [linear.weight for linear in group]
             if len({(w.dtype, w.device) for w in weights}) != 1:
                 continue
             runs: list[list[torch.Tensor]] = []

@@ -60,6 +60,17 @@ class GatedLinearAttention(FusedProjections, Mixer):
     def projection_group(self) -> list[nn.Module]:
         return [self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.gk_proj[0]]
 
+    def fusion_weights(self) -> list[torch.Tensor] | None:
+        # While decoding, the low-rank forget gate is one full [key_dim, hidden] product (its two
+        # factors multiplied once per `generate` call), as wide as q and k: q|k|gate is one batched
+        # product and v|g another, and the gate's bias is added in the step kernel.
+        plain = super().fusion_weights()
+        if plain is None or type(self.gk_proj[1]) is not nn.Linear:
+            return None
+        with torch.no_grad():
+            gate = (self.gk_proj[1].weight.float() @ self.gk_proj[0].weight.float()).to(self.gk_proj[0].weight.dtype)
+        return [self.q_proj.weight, self.k_proj.weight, gate, self.v_proj.weight, self.g_proj.weight]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -68,11 +79,17 @@ class GatedLinearAttention(FusedProjections, Mixer):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         batch, seq_len, _ = x.shape
-        q, k, v, g, gk = self.project(x)
+        gate_bias = None  # added by the step kernel when the gate's product is fused
+        if self.fused_weight is not None:
+            q, k, gate_logits, v, g = self.project(x)  # the order of `fusion_weights`
+            gate_bias = self.gk_proj[1].bias
+        else:
+            q, k, v, g, gk = self.project(x)
+            gate_logits = self.gk_proj[1](gk)
         q = q.view(batch, seq_len, self.num_heads, self.head_k_dim)
         k = k.view(batch, seq_len, self.num_heads, self.head_k_dim)
         v = v.view(batch, seq_len, self.num_heads, self.head_v_dim)
-        gate_logits = self.gk_proj[1](gk).view(batch, seq_len, self.num_heads, self.head_k_dim)
+        gate_logits = gate_logits.view(batch, seq_len, self.num_heads, self.head_k_dim)
         use_fla = kernels.use_fla(self.kernels, x)
         is_token = None
         if attention_mask is not None:
@@ -81,6 +98,15 @@ class GatedLinearAttention(FusedProjections, Mixer):
             k, v = k * is_token, v * is_token
 
         state = cache["recurrent_state"] if cache is not None else None
+        if (use_fla and seq_len == 1 and is_token is None and self.fused_weight is not None and state is not None
+                and state.is_contiguous()):
+            # The engine's decode step (its fused projections are on): one kernel for the gate, the
+            # recurrence and the output, the state advanced where it lies (the engine owns it).
+            o = kernels.gla_step_(q[:, 0], k[:, 0], v[:, 0], gate_logits[:, 0], state, self.gate_logit_normalizer, self.scale,
+                                  bias=gate_bias)
+            return self.output(o[:, None], g, batch, seq_len), ({"recurrent_state": state} if use_cache else None)
+        if gate_bias is not None:
+            gate_logits = gate_logits + gate_bias.view(self.num_heads, self.head_k_dim)
         if use_fla and seq_len > 64:
             # fla's chunked kernels, the fp32 log forget gate computed inside (not kept for the backward)
             keep = None if is_token is None else is_token.float()
