@@ -234,12 +234,13 @@ def test_fused_gla_step_kernel_matches_the_reference_step_and_advances_the_state
     logits = logits * 4  # strongly and weakly forgetting channels
     bias = torch.randn(H * K, device="cuda", generator=g)
     state = torch.randn(B, H, K, V, device="cuda", generator=g)
-    for with_bias in (False, True):
+    keep = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1], device="cuda", dtype=torch.float32)  # padding rows: no decay
+    for with_bias, with_keep in ((False, False), (True, False), (True, True)):
         gate_logits = logits.float() + (bias.view(H, K) if with_bias else 0)
-        gate = torch.nn.functional.logsigmoid(gate_logits) / 16
+        gate = torch.nn.functional.logsigmoid(gate_logits) / 16 * (keep.view(B, 1, 1) if with_keep else 1)
         ref_o, ref_state = fused_recurrent_gla_step(q, k, v, gate, state, scale=K ** -0.5)
         buffer = state.clone()
-        o = kernels.gla_step_(q, k, v, logits, buffer, 16, K ** -0.5, bias if with_bias else None)
+        o = kernels.gla_step_(q, k, v, logits, buffer, 16, K ** -0.5, bias if with_bias else None, keep if with_keep else None)
         assert o.dtype == dtype and o.shape == (B, H, V)
         assert rel_err(o, ref_o) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
         assert rel_err(buffer, ref_state) <= 1e-5  # the state itself stays fp32

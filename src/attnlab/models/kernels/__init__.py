@@ -81,12 +81,12 @@ def gla_chunk_gated(q, k, v, logits, normalizer: float, scale, initial_state, ou
     return _GatedChunkGLA.apply(q, k, v, logits, normalizer, keep, scale, initial_state, output_final_state)
 
 
-def gla_step_(q, k, v, logits, state, normalizer: float, scale: float, bias=None):
+def gla_step_(q, k, v, logits, state, normalizer: float, scale: float, bias=None, keep=None):
     """One decoding step with the forget gate computed from its logits, the fp32 state advanced in
-    place (see `kernels/gla_step.py`). q, k, logits: [B, H, K]; v: [B, H, V]."""
+    place (see `kernels/gla_step.py`). q, k, logits: [B, H, K]; v: [B, H, V]; keep: [B] or None."""
     from attnlab.models.kernels.gla_step import gla_step_ as step
 
-    return step(q, k, v, logits, state, normalizer, scale, bias)
+    return step(q, k, v, logits, state, normalizer, scale, bias, keep)
 
 
 def gla_recurrent(q, k, v, gk, scale, initial_state, output_final_state: bool):

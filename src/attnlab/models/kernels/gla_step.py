@@ -19,10 +19,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _gla_step_kernel(q, k, v, logits, bias, state, o, scale, inv_normalizer,
+def _gla_step_kernel(q, k, v, logits, bias, keep, state, o, scale, inv_normalizer,
                      stride_q, stride_k, stride_v, stride_l,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_KEEP: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, BK)
@@ -35,6 +35,8 @@ def _gla_step_kernel(q, k, v, logits, bias, state, o, scale, inv_normalizer,
         b_x += tl.load(bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     # logsigmoid(x) = min(x, 0) - log(1 + exp(-|x|)), without overflow for either sign
     b_g = (tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))) * inv_normalizer
+    if HAS_KEEP:  # 0 for a padding position: no decay (its k and v are zero already)
+        b_g = b_g * tl.load(keep + i_b).to(tl.float32)
     b_v = tl.load(v + i_b * stride_v + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     p_s = state + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
@@ -53,9 +55,10 @@ def _rows(x: torch.Tensor, name: str) -> int:
 
 
 def gla_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logits: torch.Tensor, state: torch.Tensor,
-              normalizer: float, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+              normalizer: float, scale: float, bias: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """q, k, logits: [B, H, K]; v: [B, H, V]; state: fp32 [B, H, K, V], contiguous, advanced in
-    place; bias: [H * K] or None. Returns o [B, H, V] in q's dtype."""
+    place; bias: [H * K] or None; keep: [B] (1 for a token, 0 for padding) or None. Returns
+    o [B, H, V] in q's dtype."""
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     if state.dtype != torch.float32 or not state.is_contiguous() or state.shape != (batch, heads, key_dim, value_dim):
@@ -64,9 +67,9 @@ def gla_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, logits: torch.T
     block_v = min(64, triton.next_power_of_2(value_dim))
     grid = (triton.cdiv(value_dim, block_v), batch * heads)
     _gla_step_kernel[grid](
-        q, k, v, logits, bias if bias is not None else logits, state, o, scale, 1.0 / normalizer,
+        q, k, v, logits, bias if bias is not None else logits, keep if keep is not None else logits, state, o, scale, 1.0 / normalizer,
         _rows(q, "q"), _rows(k, "k"), _rows(v, "v"), _rows(logits, "logits"),
         H=heads, K=key_dim, V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v, HAS_BIAS=bias is not None,
-        num_warps=4,
+        HAS_KEEP=keep is not None, num_warps=4,
     )
     return o

@@ -98,12 +98,14 @@ class GatedLinearAttention(FusedProjections, Mixer):
             k, v = k * is_token, v * is_token
 
         state = cache["recurrent_state"] if cache is not None else None
-        if (use_fla and seq_len == 1 and is_token is None and self.fused_weight is not None and state is not None
-                and state.is_contiguous()):
+        if use_fla and seq_len == 1 and self.fused_weight is not None and state is not None:
             # The engine's decode step (its fused projections are on): one kernel for the gate, the
-            # recurrence and the output, the state advanced where it lies (the engine owns it).
+            # recurrence and the output, the state advanced where it lies (the engine owns it), on
+            # every path (padded or not, graphed or eager), so that all of them compute alike.
+            state = state.contiguous()  # a copy only if it is a view across rows
+            keep = None if is_token is None else is_token.reshape(batch).float()
             o = kernels.gla_step_(q[:, 0], k[:, 0], v[:, 0], gate_logits[:, 0], state, self.gate_logit_normalizer, self.scale,
-                                  bias=gate_bias)
+                                  bias=gate_bias, keep=keep)
             return self.output(o[:, None], g, batch, seq_len), ({"recurrent_state": state} if use_cache else None)
         if gate_bias is not None:
             gate_logits = gate_logits + gate_bias.view(self.num_heads, self.head_k_dim)
