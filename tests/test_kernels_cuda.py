@@ -128,14 +128,19 @@ def test_decoding_on_fla_kernels_equals_the_parallel_form():
     assert logits.argmax(-1).tolist() == new
 
 
+def bf16_fla_model_and_prompts():
+    """A 2-layer GLA model at the benchmarked width in bf16 on fla's kernels, and 4 prompts of 70 tokens."""
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4,
+                                             kernels="fla")).cuda().to(torch.bfloat16).eval()
+    return model, torch.randint(0, 256, (4, 70), device="cuda")
+
+
 def test_fused_projections_on_fla_kernels_match_the_separate_ones_in_bf16():
     """The decode path's fused input projections (sliced, so not contiguous) through fla's kernels."""
     from attnlab.models.modules import fuse_projections, fused_projections
 
-    torch.manual_seed(0)
-    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4,
-                                             kernels="fla")).cuda().to(torch.bfloat16).eval()
-    ids = torch.randint(0, 256, (4, 70), device="cuda")
+    model, ids = bf16_fla_model_and_prompts()
     pairs = fuse_projections(model)
     assert len(pairs) == 4
     with torch.no_grad():
@@ -249,10 +254,7 @@ def test_fused_gla_step_kernel_matches_the_reference_step_and_advances_the_state
 def test_engine_decode_advances_gla_state_in_place_and_matches_the_separate_kernels():
     from attnlab.models.modules import fuse_projections, fused_projections
 
-    torch.manual_seed(0)
-    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4,
-                                             kernels="fla")).cuda().to(torch.bfloat16).eval()
-    ids = torch.randint(0, 256, (4, 70), device="cuda")
+    model, ids = bf16_fla_model_and_prompts()
     pairs = fuse_projections(model)
     with torch.no_grad(), fused_projections(pairs):
         out = model(input_ids=ids[:, :-1], use_cache=True)

@@ -163,7 +163,7 @@ class StaticRunner(ModelRunner):
 _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, StaticRunner]]" = weakref.WeakKeyDictionary()
 
 
-def _fingerprint(model) -> tuple:
+def weights_fingerprint(model) -> tuple:
     """Where every weight and buffer lives: a captured graph reads those addresses, so any change
     (a move, a cast, a reload that replaces tensors, an adapter added) calls for a new capture."""
     return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in itertools.chain(model.parameters(), model.buffers()))
@@ -175,7 +175,7 @@ def cached_static_runner(model, capture: bool) -> StaticRunner:
     model on an H100, more than the steps of a short generation). It is reused only while every weight and buffer is where it was; the fused
     projection weights are refreshed on every call, so in-place weight updates are always seen.
     `release_graphs(model)` frees it (its graph memory, state buffers and fused weights)."""
-    key = _fingerprint(model)
+    key = weights_fingerprint(model)
     entry = _RUNNERS.get(model)
     if entry is not None and entry[0] == key and entry[1].capture == capture:
         entry[1].refresh_fused()

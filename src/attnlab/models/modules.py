@@ -20,12 +20,15 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
+    def normed_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch reference: weight * x / rms(x), in fp32."""
+        x32 = x.float()
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.use_fla(self.kernels, x):
             return kernels.rms_norm(x, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return self.normed_fp32(x).to(x.dtype)
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -45,12 +48,11 @@ class PreNorm(RMSNorm):
     backward instead of each casting and keeping its own."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        dtype = output_dtype(x if residual is None else residual)
         if kernels.use_fla(self.kernels, x):
-            return kernels.add_rms_norm(x, residual, self.weight, self.eps, output_dtype(x))
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, dtype)
         summed = x if residual is None else residual + x
-        x32 = summed.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = (x32 * self.weight.float()).to(output_dtype(summed))
+        normed = self.normed_fp32(summed).to(dtype)
         return normed if residual is None else (normed, summed)
 
 
@@ -60,8 +62,7 @@ class GatedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if kernels.use_fla(self.kernels, x):
             return kernels.rms_norm_swish_gate(x, gate, self.weight, self.eps)
-        normed = RMSNorm.forward(self, x.float())
-        return (normed * F.silu(gate.float())).to(gate.dtype)
+        return (self.normed_fp32(x) * F.silu(gate.float())).to(gate.dtype)
 
 
 class FusedProjections:

@@ -20,6 +20,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from attnlab.generation.graphs import weights_fingerprint
+
 WARMUP_STEPS = 3  # forward and backward on a side stream before capture: fla's kernels autotune, the allocator settles
 
 
@@ -68,7 +70,7 @@ class CapturedLoss:
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype: torch.dtype | None):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.fingerprint = self._fingerprint()
+        self.fingerprint = weights_fingerprint(model)
         self.autocast_dtype = autocast_dtype
         self.static_ids, self.static_labels = input_ids.clone(), labels.clone()
         side = torch.cuda.Stream()
@@ -97,13 +99,10 @@ class CapturedLoss:
             return type(self.model).forward(self.model, input_ids=self.static_ids, labels=self.static_labels,
                                             num_items_in_batch=1).loss
 
-    def _fingerprint(self) -> tuple:
-        return tuple((p.data_ptr(), p.dtype, p.shape) for p in self.model.parameters())
-
     def matches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> bool:
         """The batch has the captured shape and the weights are where they were when captured."""
         return (input_ids.shape == self.static_ids.shape and labels.shape == self.static_labels.shape
-                and input_ids.device == self.static_ids.device and self._fingerprint() == self.fingerprint)
+                and input_ids.device == self.static_ids.device and weights_fingerprint(self.model) == self.fingerprint)
 
     def replay_forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The forward's scratch memory overlaps the gradient buffers (both live in the graphs' pool):
@@ -131,3 +130,10 @@ class CapturedLoss:
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _Replay.apply(self, input_ids, labels, *self.params)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        """The model's own loss: the summed loss over `num_items_in_batch` (transformers.Trainer under
+        gradient accumulation) or, without it, the mean over the predicted tokens."""
+        if num_items_in_batch is None:
+            num_items_in_batch = (labels[:, 1:] != -100).sum()
+        return self(input_ids, labels) / num_items_in_batch

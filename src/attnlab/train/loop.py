@@ -71,16 +71,20 @@ class AttnLabTrainer(Trainer):
         """The captured loss for this batch, capturing it on first use; None where the step runs eagerly."""
         if not self.cuda_graphs or not model.training or set(inputs) != {"input_ids", "labels"}:
             return None
-        if self.captured is not None and self.captured.matches(inputs["input_ids"], inputs["labels"]):
-            return self.captured
+        if self.captured is not None:
+            if self.captured.matches(inputs["input_ids"], inputs["labels"]):
+                return self.captured
+            if inputs["input_ids"].shape != self.captured.static_ids.shape:
+                return None  # another shape runs eagerly; moved weights (below) are captured again
         if self.graph_note is not None:
             return None
-        blocker = graph_blocker(self.accelerator.unwrap_model(model), world_size())
+        model = self.accelerator.unwrap_model(model)
+        blocker = graph_blocker(model, world_size())
         if blocker is None:
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
-            self.captured = None  # a new shape or moved weights: the old graphs' memory goes first
+            self.captured = None  # moved weights: the old graphs' memory goes first
             try:
-                self.captured = CapturedLoss(self.accelerator.unwrap_model(model), inputs["input_ids"], inputs["labels"], autocast_dtype)
+                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype)
                 self.say(f"training step captured as CUDA graphs (batch {tuple(inputs['input_ids'].shape)}; other shapes run eagerly)")
                 return self.captured
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
@@ -94,10 +98,7 @@ class AttnLabTrainer(Trainer):
         captured = None if return_outputs else self._captured_loss(model, inputs)
         if captured is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        loss_sum = captured(inputs["input_ids"], inputs["labels"])
-        if num_items_in_batch is None:  # the mean over predicted tokens, as the model's own loss
-            return loss_sum / (inputs["labels"][:, 1:] != -100).sum()
-        return loss_sum / num_items_in_batch
+        return captured.loss(inputs["input_ids"], inputs["labels"], num_items_in_batch)
 
     def _save_checkpoint(self, model, trial):
         # args.output_dir is the staging directory; every rank writes its part (rank 0 the weights and
