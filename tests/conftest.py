@@ -6,6 +6,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    # attnlab's own Triton kernels run on CPU tensors through Triton's interpreter; it must be chosen
+    # before triton is first imported (tests/test_attention_family_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A tiny run: every test that trains starts from these overrides (seconds on 2 CPU cores).
 TINY = [

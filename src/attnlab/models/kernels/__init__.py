@@ -33,6 +33,38 @@ def use_fla(choice: str, x: torch.Tensor) -> bool:
     return False
 
 
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+ATTENTION_FAMILY_MAX_HEAD_DIM = 256  # the tiled kernels hold a block of queries and keys with their head dims in registers
+
+
+def attention_family_gap(head_dim: int) -> str | None:
+    """None when attnlab's attention-family kernels cover a layer with this head dim, else what they do not cover."""
+    if head_dim > ATTENTION_FAMILY_MAX_HEAD_DIM:
+        return f"head dims above {ATTENTION_FAMILY_MAX_HEAD_DIM} (this model has {head_dim})"
+    return None
+
+
+def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
+    """The attention family's `attention_terms` for this call: attnlab's Triton kernels for CUDA
+    tensors (memory linear in the sequence length), else the PyTorch reference. `covered`: whether
+    the kernels compute the layer's options (the layer says why not when it is built)."""
+    from attnlab.models.ops.attention_family import attention_terms
+
+    if choice == "torch" or not covered or not x.is_cuda:
+        return attention_terms
+    if not triton_installed():
+        if choice == "fla":
+            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
+        return attention_terms
+    from attnlab.models.kernels.attention_family import attention_terms as fused
+
+    return fused
+
+
 def _log_forget_gate(logits: torch.Tensor, normalizer: float, keep: torch.Tensor | None) -> torch.Tensor:
     gate = torch.nn.functional.logsigmoid(logits.float()).div_(normalizer)
     return gate if keep is None else gate.mul_(keep)

@@ -18,11 +18,13 @@ and a KV cache otherwise; the input convolution keeps its last inputs.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.mixers.softmax import SoftmaxAttention, apply_rotary, rotary_cos_sin
 from attnlab.models.modules import RMSNorm
@@ -180,6 +182,11 @@ class AttentionFamily(Mixer):
         elif opts["output_norm"] == "rmsnorm":
             self.out_norm = RMSNorm(norm_dim, eps=config.norm_eps)
         self.o_proj = nn.Linear(inner, hidden, bias=False)
+        self.kernels = config.kernels
+        self.kernel_gap = kernels.attention_family_gap(self.head_dim)
+        if self.kernel_gap and config.kernels != "torch" and layer_idx == 0:
+            warnings.warn(f"mixer {self.name!r}: attnlab's CUDA kernels do not cover {self.kernel_gap}; on CUDA it runs the "
+                          "PyTorch reference, which keeps [T, T] weights per head", stacklevel=2)
 
     # ------------------------------------------------------------------ pieces
 
@@ -279,10 +286,12 @@ class AttentionFamily(Mixer):
             if log_decay is not None:
                 log_decay = log_decay * token_mask[..., None]
 
+        # the one choice between the reference and the CUDA kernels for the quadratic form
+        terms = kernels.attention_family_terms(self.kernels, x, covered=not self.kernel_gap)
         if self.linearizable:
-            o, state = self._mix_recurrent(q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache)
+            o, state = self._mix_recurrent(q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms)
         else:
-            o, state = self._mix_kv(q, k, v, log_decay, attention_mask, cache, use_cache)
+            o, state = self._mix_kv(q, k, v, log_decay, attention_mask, cache, use_cache, terms)
         y = o.to(x.dtype)  # [B, T, H, D]
 
         if residual is not None:
@@ -303,7 +312,7 @@ class AttentionFamily(Mixer):
         state.update(num_tokens=num_tokens, conv_state=conv_state)
         return y, state
 
-    def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache):
+    def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms):
         """Linearizable variants: the quadratic form for training, a fixed-size state for decoding."""
         kwargs = self._attention_kwargs()
         state, normalizer = cache.get("state"), cache.get("normalizer")
@@ -315,14 +324,14 @@ class AttentionFamily(Mixer):
             return o[:, None], {"state": state, "normalizer": normalizer}
         if "state" not in cache and not use_cache:  # training: quadratic form only
             c = None if log_decay is None else log_decay.float().cumsum(1)
-            o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, **kwargs)
+            o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms, **kwargs)
             return o, None
         o, state, normalizer = chunk_linear_attention(
-            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, **kwargs
+            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, **kwargs
         )
         return o, {"state": state, "normalizer": normalizer}
 
-    def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache):
+    def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache, terms):
         """Other variants: attention over a cache of keys, values and each key's decay so far."""
         batch, seq_len = q.shape[:2]
         past_k = cache.get("key")  # [B, past, H, D]
@@ -343,12 +352,32 @@ class AttentionFamily(Mixer):
             key_log_decay = torch.cat((past_decay + c[:, -1:], c[:, -1:] - c), dim=1)
         o = parallel_attention(
             q, k, v, clamp=self.options["clamp_scores"], taylor_terms=self.options["taylor_terms"],
-            query_log_decay=query_term, key_log_decay=key_term, key_mask=mask, **self._attention_kwargs(),
+            query_log_decay=query_term, key_log_decay=key_term, key_mask=mask, terms=terms, **self._attention_kwargs(),
         )
         state = {"key": k, "value": v, "mask": mask, "key_log_decay": key_log_decay} if use_cache else None
         return o, state
 
     # ------------------------------------------------------------------ description
+
+    @staticmethod
+    def mixing_function(options: dict, head_dim: int, kernel_choice: str = "auto"):
+        """The mixing alone, as a layer of these options computes it in training (for `attnlab bench zoo`):
+        fn(q, k, v, log_decay) -> o [B, T, H, Dv], with q, k [B, T, H, head_dim], v [B, T, H, Dv] after
+        the feature map, and log_decay [B, T, H] (<= 0) or None. count_power starts at its init."""
+        scale = options["qk_scale"] if options["qk_scale"] is not None else head_dim**-0.5
+
+        def mix(q, k, v, log_decay=None):
+            count_power = None
+            if options["denominator"] == "count_power":
+                count_power = torch.sigmoid(torch.full((q.shape[2],), 0.5, device=q.device))
+            c = None if log_decay is None else log_decay.float().cumsum(1)
+            return parallel_attention(
+                q, k, v, similarity=options["similarity"], scale=scale, clamp=options["clamp_scores"],
+                taylor_terms=options["taylor_terms"], denominator=options["denominator"], count_power=count_power,
+                query_log_decay=c, key_log_decay=c, terms=kernels.attention_family_terms(kernel_choice, q, covered=not kernels.attention_family_gap(head_dim)),
+            )
+
+        return mix
 
     @classmethod
     def decode_state_elements(cls, options: dict, hidden_size: int = 1024, num_heads: int = 16) -> tuple[int, int]:
@@ -410,3 +439,6 @@ class AttentionFamily(Mixer):
             y = f"σ(g_i) {y}"
         conv = f"conv{o['conv_size']} " if o["conv_size"] else ""
         return f"{conv}w_ij = {sim}; y_i = {y}"
+
+
+mixing_function = AttentionFamily.mixing_function

@@ -165,9 +165,10 @@ def attention_terms(
     return num, den
 
 
-def parallel_attention(q, k, v, *, denominator="sum", count_power=None, **kwargs) -> torch.Tensor:
-    """The quadratic form; see `attention_terms`. Returns o [B, Tq, H, Dv] in fp32."""
-    num, den = attention_terms(q, k, v, denominator=denominator, **kwargs)
+def parallel_attention(q, k, v, *, denominator="sum", count_power=None, terms=attention_terms, **kwargs) -> torch.Tensor:
+    """The quadratic form; see `attention_terms`. Returns o [B, Tq, H, Dv] in fp32. `terms` computes
+    the numerator and raw denominator: this reference or a kernel with the same contract."""
+    num, den = terms(q, k, v, denominator=denominator, **kwargs)
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
     return _divide(num, den).transpose(1, 2)
@@ -175,7 +176,7 @@ def parallel_attention(q, k, v, *, denominator="sum", count_power=None, **kwargs
 
 def chunk_linear_attention(
     q, k, v, log_decay, state, normalizer, count_before, *, similarity, scale, denominator="sum",
-    count_power=None, token_mask=None,
+    count_power=None, token_mask=None, terms=attention_terms,
 ):
     """Linearizable variants (power1, power2; no clamp): T tokens continuing from a recurrent state.
 
@@ -187,7 +188,7 @@ def chunk_linear_attention(
     batch, seq_len, heads, _ = q.shape
     power = 1 if similarity == "power1" else 2
     c = None if log_decay is None else log_decay.float().cumsum(1)  # [B, T, H]
-    num, den = attention_terms(
+    num, den = terms(
         q, k, v, similarity=similarity, scale=scale, denominator=denominator,
         query_log_decay=c, key_log_decay=c, key_mask=token_mask,
     )

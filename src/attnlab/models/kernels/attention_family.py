@@ -1,0 +1,424 @@
+"""The attention family's quadratic form as tiled Triton kernels: memory linear in the sequence length.
+
+`attention_terms` computes what `attnlab.models.ops.attention_family.attention_terms` computes
+(the numerator sum_j w_ij v_j and the row sums sum_j w_ij of the weights
+
+    w_ij = sim(min(scale q_i.k_j, clamp)) * exp(cq_i - ck_j)      for allowed j (causal, not padding)
+
+with sim exp, power1 (s), power2 (s^2) or the truncated exp series) without forming the [T, T]
+weights: one program holds a block of queries and walks over blocks of keys, as FlashAttention-2
+does, accumulating in fp32 from bf16 (or fp32) operands. For exp with the plain sum denominator the
+weights are taken relative to each row's maximum (kept for the backward, without gradient, as in
+the reference); the ratio num / den is unchanged. Every other option (the denominator's clamp,
+detach, counts and powers, the division) stays in PyTorch on [B, T, H, Dv] tensors.
+
+The backward recomputes the weights block by block: one kernel walks over queries for a block of
+keys (dk, dv and the key side of the decay), one over keys for a block of queries (dq and the
+query side of the decay). Nothing of size [T, T] is stored in either direction.
+
+The truncated series equals exp to fp32 precision on [lo, hi] (computed per number of terms), where
+the kernel uses exp; a block with a score outside that range evaluates the series by Horner's rule
+in float64 there, as the reference does everywhere.
+
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that in CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SIM_CODES = {"softmax": 0, "exp": 0, "power1": 1, "power2": 2, "taylor": 3}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def taylor_exp_range(terms: int) -> tuple[float, float]:
+    """[lo, hi] on which the first `terms` terms of exp's series, summed in float64 as the reference
+    does, agree with exp to 2^-24 relative: there the kernels use exp itself. Empty (lo > hi) when
+    there is no such range around 0 wider than 0.5."""
+    def series(x: float) -> float:
+        out = 1.0
+        for n in range(terms - 1, 0, -1):
+            out = 1 + out * x / n
+        return out
+
+    def agrees(x: float) -> bool:
+        return abs(series(x) - math.exp(x)) <= 2.0**-24 * math.exp(x)
+
+    hi = 0.0
+    while hi < 80 and agrees(hi + 0.25):
+        hi += 0.25
+    lo = 0.0
+    while lo > -80 and agrees(lo - 0.25):
+        lo -= 0.25
+    return (lo, hi) if hi - lo > 0.5 else (1.0, -1.0)
+
+
+@triton.jit
+def _horner_f64(s, TERMS: tl.constexpr):
+    x = s.to(tl.float64)
+    out = tl.full(s.shape, 1.0, tl.float64)
+    for i in range(1, TERMS):
+        out = 1.0 + out * x / (TERMS - i)
+    return out.to(tl.float32)
+
+
+@triton.jit
+def _taylor(s, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    """The first TERMS terms of exp's series at s (fp32): exp on [LO, HI], Horner in float64 elsewhere."""
+    f = tl.exp(s)
+    outside = (s < LO) | (s > HI)
+    if tl.sum(outside.to(tl.int32)) > 0:
+        f = tl.where(outside, _horner_f64(s, TERMS), f)
+    return f
+
+
+@triton.jit
+def _weights(s_raw, allowed, cq, ck, m, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
+             HAS_DECAY: tl.constexpr, USE_MAX: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    """Weights w (0 where not allowed) and dw/ds for a tile of scores s_raw [M, N] (already scaled).
+    cq [M], ck [N]: decay terms; m [M]: the row maxima subtracted (USE_MAX)."""
+    s = s_raw
+    if HAS_CLAMP:
+        s = tl.minimum(s, CLAMP)
+    if SIM == 0:
+        logit = s
+        if HAS_DECAY:
+            logit = logit + (cq[:, None] - ck[None, :])
+        if USE_MAX:
+            logit = logit - m[:, None]
+        w = tl.where(allowed, tl.exp(tl.where(allowed, logit, float("-inf"))), 0.0)
+        dw_ds = w
+    else:
+        if SIM == 1:
+            f = s
+            df = tl.full(s.shape, 1.0, tl.float32)
+        elif SIM == 2:
+            f = s * s
+            df = 2.0 * s
+        else:
+            f = _taylor(s, TERMS, LO, HI)
+            df = _taylor(s, TERMS - 1, LO, HI)  # LO, HI of TERMS hold for TERMS - 1 up to fp32 rounding
+        if HAS_DECAY:
+            e = tl.exp(tl.where(allowed, cq[:, None] - ck[None, :], float("-inf")))
+            f = f * e
+            df = df * e
+        w = tl.where(allowed, f, 0.0)
+        dw_ds = tl.where(allowed, df, 0.0)
+    if HAS_CLAMP:
+        dw_ds = tl.where(s_raw <= CLAMP, dw_ds, 0.0)
+    return w, dw_ds
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, CQ, CK, KM, NUM, L, M,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
+    Tq, Tk, H, DK, DV, scale,
+    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    past = Tk - Tq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < Tq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    cq = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_DECAY:
+        cq = tl.load(CQ + b * scb + h + offs_m * sct, mask=row_ok, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    query_pos = past + offs_m
+    end = tl.minimum(Tk, past + start_m + BLOCK_M)
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < Tk
+        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
+                    mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :],
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        allowed = (cols[None, :] <= query_pos[:, None]) & col_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
+            allowed = allowed & (keep[None, :] != 0)
+        ck = tl.zeros([BLOCK_N], tl.float32)
+        if HAS_DECAY:
+            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if USE_MAX:
+            logit = s
+            if HAS_CLAMP:
+                logit = tl.minimum(logit, CLAMP)
+            if HAS_DECAY:
+                logit = logit + (cq[:, None] - ck[None, :])
+            m_new = tl.maximum(m_i, tl.max(tl.where(allowed, logit, float("-inf")), 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+            w, _ = _weights(s, allowed, cq, ck, m_safe, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, True, TERMS, LO, HI)
+        else:
+            w, _ = _weights(s, allowed, cq, ck, m_i, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, False, TERMS, LO, HI)
+        if WANT_SUM:
+            l_i += tl.sum(w, 1)
+        acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+    tl.store(NUM + b * snb + h * snh + offs_m[:, None] * snt + offs_dv[None, :], acc,
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if WANT_SUM:
+        tl.store(L + b * slb + h + offs_m * slt, l_i, mask=row_ok)
+    if USE_MAX:
+        tl.store(M + b * slb + h + offs_m * slt, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
+    Tq, Tk, H, DK, DV, scale,
+    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    past = Tk - Tq
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = cols < Tk
+    k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
+                mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :],
+                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    keep_col = col_ok
+    if HAS_MASK:
+        keep_col = keep_col & (tl.load(KM + b * skmb + cols, mask=col_ok, other=0) != 0)
+    ck = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_DECAY:
+        ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dck = tl.zeros([BLOCK_N], tl.float32)
+    first = tl.maximum(start_n - past, 0) // BLOCK_M * BLOCK_M  # the first query that can see these keys
+    for start_m in range(first, Tq, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < Tq
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
+                       mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        cq = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_DECAY:
+            cq = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
+        m = tl.zeros([BLOCK_M], tl.float32)
+        if USE_MAX:
+            m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+        allowed = (cols[None, :] <= past + rows[:, None]) & keep_col[None, :] & row_ok[:, None]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+        w, dw_ds = _weights(s, allowed, cq, ck, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
+        g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION)  # dL/dw [M, N]
+        if WANT_SUM:
+            g += tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)[:, None]
+        dv += tl.dot(tl.trans(w.to(dnum.dtype)), dnum, input_precision=PRECISION)
+        ds = g * dw_ds
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        if HAS_DECAY:
+            dck -= tl.sum(g * w, 0)
+    tl.store(DK_ + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :], (dk * scale).to(DK_.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dk[None, :] < DK))
+    tl.store(DV_ + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+    if HAS_DECAY:
+        tl.store(DCK + b * sdb + h + cols * sdt, dck, mask=col_ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
+    Tq, Tk, H, DK, DV, scale,
+    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """For a block of queries: dq (same strides as q) and the query side of the decay gradient."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    past = Tk - Tq
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Tq
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
+                   mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    cq = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_DECAY:
+        cq = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
+    m = tl.zeros([BLOCK_M], tl.float32)
+    if USE_MAX:
+        m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+    dl = tl.zeros([BLOCK_M], tl.float32)
+    if WANT_SUM:
+        dl = tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    dcq = tl.zeros([BLOCK_M], tl.float32)
+    end = tl.minimum(Tk, past + start_m + BLOCK_M)
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < Tk
+        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
+                    mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :],
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        allowed = (cols[None, :] <= past + rows[:, None]) & col_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
+            allowed = allowed & (keep[None, :] != 0)
+        ck = tl.zeros([BLOCK_N], tl.float32)
+        if HAS_DECAY:
+            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        w, dw_ds = _weights(s, allowed, cq, ck, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
+        g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION) + dl[:, None]
+        ds = g * dw_ds
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if HAS_DECAY:
+            dcq += tl.sum(g * w, 1)
+    tl.store(DQ_ + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :], (dq * scale).to(DQ_.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+    if HAS_DECAY:
+        tl.store(DCQ + b * scb + h + rows * sct, dcq, mask=row_ok)
+
+
+def _blocks(dk: int, dv: int) -> dict:
+    block_dk, block_dv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    if _interpreting():
+        return dict(BLOCK_DK=block_dk, BLOCK_DV=block_dv, fwd=(16, 16, 4, 1), bwd=(16, 16, 4, 1))
+    wide = max(block_dk, block_dv) > 64
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    fwd = (64, 64, 4, 2) if wide else (128, 64, 8, 3)
+    bwd = (64, 64, 4, 2) if wide else (64, 64, 4, 3)
+    return dict(BLOCK_DK=block_dk, BLOCK_DV=block_dv, fwd=fwd, bwd=bwd)
+
+
+class _AttentionTerms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cq, ck, key_mask, opts):
+        batch, num_queries, heads, dk = q.shape
+        num_keys, dv = k.shape[1], v.shape[-1]
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv take these strides
+        num = torch.empty(batch, num_queries, heads, dv, device=q.device, dtype=torch.float32)
+        rows = torch.empty(batch, num_queries, heads, device=q.device, dtype=torch.float32)  # row sums
+        row_max = torch.empty_like(rows) if opts["USE_MAX"] else rows
+        has_decay = cq is not None
+        cq = cq.float().contiguous() if has_decay else rows
+        ck = ck.float().contiguous() if has_decay else rows
+        km = key_mask.to(torch.int8).contiguous() if key_mask is not None else rows
+        blocks = _blocks(dk, dv)
+        block_m, block_n, warps, stages = blocks["fwd"]
+        consts = dict(opts, HAS_DECAY=has_decay, HAS_MASK=key_mask is not None, BLOCK_DK=blocks["BLOCK_DK"], BLOCK_DV=blocks["BLOCK_DV"],
+                      PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        strides = (*_bht(q), *_bht(k), *_bht(v), cq.stride(0), cq.stride(1), ck.stride(0), ck.stride(1), km.stride(0) if key_mask is not None else 0,
+                   *_bht(num), rows.stride(0), rows.stride(1))
+        sizes = (num_queries, num_keys, heads, dk, dv, opts["scale"])
+        constexprs = {key: value for key, value in consts.items() if key != "scale"}
+        _fwd_kernel[(triton.cdiv(num_queries, block_m), batch * heads)](
+            q, k, v, cq, ck, km, num, rows, row_max, *strides, *sizes, **constexprs,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+        ctx.save_for_backward(q, k, v, cq, ck, km, row_max)
+        ctx.meta = (strides, sizes, constexprs, blocks, has_decay)
+        if not opts["WANT_SUM"]:
+            ctx.mark_non_differentiable(rows)
+        return num, rows
+
+    @staticmethod
+    def backward(ctx, dnum, drows):
+        q, k, v, cq, ck, km, row_max = ctx.saved_tensors
+        strides, sizes, constexprs, blocks, has_decay = ctx.meta
+        num_queries, num_keys, heads, dk, dv, scale = sizes
+        batch = q.shape[0]
+        # dL/dnum as the operands' dtype (the products run on the tensor cores), laid out as num
+        dnum = dnum.to(q.dtype).contiguous()
+        drows = drows.float().contiguous() if (constexprs["WANT_SUM"] and drows is not None) else torch.zeros(
+            batch, num_queries, heads, device=q.device, dtype=torch.float32)
+        dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dcq = torch.empty_like(cq) if has_decay else drows
+        dck = torch.empty_like(ck) if has_decay else drows
+        strides = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1))
+        block_m, block_n, warps, stages = blocks["bwd"]
+        args = (*strides, *sizes)
+        _bwd_dkdv_kernel[(triton.cdiv(num_keys, block_n), batch * heads)](
+            q, k, v, cq, ck, km, row_max, dnum, drows, dk_, dv_, dck, *args, **constexprs,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+        _bwd_dq_kernel[(triton.cdiv(num_queries, block_m), batch * heads)](
+            q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq, *args, **constexprs,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+        return dq, dk_, dv_, (dcq if has_decay else None), (dck if has_decay else None), None, None
+
+
+def _bht(t: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of batch, time and head of a [B, T, H, D] tensor whose last dim is contiguous."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_terms(
+    q, k, v, *, similarity, scale, clamp=None, taylor_terms=80, denominator="sum",
+    query_log_decay=None, key_log_decay=None, key_mask=None,
+):
+    """As `attnlab.models.ops.attention_family.attention_terms` (same arguments and results:
+    num [B, H, Tq, Dv] and den [B, H, Tq, 1] or None, fp32), through the kernels above."""
+    from attnlab.models.ops.attention_family import EXP_SIMILARITIES, SUM_DENOMINATORS
+
+    lo, hi = taylor_exp_range(taylor_terms) if similarity == "taylor" else (0.0, 0.0)
+    opts = dict(
+        SIM=SIM_CODES[similarity], HAS_CLAMP=clamp is not None, CLAMP=float(clamp) if clamp is not None else 0.0,
+        TERMS=int(taylor_terms) if similarity == "taylor" else 2, LO=float(lo), HI=float(hi),
+        USE_MAX=similarity in EXP_SIMILARITIES and denominator == "sum",
+        WANT_SUM=denominator in SUM_DENOMINATORS, scale=float(scale),
+    )
+    num, rows = _AttentionTerms.apply(q, k, v, query_log_decay, key_log_decay, key_mask, opts)
+    num = num.transpose(1, 2)  # [B, H, Tq, Dv]
+    if denominator in SUM_DENOMINATORS:
+        return num, rows.transpose(1, 2)[..., None]
+    if denominator in ("count", "count_power"):
+        return num, attended_counts(q, k, key_mask)
+    return num, None
+
+
+def attended_counts(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """How many keys each query attends to (causal, padding left out): [B, H, Tq, 1] fp32."""
+    batch, num_queries, heads = q.shape[:3]
+    num_keys = k.shape[1]
+    if key_mask is None:
+        counts = torch.arange(num_keys - num_queries + 1, num_keys + 1, device=q.device, dtype=torch.float32).expand(batch, -1)
+    else:
+        counts = key_mask.float().cumsum(-1)[:, num_keys - num_queries:]  # [B, Tq]
+    return counts[:, None, :, None].expand(batch, heads, num_queries, 1)

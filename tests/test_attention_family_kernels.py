@@ -1,0 +1,208 @@
+"""attnlab's attention-family kernels (`models/kernels/attention_family.py`) against the pure-PyTorch
+reference: through Triton's interpreter on CPU (TRITON_INTERPRET=1, small shapes), and compiled on a
+CUDA GPU in bf16 for every registered preset (marked `cuda`, skipped without a GPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM, kernels
+from attnlab.models.mixers import MIXERS
+from attnlab.models.mixers.attention_family import AttentionFamily
+from attnlab.models.ops.attention_family import attention_terms as reference_terms
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy's, from inside Triton's interpreter
+CUDA = torch.cuda.is_available()  # without one, the kernels run through Triton's interpreter (tests/conftest.py)
+
+FAMILY_PRESETS = sorted(name for name, cls in MIXERS.items() if issubclass(cls, AttentionFamily) and hasattr(cls, "preset_options"))
+# the option combinations the kernels see (similarity, clamp, denominator, decay): one case each
+KERNEL_CASES = sorted({
+    (o["similarity"], o["clamp_scores"], o["denominator"], o["decay"] != "none")
+    for o in (MIXERS[name].resolve_options(None) for name in FAMILY_PRESETS)
+}, key=str)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def fused_terms():
+    from attnlab.models.kernels.attention_family import attention_terms
+
+    return attention_terms
+
+
+def terms_inputs(case, batch, num_queries, past, heads, dim, device, seed):
+    """Random q, k, v, decay terms and a left-padding key mask for one option combination."""
+    similarity, clamp, denominator, decay = case
+    g = torch.Generator(device=device).manual_seed(seed)
+    num_keys = num_queries + past
+    q = torch.randn(batch, num_queries, heads, dim, device=device, generator=g)
+    k = torch.randn(batch, num_keys, heads, dim, device=device, generator=g)
+    v = torch.randn(batch, num_keys, heads, dim, device=device, generator=g)
+    if similarity == "power1" and denominator in ("sum", "sum_clamped", "sum_detached"):
+        q, k = F.elu(q) + 1, F.elu(k) + 1  # the non-negative feature map such presets use
+    cq = ck = None
+    if decay:
+        c = (-F.softplus(torch.randn(batch, num_keys, heads, device=device, generator=g))).cumsum(1)
+        cq, ck = c[:, past:].clone(), c
+    key_mask = torch.ones(batch, num_keys, dtype=torch.bool, device=device)
+    key_mask[0, : num_keys // 3] = False  # a left-padded row
+    kwargs = dict(similarity=similarity, scale=dim**-0.5, clamp=clamp, taylor_terms=80, denominator=denominator)
+    return [q, k, v, cq, ck], key_mask, kwargs
+
+
+def run_terms(terms, leaves, key_mask, kwargs, dtype, grad_out):
+    """o = num / den (0 where den is 0) and the gradients of (o * grad_out).sum() wrt every leaf."""
+    inputs = [None if t is None else t.clone().requires_grad_() for t in leaves]
+    cast = [t if t is None or i >= 3 else t.to(dtype) for i, t in enumerate(inputs)]
+    num, den = terms(*cast[:3], query_log_decay=cast[3], key_log_decay=cast[4], key_mask=key_mask, **kwargs)
+    o = num if den is None else num / torch.where(den == 0, torch.ones_like(den), den)
+    (o.float() * grad_out).sum().backward()
+    return o, [t.grad for t in inputs if t is not None]
+
+
+def assert_terms_match(case, batch, num_queries, past, heads, dim, device, dtype, tol, seed=0):
+    leaves, key_mask, kwargs = terms_inputs(case, batch, num_queries, past, heads, dim, device, seed)
+    for mask in (None, key_mask):
+        grad_out = torch.randn(batch, heads, num_queries, dim, device=device, generator=torch.Generator(device=device).manual_seed(seed + 1))
+        ref_o, ref_grads = run_terms(reference_terms, leaves, mask, kwargs, torch.float32, grad_out)
+        o, grads = run_terms(fused_terms(), leaves, mask, kwargs, dtype, grad_out)
+        assert rel_err(o, ref_o) <= tol, (case, "output", rel_err(o, ref_o))
+        names = ["q", "k", "v", "query decay", "key decay"]
+        for name, fast, ref in zip(names, grads, ref_grads):
+            if name == "query decay" and kwargs["denominator"] == "sum":
+                # under a plain sum the query's own decay cancels: its gradient is 0 up to rounding
+                assert float(fast.abs().max()) <= tol * float(ref_grads[0].abs().max()) + 1e-3
+                continue
+            assert rel_err(fast, ref) <= tol, (case, name, rel_err(fast, ref))
+
+
+# ---------------------------------------------------------------- CPU, through Triton's interpreter
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+@pytest.mark.parametrize("num_queries, past", [(37, 0), (21, 13)])
+def test_kernels_match_the_reference_through_the_interpreter(case, num_queries, past):
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels are tested below")
+    assert_terms_match(case, 2, num_queries, past, 2, 16, "cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.parametrize("terms", [2, 5, 80])
+def test_taylor_kernel_uses_exp_only_where_the_series_equals_it(terms):
+    pytest.importorskip("triton")
+    from attnlab.models.kernels.attention_family import taylor_exp_range
+    from attnlab.models.ops.attention_family import taylor_series_exp
+
+    lo, hi = taylor_exp_range(terms)
+    if lo > hi:
+        assert terms < 10  # too few terms: the kernel always sums the series
+        return
+    x = torch.linspace(lo, hi, 1001, dtype=torch.float64)
+    assert rel_err(taylor_series_exp(x, terms), x.exp()) <= 2.0**-23
+    assert lo < -10 and hi > 10
+
+
+@pytest.mark.parametrize("similarity, scores_scale", [("taylor", 8.0), ("power2", 1.0)])
+def test_kernels_match_the_reference_with_scores_far_from_zero(similarity, scores_scale):
+    """Large scores: the truncated series leaves exp's range (summed in float64 there, as the reference)."""
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels are tested below")
+    leaves, key_mask, kwargs = terms_inputs((similarity, None, "sum", False), 1, 19, 0, 2, 16, "cpu", seed=3)
+    leaves[0] = leaves[0] * scores_scale
+    grad_out = torch.randn(1, 2, 19, 16)
+    ref_o, ref_grads = run_terms(reference_terms, leaves, None, kwargs, torch.float32, grad_out)
+    o, grads = run_terms(fused_terms(), leaves, None, kwargs, torch.float32, grad_out)
+    assert rel_err(o, ref_o) <= 1e-4
+    for fast, ref in zip(grads, ref_grads):
+        assert rel_err(fast, ref) <= 1e-4
+
+
+def family_config(name: str, hidden: int, heads: int, **overrides) -> AttnLabConfig:
+    return AttnLabConfig(vocab_size=97, hidden_size=hidden, num_layers=2, num_heads=heads, mixer=name, max_position_embeddings=512, **overrides)
+
+
+@pytest.mark.parametrize("name", ["2mamba", "2mamba-e", "gated_softmax", "linear_cosine"])
+def test_model_on_the_kernels_equals_the_reference_with_padding_and_a_continued_cache(name, monkeypatch):
+    """The mixer's one dispatch point: a left-padded batch, its gradients, and a prefill continuing a cache."""
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels are tested below")
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(family_config(name, 32, 2)).eval()
+    ids = torch.randint(0, 97, (2, 23))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+
+    def forward_and_grads():
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=mask)
+        first = model(input_ids=ids[:, :15], attention_mask=mask[:, :15], use_cache=True)
+        rest = model(input_ids=ids[:, 15:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        (out.logits * mask[..., None]).square().mean().backward()
+        return out.logits.detach(), rest.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_logits, ref_rest, ref_grads = forward_and_grads()
+    monkeypatch.setattr(kernels, "attention_family_terms", lambda choice, x, covered=True: fused_terms())
+    logits, rest, grads = forward_and_grads()
+    assert rel_err(logits[mask.bool()], ref_logits[mask.bool()]) <= 1e-4
+    assert rel_err(rest, ref_rest) <= 1e-4
+    assert set(grads) == set(ref_grads)
+    for key in grads:
+        assert rel_err(grads[key], ref_grads[key]) <= 1e-3, key
+
+
+def test_a_head_dim_the_kernels_do_not_cover_falls_back_with_one_line_when_built():
+    with pytest.warns(UserWarning, match="do not cover head dims above 256"):
+        model = AttnLabForCausalLM(family_config("2mamba-e", 1024, 2))
+    layer = model.model.layers[0].attn
+    assert layer.kernel_gap and kernels.attention_family_terms("auto", torch.zeros(1), covered=False) is reference_terms
+
+
+def test_cpu_tensors_and_kernels_torch_use_the_reference():
+    assert kernels.attention_family_terms("auto", torch.zeros(1)) is reference_terms
+    assert kernels.attention_family_terms("torch", torch.zeros(1)) is reference_terms
+
+
+# ---------------------------------------------------------------- CUDA, compiled, bf16
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+@pytest.mark.parametrize("num_queries, past", [(300, 0), (1000, 0), (77, 300)])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_kernels_in_bf16_match_the_fp32_reference_on_cuda(case, num_queries, past):
+    assert_terms_match(case, 2, num_queries, past, 4, 64, "cuda", torch.bfloat16, 2e-2, seed=num_queries + past)
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_continued_cache(name):
+    """bf16 autocast on the kernels against the fp32 reference (kernels 'torch') with the same weights:
+    logits of a left-padded batch of odd length, every parameter's gradient, and a prefill after cached tokens."""
+    torch.manual_seed(0)
+    ref_model = AttnLabForCausalLM(family_config(name, 256, 4, kernels="torch")).cuda().train()
+    model = AttnLabForCausalLM(family_config(name, 256, 4)).cuda().train()
+    model.load_state_dict(ref_model.state_dict())
+    ids = torch.randint(0, 97, (2, 333), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :50] = 0
+    results = []
+    for lm, autocast in ((ref_model, False), (model, True)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = lm(input_ids=ids, attention_mask=mask)
+            (out.logits.float() * mask[..., None]).square().mean().backward()
+            with torch.no_grad():
+                first = lm(input_ids=ids[:, :200], attention_mask=mask[:, :200], use_cache=True)
+                rest = lm(input_ids=ids[:, 200:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        results.append((out.logits.float(), rest.logits.float(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}))
+    (ref_logits, ref_rest, ref_grads), (logits, rest, grads) = results
+    keep = mask.bool()
+    assert rel_err(logits[keep], ref_logits[keep]) <= 2e-2
+    assert rel_err(rest, ref_rest) <= 2e-2
+    for key, ref in ref_grads.items():
+        assert rel_err(grads[key], ref) <= 5e-2, (key, rel_err(grads[key], ref))
