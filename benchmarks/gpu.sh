@@ -2,7 +2,8 @@
 # GPU checks and benchmarks in one call: `bash benchmarks/gpu.sh STAGE...`
 # Stages: tests (CUDA tests), train (training throughput at 8x2048), long (T=8192/16384),
 # decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), train-run (`attnlab train` with and
-# without CUDA graphs), fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
+# without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
+# fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -17,6 +18,9 @@ for stage in "$@"; do case $stage in
   tests) run tests "${TESTS_LIMIT:-330}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_train.py tests/test_convert.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model attnlab-gla-eager --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --saved --out "$OUT/train-gla-8x2048.json" ;;
+  zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"
+    # the plot of the rows measured, also when the limit stopped the run before its end
+    [ -f "$OUT/zoo.json" ] && python -c "import json,sys; from pathlib import Path; from attnlab.bench.plot import plot_zoo; p=Path(sys.argv[1]); print('wrote', plot_zoo(json.loads(p.read_text()), p.with_suffix('.png')))" "$OUT/zoo.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
   decode) run decode "${DECODE_LIMIT:-240}" $AL bench decode --arch attnlab-gla --hf-arch fla-gla --batch-size 8 --prompt-len 2048 --new-tokens 256 --repeats 2 --hf-repeats 1 --beams 4 --profile --out "$OUT/decode-8x2048.json" ;;

@@ -379,7 +379,7 @@ def bench_decode_cmd(
 
 @bench_app.command("train")
 def bench_train_cmd(
-    models: list[str] = typer.Option(["attnlab-gla", "fla-gla", "hf-llama"], "--model", "-m", help="attnlab-gla (its step captured as CUDA graphs, as `attnlab train` runs it), attnlab-gla-eager, fla-gla, hf-llama (repeatable)."),
+    models: list[str] = typer.Option(["attnlab-gla", "fla-gla", "hf-llama"], "--model", "-m", help="attnlab-gla (its step captured as CUDA graphs, as `attnlab train` runs it), attnlab-gla-eager, fla-gla, hf-llama (repeatable); also attnlab-<mixer> for any mixer and the other peers of `bench zoo`."),
     hidden: int = typer.Option(1024, "--hidden", help="Hidden size."),
     layers: int = typer.Option(24, "--layers", help="Decoder layers."),
     heads: int = typer.Option(4, "--heads", help="Heads."),
@@ -439,6 +439,80 @@ def bench_train_cmd(
         from attnlab.bench.plot import plot_train
 
         console.print(f"wrote {out} and {plot_train(rows, out.with_suffix('.png'), torch.cuda.get_device_name())}")
+
+
+from attnlab.bench.zoo import OP_PEERS, OP_PRESETS, PRESETS, TRAIN_PEERS  # noqa: E402
+
+
+@bench_app.command("zoo")
+def bench_zoo_cmd(
+    models: Optional[list[str]] = typer.Option(None, "--model", "-m", show_default=False, help=(
+        f"Model to train (repeatable): any registered mixer or preset (softmax or attnlab-softmax), {', '.join(TRAIN_PEERS)}. "
+        f"Default: {', '.join(PRESETS)} and every peer.")),
+    op_models: Optional[list[str]] = typer.Option(None, "--op-model", show_default=False, help=(
+        f"Token-mixing op to time alone, forward and backward (repeatable): an attention-family preset (its mixing function), "
+        f"{', '.join(OP_PEERS)} (sdpa: flash attention). Default: {', '.join(OP_PRESETS)} and every peer.")),
+    shape: list[str] = typer.Option(["16x1024", "4x4096", "1x16384"], "--shape", help="BATCHxSEQ_LEN to measure (repeatable)."),
+    hidden: int = typer.Option(1024, "--hidden", help="Hidden size of every model."),
+    layers: int = typer.Option(20, "--layers", help="Decoder layers."),
+    heads: int = typer.Option(16, "--heads", help="Heads (fla's Mamba-2: SSM heads; fla's NSA: query heads)."),
+    vocab: int = typer.Option(32000, "--vocab", help="Vocabulary size (untied embeddings)."),
+    intermediate: int = typer.Option(2048, "--intermediate", help="SwiGLU width of every model's MLP."),
+    steps: int = typer.Option(5, "--steps", min=1, help="Timed training steps (median reported)."),
+    warmup: int = typer.Option(2, "--warmup", min=1, help="Untimed steps first, for models and ops; the first is timed alone (first_step_s: capture, compilation, autotuning)."),
+    op_repeats: int = typer.Option(20, "--op-repeats", min=1, help="Timed forward+backward runs per op (median reported)."),
+    op_heads: int = typer.Option(16, "--op-heads", help="Heads of the ops' inputs."),
+    op_head_dim: int = typer.Option(64, "--op-head-dim", help="Head dim of the ops' inputs."),
+    skip_train: bool = typer.Option(False, "--skip-train", help="Time the ops only."),
+    skip_ops: bool = typer.Option(False, "--skip-ops", help="Train the models only."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here (after every row), and a PNG plot beside it (same name, .png)."),
+    device: str = typer.Option("cuda", "--device", hidden=True, help="cuda, or cpu for a functional check at tiny sizes (fp32, no memory figures)."),
+):
+    """Every mixer family beside its peers on one GPU: training tokens/s, peak memory and first-step time per model and
+    shape, and forward+backward time and memory of the token mixing alone."""
+    import torch
+
+    from attnlab.bench.zoo import describe, model_names, op_names, parse_shape, run_zoo
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise PreflightError("bench zoo measures on a CUDA device; no CUDA device is visible")
+    if skip_train and skip_ops:
+        raise PreflightError("--skip-train with --skip-ops leaves nothing to measure")
+    shapes = [parse_shape(spec) for spec in shape]
+    models = [] if skip_train else model_names(models)
+    op_models = [] if skip_ops else op_names(op_models)
+    size = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, intermediate=intermediate)
+    result = run_zoo(models, op_models, shapes, size, op_heads, op_head_dim, steps, warmup, op_repeats, torch.device(device), out,
+                     log=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    where = result["env"]["gpu"] or "cpu"
+    columns = [f"{b}x{t}" for b, t in shapes]
+
+    def table(section: str, names: list[str], title: str, cell) -> None:
+        grid = Table(title=title)
+        grid.add_column("model" if section == "train" else "op", justify="left")
+        for col in columns:
+            grid.add_column(col, justify="right")
+        for name in names:
+            rows = [result[section][f"{name}@{col}"] for col in columns]
+            grid.add_row(name, *("OOM" if r.get("error") == "out of memory" else "n/a" if "error" in r else cell(r) for r in rows))
+        console.print(grid, width=None if console.is_terminal else 200)  # a log file gets whole lines
+
+    def gib(value) -> str:
+        return "" if value is None else f" · {value} GiB"
+
+    if models:
+        table("train", models, f"training tokens/s · peak GiB reserved, on {where}", lambda r: f"{r['tokens_per_s']:,}{gib(r['peak_reserved_gib'])}")
+    if op_models:
+        table("ops", op_models, f"token mixing, forward+backward ms · GiB beyond the inputs, on {where}",
+              lambda r: f"{r['fwd_bwd_ms']}{gib(r['extra_gib'])}")
+    for section in ("train", "ops"):
+        for key, row in result[section].items():
+            if "error" in row:
+                console.print(describe(section, key, row), highlight=False, soft_wrap=True)
+    if out is not None:
+        from attnlab.bench.plot import plot_zoo
+
+        console.print(f"wrote {out} and {plot_zoo(result, out.with_suffix('.png'))}")
 
 
 def main() -> None:

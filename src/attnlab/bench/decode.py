@@ -8,11 +8,9 @@ graphs; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
+from attnlab.bench.timing import median_time, profile_step
 from attnlab.generation import generate_ids
 
 
@@ -31,21 +29,9 @@ class IdTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn, warm, device, repeats: int) -> float:
     warm()  # kernel compilation, autotuning, graph capture
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats, device, wall=True)[0]
 
 
 def _engine(model, tokenizer, prompts, new_tokens: int, **settings):
@@ -84,7 +70,6 @@ def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | N
 def _step_kernels(model, prompts: torch.Tensor) -> dict | None:
     """The one-token step run eagerly under the CUDA profiler: how many kernels it launches and
     their summed GPU time (what the captured graph replays, without the gaps between kernels)."""
-    from attnlab.bench.train import profile_step
     from attnlab.generation.graphs import StaticRunner, fixed_size_decoding
 
     if prompts.device.type != "cuda" or not fixed_size_decoding(model):

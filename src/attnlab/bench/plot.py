@@ -53,3 +53,66 @@ def plot_decode(rows: list[dict], path: Path, device: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _grouped(ax, section: dict, field: str, title: str, unit: str, log: bool = False) -> None:
+    """One group of bars per name (peers' names in grey), one bar per shape; a row without the
+    value is marked at the foot of its bar: OOM, or n/a for any other error."""
+    names = list(dict.fromkeys(key.rsplit("@", 1)[0] for key in section))
+    shapes = list(dict.fromkeys(key.rsplit("@", 1)[1] for key in section))
+    width = 0.8 / len(shapes)
+    colors = plt.get_cmap("tab10").colors
+    for s, shape in enumerate(shapes):
+        label = shape  # in the legend once per shape
+        for n, name in enumerate(names):
+            row = section.get(f"{name}@{shape}")
+            if row is None:
+                continue
+            x = n - 0.4 + width * (s + 0.5)
+            value = row.get(field)
+            if value is None:
+                mark = "OOM" if row.get("error") == "out of memory" else "n/a"
+                ax.annotate(mark, (x, 0.01), xycoords=("data", "axes fraction"), ha="center", va="bottom", rotation=90, fontsize=7,
+                            color="#c44e52", fontweight="bold")
+                continue
+            ax.bar(x, value, width, color=colors[s % len(colors)], label=label)
+            label = None
+            text = f"{value:,.0f}" if value >= 100 else (f"{value:.1f}" if value >= 10 else f"{value:.2f}")
+            ax.annotate(text, (x, value), ha="center", va="bottom", rotation=90, fontsize=6)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    for tick in ax.get_xticklabels():
+        if not tick.get_text().startswith("attnlab-"):
+            tick.set_color("#777777")
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.yaxis.set_major_formatter(lambda value, _: f"{value:,.0f}")
+    ax.margins(y=0.25)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(unit)
+    ax.grid(axis="y", alpha=0.3)
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(title="B x T", fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def plot_zoo(result: dict, path: Path) -> Path:
+    """`attnlab bench zoo`: training tokens/s and peak memory per model, forward+backward time per op
+    (log scale), each grouped by shape."""
+    train, ops = result.get("train", {}), result.get("ops", {})
+    panels = []
+    if train:
+        panels.append((train, "tokens_per_s", "training tokens/s (higher is better)", "tokens/s", False))
+        if any(row.get("peak_reserved_gib") is not None for row in train.values()):
+            panels.append((train, "peak_reserved_gib", "peak memory reserved (lower is better)", "GiB", False))
+    if ops:
+        panels.append((ops, "fwd_bwd_ms", "token mixing alone, forward + backward (lower is better)", "ms", True))
+    bars = max((len(section) for section, *_ in panels), default=0)
+    fig, axes = plt.subplots(max(1, len(panels)), 1, figsize=(min(40, max(9, 0.3 * bars)), 4 * max(1, len(panels))), squeeze=False)
+    for ax, (section, field, title, unit, log) in zip(axes[:, 0], panels):
+        _grouped(ax, section, field, title, unit, log)
+    fig.suptitle(f"attnlab bench zoo on {result['env'].get('gpu') or 'cpu'}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -12,11 +12,12 @@ is the same model without them.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-PEERS = ("attnlab-gla", "attnlab-gla-eager", "fla-gla", "hf-llama")
+from attnlab.bench.timing import median_time, peak_gib, profile_step, release
+
+PEERS = ("attnlab-gla", "attnlab-gla-eager", "fla-gla", "hf-llama")  # what `attnlab bench train` compares by default
+FLA_MODELS = ("fla-gla", "fla-forgetting-transformer", "fla-nsa", "fla-mamba2")
 
 
 def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:
@@ -24,94 +25,68 @@ def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:
     return multiple * ((width + multiple - 1) // multiple)
 
 
-def build(name: str, hidden: int, layers: int, heads: int, vocab: int):
-    if name in ("attnlab-gla", "attnlab-gla-eager"):
+def build(name: str, hidden: int, layers: int, heads: int, vocab: int, intermediate: int | None = None):
+    """A randomly initialised model by its bench name, every one of the same width, depth, heads,
+    vocabulary and SwiGLU width (default: fla's for the width), untied embeddings.
+
+    `attnlab-<mixer>`: any registered mixer or preset (`attnlab-gla-eager` is attnlab-gla, which the
+    bench runs without CUDA graphs); `hf-llama`: LlamaForCausalLM on SDPA; `fla-gla`,
+    `fla-forgetting-transformer`, `fla-nsa`, `fla-mamba2`: fla's models, NSA and Mamba-2 with
+    attnlab's block and state sizes (fla's Mamba-2 blocks have no MLP). An fla model whose fast
+    path needs a package that is missing (flash-attn for NSA, mamba-ssm for Mamba-2) is refused.
+    """
+    intermediate = intermediate or fla_mlp_width(hidden)
+    if name.startswith("attnlab-"):
         from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 
-        cfg = AttnLabConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, mixer="gla",
-                            intermediate_size=fla_mlp_width(hidden), tie_word_embeddings=False, max_position_embeddings=65536)
+        mixer = name.removeprefix("attnlab-").removesuffix("-eager")
+        cfg = AttnLabConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, mixer=mixer,
+                            intermediate_size=intermediate, tie_word_embeddings=False, max_position_embeddings=65536)
         return AttnLabForCausalLM(cfg)
-    if name == "fla-gla":
-        from fla.models import GLAConfig, GLAForCausalLM
-
-        return GLAForCausalLM(GLAConfig(hidden_size=hidden, num_hidden_layers=layers, num_heads=heads, vocab_size=vocab))
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=fla_mlp_width(hidden), num_hidden_layers=layers,
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=65536)
         cfg._attn_implementation = "sdpa"
         return LlamaForCausalLM(cfg)
-    raise ValueError(f"unknown model {name!r}; choose from {PEERS}")
+    if name not in FLA_MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from attnlab-<mixer>, hf-llama, {', '.join(FLA_MODELS)}")
+    import fla.models as fm
+    from attnlab.models.mixers import MIXERS
+
+    same = dict(hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=False)
+    if name == "fla-gla":
+        return fm.GLAForCausalLM(fm.GLAConfig(num_heads=heads, intermediate_size=intermediate, **same))
+    if name == "fla-forgetting-transformer":
+        return fm.ForgettingTransformerForCausalLM(fm.ForgettingTransformerConfig(num_heads=heads, intermediate_size=intermediate, **same))
+    if name == "fla-nsa":
+        import fla.ops.nsa.parallel as fla_nsa
+
+        nsa = MIXERS["nsa"].resolve_options(None)
+        if nsa["window_size"] and fla_nsa.flash_attn_func is None:
+            raise RuntimeError("fla's NSA needs flash-attn for its sliding window, and it is not installed")
+        return fm.NSAForCausalLM(fm.NSAConfig(num_heads=heads, num_kv_heads=nsa["num_kv_heads"], head_dim=hidden // heads,
+                                              block_size=nsa["block_size"], block_counts=nsa["block_counts"],
+                                              window_size=nsa["window_size"], intermediate_size=intermediate,
+                                              max_position_embeddings=65536, **same))
+    import fla.layers.mamba2 as fla_mamba2
+
+    if not fla_mamba2.is_fast_path_available:
+        raise RuntimeError("fla's Mamba-2 runs its kernels only with mamba-ssm installed (else a naive PyTorch path)")
+    ssm = MIXERS["mamba2"].resolve_options(None)
+    head_dim = ssm["head_dim"] or ssm["expand"] * hidden // heads  # fla's Mamba-2 has expand * hidden / head_dim heads
+    return fm.Mamba2ForCausalLM(fm.Mamba2Config(head_dim=head_dim, expand=ssm["expand"], state_size=ssm["state_size"],
+                                                n_groups=ssm["n_groups"], conv_kernel=ssm["conv_kernel"], **same))
 
 
-CATEGORIES = (  # kernel name fragments -> what the time goes to
-    ("gla (fla chunk/recurrent)", ("chunk", "recurrent", "cumsum")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "ampere", "hopper", "matmul")),
-    ("attention (sdpa/flash)", ("flash", "fmha", "attention", "sdp")),
-    ("norms/swiglu/ce (fused)", ("layer_norm", "rms", "swiglu", "cross_entropy", "logsumexp", "softmax")),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("elementwise/copies", ("elementwise", "vectorized", "copy", "reduce", "fill", "cat", "index", "unrolled")),
-)
-
-
-def host_ms(step, repeats: int = 3) -> float:
-    """How long the host takes to issue one step (median), with the GPU drained before each: when
-    this is close to the step time, the step is bound by the host, not by the GPU's kernels."""
-    import time
-
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1000, 1)
-
-
-def profile_step(step) -> dict:
-    """One training step under the profiler: GPU time per kernel category, the top kernels, the
-    host's time to issue the step, and the host-side calls that take most of it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    issue_ms = host_ms(step)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    host_calls = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
-    kernels: dict[str, float] = {}
-    launches = 0
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1000  # ms
-            launches += 1
-    total = sum(kernels.values()) or 1.0
-    shares: dict[str, float] = {}
-    for kname, ms in kernels.items():
-        low = kname.lower()
-        cat = next((c for c, frags in CATEGORIES if any(f in low for f in frags)), "other")
-        shares[cat] = shares.get(cat, 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"gpu_ms": round(total, 3), "kernels": launches, "host_issue_ms": issue_ms,
-            "host_self_ms": [[e.key[:60], e.count, round(e.self_cpu_time_total / 1000, 2)] for e in host_calls],
-            "by_category_ms": {k: round(v, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}
-
-
-def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
-                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False) -> dict:
-    torch.manual_seed(0)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = build(name, hidden, layers, heads, vocab).cuda().train()
-    if grad_checkpointing:
-        model.gradient_checkpointing_enable()
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+def train_step(model, opt, x: torch.Tensor, capture: bool = True):
+    """One optimizer step on the batch x (labels = inputs), as `attnlab train` runs it: on CUDA under
+    bf16 autocast, an attnlab model's forward and backward captured as CUDA graphs where they can be
+    (attnlab.train.graphs; capturing runs a few steps first). Returns (step, captured)."""
+    cuda = x.device.type == "cuda"
     captured = None
-    if name == "attnlab-gla":  # as `attnlab train` runs it: the step's forward and backward as CUDA graphs
+    if capture and cuda:
         from attnlab.train.graphs import CapturedLoss, graph_blocker
 
         if graph_blocker(model) is None:
@@ -121,36 +96,42 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
         if captured is not None:
             loss = captured.loss(x, x)
         else:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=cuda):
                 loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return step, captured
+
+
+def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
+                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False) -> dict:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    release(device)
+    model = build(name, hidden, layers, heads, vocab).cuda().train()
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    step, captured = train_step(model, opt, x, capture=not name.endswith("-eager"))
     row = {"model": name, "params_M": round(params / 1e6, 1), "batch": batch, "seq_len": seq_len, "cuda_graphs": captured is not None}
     try:
         for _ in range(warmup):
             step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        step_s = statistics.median(times)
-        row.update(step_s=round(step_s, 4), tok_per_s=round(batch * seq_len / step_s), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                   reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        step_s, loss = median_time(step, steps, device)
+        peak, reserved = peak_gib(device)
+        row.update(step_s=round(step_s, 4), tok_per_s=round(batch * seq_len / step_s), peak_gib=peak, reserved_gib=reserved,
                    loss=round(float(loss), 3))
         if profile:
             row["profile"] = profile_step(step)
     except torch.cuda.OutOfMemoryError:
         row.update(step_s=None, tok_per_s=None, peak_gib=None, reserved_gib=None, error="out of memory")
-    del model, opt, captured
-    torch.cuda.empty_cache()
+    del model, opt, step, captured
+    release(device)
     return row
 
 
