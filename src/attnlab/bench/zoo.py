@@ -117,11 +117,13 @@ def reason(exc: BaseException) -> str:
 def train_row(name: str, size: dict, batch: int, seq_len: int, steps: int, warmup: int, device: torch.device) -> dict:
     """Training throughput and memory of one model at one shape; `warmup` >= 1 steps (the first one
     timed alone, with capture, compilation and autotuning), then the median of `steps`."""
-    torch.manual_seed(0)
-    model = build(name, **size)
     if name.startswith("fla-") and device.type != "cuda":
+        import fla.models  # noqa: F401  (says first when fla is missing)
+
         raise RuntimeError("fla's kernels need CUDA")
-    model = model.to(device).train()
+    torch.manual_seed(0)
+    with device:  # weights initialised where they train (a few seconds less per row than on the host)
+        model = build(name, **size).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x = torch.randint(0, size["vocab"], (batch, seq_len), device=device)
 
@@ -173,9 +175,11 @@ def op_inputs(name: str, batch: int, seq_len: int, heads: int, head_dim: int, de
         return (lambda q, k, v, g: chunk_gla(q, k, v, g)[0]), [q, k, v, g]
     from attnlab.models.mixers import MIXERS
     from attnlab.models.mixers.attention_family import mixing_function
+    from attnlab.models.ops.attention_family import apply_feature_map
 
     options = MIXERS[name.removeprefix("attnlab-")].resolve_options(None)
     mix = mixing_function(options, head_dim)
+    q, k = apply_feature_map(q, options["feature_map"]), apply_feature_map(k, options["feature_map"])  # what the mixing sees
     if options["decay"] == "none":
         return (lambda q, k, v: mix(q, k, v, None)), [q, k, v]
     return mix, [q, k, v, log_decay]
