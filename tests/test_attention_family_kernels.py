@@ -102,7 +102,8 @@ def test_taylor_kernel_uses_exp_only_where_the_series_equals_it(terms):
         assert terms < 10  # too few terms: the kernel always sums the series
         return
     x = torch.linspace(lo, hi, 1001, dtype=torch.float64)
-    assert rel_err(taylor_series_exp(x, terms), x.exp()) <= 2.0**-23
+    for n in (terms, terms - 1):  # the series and its derivative, to a few fp32 ulps between the checked points
+        assert float(((taylor_series_exp(x, n) - x.exp()) / x.exp()).abs().max()) <= 2.0**-22
     assert lo < -10 and hi > 10
 
 
@@ -204,5 +205,9 @@ def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_conti
     keep = mask.bool()
     assert rel_err(logits[keep], ref_logits[keep]) <= 2e-2
     assert rel_err(rest, ref_rest) <= 2e-2
+    # Relative to each gradient, floored at 1% of the largest: some are near zero by construction
+    # (a per-head gate before a per-head norm reaches the loss only through the norm's epsilon).
+    floor = 1e-2 * max(float(g.norm()) for g in ref_grads.values())
     for key, ref in ref_grads.items():
-        assert rel_err(grads[key], ref) <= 5e-2, (key, rel_err(grads[key], ref))
+        err = float((grads[key].double() - ref.double()).norm()) / max(float(ref.norm()), floor)
+        assert err <= 5e-2, (key, err)

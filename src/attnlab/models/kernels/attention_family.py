@@ -42,17 +42,17 @@ def _interpreting() -> bool:
 
 @functools.cache
 def taylor_exp_range(terms: int) -> tuple[float, float]:
-    """[lo, hi] on which the first `terms` terms of exp's series, summed in float64 as the reference
-    does, agree with exp to 2^-24 relative: there the kernels use exp itself. Empty (lo > hi) when
-    there is no such range around 0 wider than 0.5."""
-    def series(x: float) -> float:
+    """[lo, hi] on which the first `terms` terms of exp's series and the first `terms` - 1 (its
+    derivative), summed in float64 as the reference does, agree with exp to 2^-24 relative: there the
+    kernels use exp itself. Empty (lo > hi) when there is no such range around 0 wider than 0.5."""
+    def series(x: float, n_terms: int) -> float:
         out = 1.0
-        for n in range(terms - 1, 0, -1):
+        for n in range(n_terms - 1, 0, -1):
             out = 1 + out * x / n
         return out
 
     def agrees(x: float) -> bool:
-        return abs(series(x) - math.exp(x)) <= 2.0**-24 * math.exp(x)
+        return all(abs(series(x, n) - math.exp(x)) <= 2.0**-24 * math.exp(x) for n in (terms, terms - 1))
 
     hi = 0.0
     while hi < 80 and agrees(hi + 0.25):
@@ -73,30 +73,29 @@ def _horner_f64(s, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _taylor(s, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
-    """The first TERMS terms of exp's series at s (fp32): exp on [LO, HI], Horner in float64 elsewhere."""
-    f = tl.exp(s)
+def _series(s, f, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    """The first TERMS terms of exp's series at s, given f = exp(s): f on [LO, HI], Horner in float64 elsewhere."""
     outside = (s < LO) | (s > HI)
-    if tl.sum(outside.to(tl.int32)) > 0:
+    if tl.max(tl.max(outside.to(tl.int32), 1), 0) > 0:
         f = tl.where(outside, _horner_f64(s, TERMS), f)
     return f
 
 
 @triton.jit
-def _weights(s_raw, allowed, cq, ck, m, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
+def _weights(s_raw, allowed, dec, m, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
              HAS_DECAY: tl.constexpr, USE_MAX: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
-    """Weights w (0 where not allowed) and dw/ds for a tile of scores s_raw [M, N] (already scaled).
-    cq [M], ck [N]: decay terms; m [M]: the row maxima subtracted (USE_MAX)."""
+    """Weights w (0 where not allowed) and dw/ds for a tile of scores s_raw (already scaled).
+    dec: cq_i - ck_j broadcast to the tile (HAS_DECAY); m: the row maxima subtracted, broadcast (USE_MAX)."""
     s = s_raw
     if HAS_CLAMP:
         s = tl.minimum(s, CLAMP)
     if SIM == 0:
         logit = s
         if HAS_DECAY:
-            logit = logit + (cq[:, None] - ck[None, :])
+            logit = logit + dec
         if USE_MAX:
-            logit = logit - m[:, None]
-        w = tl.where(allowed, tl.exp(tl.where(allowed, logit, float("-inf"))), 0.0)
+            logit = logit - m
+        w = tl.exp(tl.where(allowed, logit, float("-inf")))
         dw_ds = w
     else:
         if SIM == 1:
@@ -106,10 +105,11 @@ def _weights(s_raw, allowed, cq, ck, m, SIM: tl.constexpr, HAS_CLAMP: tl.constex
             f = s * s
             df = 2.0 * s
         else:
-            f = _taylor(s, TERMS, LO, HI)
-            df = _taylor(s, TERMS - 1, LO, HI)  # LO, HI of TERMS hold for TERMS - 1 up to fp32 rounding
+            e_s = tl.exp(s)
+            f = _series(s, e_s, TERMS, LO, HI)
+            df = _series(s, e_s, TERMS - 1, LO, HI)  # the derivative: one term fewer
         if HAS_DECAY:
-            e = tl.exp(tl.where(allowed, cq[:, None] - ck[None, :], float("-inf")))
+            e = tl.exp(tl.where(allowed, dec, float("-inf")))
             f = f * e
             df = df * e
         w = tl.where(allowed, f, 0.0)
@@ -119,6 +119,17 @@ def _weights(s_raw, allowed, cq, ck, m, SIM: tl.constexpr, HAS_CLAMP: tl.constex
     return w, dw_ds
 
 
+def _configs(shapes):
+    """Autotuning candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); one small block under the interpreter."""
+    if _interpreting():
+        shapes = [(16, 16, 4, 1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+
+
+TUNE_KEY = ["DK", "DV", "SIM", "HAS_DECAY", "USE_MAX", "HAS_CLAMP", "PRECISION"]
+
+
+@triton.autotune(configs=_configs([(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]), key=TUNE_KEY)
 @triton.jit
 def _fwd_kernel(
     Q, K, V, CQ, CK, KM, NUM, L, M,
@@ -126,7 +137,7 @@ def _fwd_kernel(
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -146,8 +157,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     query_pos = past + offs_m
-    end = tl.minimum(Tk, past + start_m + BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
+    for start_n in range(0, tl.minimum(Tk, past + start_m + BLOCK_M), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
@@ -158,25 +168,26 @@ def _fwd_kernel(
         if HAS_MASK:
             keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
             allowed = allowed & (keep[None, :] != 0)
-        ck = tl.zeros([BLOCK_N], tl.float32)
+        dec = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_DECAY:
-            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+            dec = cq[:, None] - tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)[None, :]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if USE_MAX:
+        if USE_MAX:  # exp under the plain sum: online maximum, as FlashAttention-2
             logit = s
             if HAS_CLAMP:
                 logit = tl.minimum(logit, CLAMP)
             if HAS_DECAY:
-                logit = logit + (cq[:, None] - ck[None, :])
-            m_new = tl.maximum(m_i, tl.max(tl.where(allowed, logit, float("-inf")), 1))
+                logit = logit + dec
+            logit = tl.where(allowed, logit, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logit, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
+            w = tl.exp(logit - m_safe[:, None])
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
             m_i = m_new
-            w, _ = _weights(s, allowed, cq, ck, m_safe, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, True, TERMS, LO, HI)
         else:
-            w, _ = _weights(s, allowed, cq, ck, m_i, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, False, TERMS, LO, HI)
+            w, _ = _weights(s, allowed, dec, dec, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, False, TERMS, LO, HI)
         if WANT_SUM:
             l_i += tl.sum(w, 1)
         acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
@@ -188,6 +199,7 @@ def _fwd_kernel(
         tl.store(M + b * slb + h + offs_m * slt, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
 
 
+@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2), (64, 128, 4, 2)]), key=TUNE_KEY)
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
@@ -195,9 +207,10 @@ def _bwd_dkdv_kernel(
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient."""
+    """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient.
+    Tiles are [keys, queries] (transposed), so that sums over queries stay within a row."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -224,27 +237,27 @@ def _bwd_dkdv_kernel(
     for start_m in range(first, Tq, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < Tq
-        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_dk[:, None],
+                      mask=row_ok[None, :] & (offs_dk[:, None] < DK), other=0.0)  # [DK, M]
         dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
-                       mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        cq = tl.zeros([BLOCK_M], tl.float32)
+                       mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [M, DV]
+        dec = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if HAS_DECAY:
-            cq = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
-        m = tl.zeros([BLOCK_M], tl.float32)
+            dec = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)[None, :] - ck[:, None]
+        m = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if USE_MAX:
-            m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
-        allowed = (cols[None, :] <= past + rows[:, None]) & keep_col[None, :] & row_ok[:, None]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
-        w, dw_ds = _weights(s, allowed, cq, ck, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
-        g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION)  # dL/dw [M, N]
+            m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)[None, :] + m
+        allowed = (cols[:, None] <= past + rows[None, :]) & keep_col[:, None] & row_ok[None, :]
+        s_t = tl.dot(k, q_t, input_precision=PRECISION) * scale  # [N, M]
+        w_t, dw_ds_t = _weights(s_t, allowed, dec, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
+        g_t = tl.dot(v, tl.trans(dnum), input_precision=PRECISION)  # dL/dw, [N, M]
         if WANT_SUM:
-            g += tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)[:, None]
-        dv += tl.dot(tl.trans(w.to(dnum.dtype)), dnum, input_precision=PRECISION)
-        ds = g * dw_ds
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            g_t += tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)[None, :]
+        dv += tl.dot(w_t.to(dnum.dtype), dnum, input_precision=PRECISION)
+        ds_t = g_t * dw_ds_t
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
         if HAS_DECAY:
-            dck -= tl.sum(g * w, 0)
+            dck -= tl.sum(g_t * w_t, 1)
     tl.store(DK_ + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :], (dk * scale).to(DK_.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < DK))
     tl.store(DV_ + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
@@ -253,6 +266,7 @@ def _bwd_dkdv_kernel(
         tl.store(DCK + b * sdb + h + cols * sdt, dck, mask=col_ok)
 
 
+@triton.autotune(configs=_configs([(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 2), (64, 128, 8, 2)]), key=TUNE_KEY)
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
@@ -260,7 +274,7 @@ def _bwd_dq_kernel(
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """For a block of queries: dq (same strides as q) and the query side of the decay gradient."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -279,16 +293,15 @@ def _bwd_dq_kernel(
     cq = tl.zeros([BLOCK_M], tl.float32)
     if HAS_DECAY:
         cq = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
-    m = tl.zeros([BLOCK_M], tl.float32)
+    m = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if USE_MAX:
-        m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+        m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)[:, None] + m
     dl = tl.zeros([BLOCK_M], tl.float32)
     if WANT_SUM:
         dl = tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dcq = tl.zeros([BLOCK_M], tl.float32)
-    end = tl.minimum(Tk, past + start_m + BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
+    for start_n in range(0, tl.minimum(Tk, past + start_m + BLOCK_M), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
@@ -299,11 +312,11 @@ def _bwd_dq_kernel(
         if HAS_MASK:
             keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
             allowed = allowed & (keep[None, :] != 0)
-        ck = tl.zeros([BLOCK_N], tl.float32)
+        dec = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_DECAY:
-            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+            dec = cq[:, None] - tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)[None, :]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        w, dw_ds = _weights(s, allowed, cq, ck, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
+        w, dw_ds = _weights(s, allowed, dec, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
         g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION) + dl[:, None]
         ds = g * dw_ds
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -315,15 +328,8 @@ def _bwd_dq_kernel(
         tl.store(DCQ + b * scb + h + rows * sct, dcq, mask=row_ok)
 
 
-def _blocks(dk: int, dv: int) -> dict:
-    block_dk, block_dv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    if _interpreting():
-        return dict(BLOCK_DK=block_dk, BLOCK_DV=block_dv, fwd=(16, 16, 4, 1), bwd=(16, 16, 4, 1))
-    wide = max(block_dk, block_dv) > 64
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    fwd = (64, 64, 4, 2) if wide else (128, 64, 8, 3)
-    bwd = (64, 64, 4, 2) if wide else (64, 64, 4, 3)
-    return dict(BLOCK_DK=block_dk, BLOCK_DV=block_dv, fwd=fwd, bwd=bwd)
+def _head_blocks(dk: int, dv: int) -> dict:
+    return dict(BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))
 
 
 class _AttentionTerms(torch.autograd.Function):
@@ -339,20 +345,17 @@ class _AttentionTerms(torch.autograd.Function):
         cq = cq.float().contiguous() if has_decay else rows
         ck = ck.float().contiguous() if has_decay else rows
         km = key_mask.to(torch.int8).contiguous() if key_mask is not None else rows
-        blocks = _blocks(dk, dv)
-        block_m, block_n, warps, stages = blocks["fwd"]
-        consts = dict(opts, HAS_DECAY=has_decay, HAS_MASK=key_mask is not None, BLOCK_DK=blocks["BLOCK_DK"], BLOCK_DV=blocks["BLOCK_DV"],
-                      PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        constexprs = dict(opts, HAS_DECAY=has_decay, HAS_MASK=key_mask is not None, **_head_blocks(dk, dv),
+                          PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        scale = constexprs.pop("scale")
         strides = (*_bht(q), *_bht(k), *_bht(v), cq.stride(0), cq.stride(1), ck.stride(0), ck.stride(1), km.stride(0) if key_mask is not None else 0,
                    *_bht(num), rows.stride(0), rows.stride(1))
-        sizes = (num_queries, num_keys, heads, dk, dv, opts["scale"])
-        constexprs = {key: value for key, value in consts.items() if key != "scale"}
-        _fwd_kernel[(triton.cdiv(num_queries, block_m), batch * heads)](
+        sizes = (num_queries, num_keys, heads, dk, dv, scale)
+        _fwd_kernel[lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads)](
             q, k, v, cq, ck, km, num, rows, row_max, *strides, *sizes, **constexprs,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )
         ctx.save_for_backward(q, k, v, cq, ck, km, row_max)
-        ctx.meta = (strides, sizes, constexprs, blocks, has_decay)
+        ctx.meta = (strides, sizes, constexprs, has_decay)
         if not opts["WANT_SUM"]:
             ctx.mark_non_differentiable(rows)
         return num, rows
@@ -360,28 +363,25 @@ class _AttentionTerms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnum, drows):
         q, k, v, cq, ck, km, row_max = ctx.saved_tensors
-        strides, sizes, constexprs, blocks, has_decay = ctx.meta
-        num_queries, num_keys, heads, dk, dv, scale = sizes
+        strides, sizes, constexprs, has_decay = ctx.meta
+        num_queries, num_keys, heads = sizes[:3]
         batch = q.shape[0]
-        # dL/dnum as the operands' dtype (the products run on the tensor cores), laid out as num
-        dnum = dnum.to(q.dtype).contiguous()
-        drows = drows.float().contiguous() if (constexprs["WANT_SUM"] and drows is not None) else torch.zeros(
-            batch, num_queries, heads, device=q.device, dtype=torch.float32)
-        dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dnum = dnum.to(q.dtype).contiguous()  # the products run on the tensor cores in the operands' dtype
+        if constexprs["WANT_SUM"] and drows is not None:
+            drows = drows.float().contiguous()
+        else:
+            drows = torch.zeros(batch, num_queries, heads, device=q.device, dtype=torch.float32)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dcq = torch.empty_like(cq) if has_decay else drows
         dck = torch.empty_like(ck) if has_decay else drows
-        strides = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1))
-        block_m, block_n, warps, stages = blocks["bwd"]
-        args = (*strides, *sizes)
-        _bwd_dkdv_kernel[(triton.cdiv(num_keys, block_n), batch * heads)](
-            q, k, v, cq, ck, km, row_max, dnum, drows, dk_, dv_, dck, *args, **constexprs,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        args = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1), *sizes)
+        _bwd_dkdv_kernel[lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads)](
+            q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck, *args, **constexprs,
         )
-        _bwd_dq_kernel[(triton.cdiv(num_queries, block_m), batch * heads)](
+        _bwd_dq_kernel[lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads)](
             q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq, *args, **constexprs,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )
-        return dq, dk_, dv_, (dcq if has_decay else None), (dck if has_decay else None), None, None
+        return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:
