@@ -82,19 +82,18 @@ def _series(s, f, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
 
 
 @triton.jit
-def _weights(s_raw, allowed, dec, m, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
-             HAS_DECAY: tl.constexpr, USE_MAX: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
+             HAS_OFFSET: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
     """Weights w (0 where not allowed) and dw/ds for a tile of scores s_raw (already scaled).
-    dec: cq_i - ck_j broadcast to the tile (HAS_DECAY); m: the row maxima subtracted, broadcast (USE_MAX)."""
+    With HAS_OFFSET the log-weights gain qterm_i - kterm_j (decay cq_i - ck_j, less the row maximum
+    for exp under the plain sum), qterm and kterm given as the tile's broadcastable row / column."""
     s = s_raw
     if HAS_CLAMP:
         s = tl.minimum(s, CLAMP)
     if SIM == 0:
         logit = s
-        if HAS_DECAY:
-            logit = logit + dec
-        if USE_MAX:
-            logit = logit - m
+        if HAS_OFFSET:
+            logit = logit + qterm - kterm
         w = tl.exp(tl.where(allowed, logit, float("-inf")))
         dw_ds = w
     else:
@@ -108,8 +107,8 @@ def _weights(s_raw, allowed, dec, m, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr,
             e_s = tl.exp(s)
             f = _series(s, e_s, TERMS, LO, HI)
             df = _series(s, e_s, TERMS - 1, LO, HI)  # the derivative: one term fewer
-        if HAS_DECAY:
-            e = tl.exp(tl.where(allowed, dec, float("-inf")))
+        if HAS_OFFSET:
+            e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))
             f = f * e
             df = df * e
         w = tl.where(allowed, f, 0.0)
@@ -129,7 +128,7 @@ def _configs(shapes):
 TUNE_KEY = ["DK", "DV", "SIM", "HAS_DECAY", "USE_MAX", "HAS_CLAMP", "PRECISION"]
 
 
-@triton.autotune(configs=_configs([(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]), key=TUNE_KEY)
+@triton.autotune(configs=_configs([(128, 64, 8, 3), (64, 64, 4, 3)]), key=TUNE_KEY)
 @triton.jit
 def _fwd_kernel(
     Q, K, V, CQ, CK, KM, NUM, L, M,
@@ -168,16 +167,16 @@ def _fwd_kernel(
         if HAS_MASK:
             keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
             allowed = allowed & (keep[None, :] != 0)
-        dec = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
-            dec = cq[:, None] - tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)[None, :]
+            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if USE_MAX:  # exp under the plain sum: online maximum, as FlashAttention-2
             logit = s
             if HAS_CLAMP:
                 logit = tl.minimum(logit, CLAMP)
             if HAS_DECAY:
-                logit = logit + dec
+                logit = logit + (cq[:, None] - ck[None, :])
             logit = tl.where(allowed, logit, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logit, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -187,7 +186,7 @@ def _fwd_kernel(
             l_i = l_i * alpha
             m_i = m_new
         else:
-            w, _ = _weights(s, allowed, dec, dec, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, False, TERMS, LO, HI)
+            w, _ = _weights(s, allowed, cq[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY, TERMS, LO, HI)
         if WANT_SUM:
             l_i += tl.sum(w, 1)
         acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
@@ -199,7 +198,7 @@ def _fwd_kernel(
         tl.store(M + b * slb + h + offs_m * slt, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
 
 
-@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2), (64, 128, 4, 2)]), key=TUNE_KEY)
+@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 3)]), key=TUNE_KEY)
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
@@ -241,15 +240,15 @@ def _bwd_dkdv_kernel(
                       mask=row_ok[None, :] & (offs_dk[:, None] < DK), other=0.0)  # [DK, M]
         dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
                        mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [M, DV]
-        dec = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
         if HAS_DECAY:
-            dec = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)[None, :] - ck[:, None]
-        m = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            qterm += tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
         if USE_MAX:
-            m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)[None, :] + m
+            qterm -= tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
         allowed = (cols[:, None] <= past + rows[None, :]) & keep_col[:, None] & row_ok[None, :]
         s_t = tl.dot(k, q_t, input_precision=PRECISION) * scale  # [N, M]
-        w_t, dw_ds_t = _weights(s_t, allowed, dec, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
+        w_t, dw_ds_t = _weights(s_t, allowed, qterm[None, :], ck[:, None], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX,
+                                TERMS, LO, HI)
         g_t = tl.dot(v, tl.trans(dnum), input_precision=PRECISION)  # dL/dw, [N, M]
         if WANT_SUM:
             g_t += tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)[None, :]
@@ -266,7 +265,7 @@ def _bwd_dkdv_kernel(
         tl.store(DCK + b * sdb + h + cols * sdt, dck, mask=col_ok)
 
 
-@triton.autotune(configs=_configs([(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 2), (64, 128, 8, 2)]), key=TUNE_KEY)
+@triton.autotune(configs=_configs([(128, 64, 8, 2), (64, 64, 4, 3)]), key=TUNE_KEY)
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
@@ -290,12 +289,11 @@ def _bwd_dq_kernel(
                 mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
     dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
                    mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    cq = tl.zeros([BLOCK_M], tl.float32)
+    qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
     if HAS_DECAY:
-        cq = tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
-    m = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        qterm += tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
     if USE_MAX:
-        m = tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)[:, None] + m
+        qterm -= tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
     dl = tl.zeros([BLOCK_M], tl.float32)
     if WANT_SUM:
         dl = tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)
@@ -312,11 +310,11 @@ def _bwd_dq_kernel(
         if HAS_MASK:
             keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
             allowed = allowed & (keep[None, :] != 0)
-        dec = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
-            dec = cq[:, None] - tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)[None, :]
+            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        w, dw_ds = _weights(s, allowed, dec, m, SIM, HAS_CLAMP, CLAMP, HAS_DECAY, USE_MAX, TERMS, LO, HI)
+        w, dw_ds = _weights(s, allowed, qterm[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX, TERMS, LO, HI)
         g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION) + dl[:, None]
         ds = g * dw_ds
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
