@@ -73,15 +73,6 @@ def _horner_f64(s, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _series(s, f, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
-    """The first TERMS terms of exp's series at s, given f = exp(s): f on [LO, HI], Horner in float64 elsewhere."""
-    outside = (s < LO) | (s > HI)
-    if tl.max(tl.max(outside.to(tl.int32), 1), 0) > 0:
-        f = tl.where(outside, _horner_f64(s, TERMS), f)
-    return f
-
-
-@triton.jit
 def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
              HAS_OFFSET: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
     """Weights w (0 where not allowed) and dw/ds for a tile of scores s_raw (already scaled).
@@ -103,10 +94,13 @@ def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.cons
         elif SIM == 2:
             f = s * s
             df = 2.0 * s
-        else:
-            e_s = tl.exp(s)
-            f = _series(s, e_s, TERMS, LO, HI)
-            df = _series(s, e_s, TERMS - 1, LO, HI)  # the derivative: one term fewer
+        else:  # the series, and its derivative (one term fewer): exp on [LO, HI]
+            f = tl.exp(s)
+            df = f
+            outside = (s < LO) | (s > HI)
+            if tl.max(tl.max(outside.to(tl.int32), 1), 0) > 0:
+                f = tl.where(outside, _horner_f64(s, TERMS), f)
+                df = tl.where(outside, _horner_f64(s, TERMS - 1), df)
         if HAS_OFFSET:
             e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))
             f = f * e
@@ -118,17 +112,39 @@ def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.cons
     return w, dw_ds
 
 
-def _configs(shapes):
-    """Autotuning candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); one small block under the interpreter."""
-    if _interpreting():
-        shapes = [(16, 16, 4, 1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+# Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and similarity (0 exp, 1 power1,
+# 2 power2, 3 taylor), measured best on an H100 for head dims <= 64 among 7 candidates each
+# (benchmarks/NOTES.md); larger head dims hold more per thread and take the smaller candidates.
+BLOCKS = {
+    "fwd": {0: (128, 64, 4, 3), 1: (128, 64, 4, 3), 2: (64, 32, 4, 4), 3: (64, 32, 4, 4)},
+    "dkdv": {0: (32, 64, 4, 3), 1: (32, 64, 4, 3), 2: (32, 64, 4, 3), 3: (32, 64, 4, 3)},
+    "dq": {0: (64, 32, 4, 3), 1: (128, 32, 4, 3), 2: (128, 32, 4, 3), 3: (64, 32, 4, 3)},
+}
+WIDE_HEAD_BLOCKS = {"fwd": [(64, 32, 4, 3), (64, 64, 4, 2)], "dkdv": [(16, 64, 4, 3), (32, 64, 8, 2)], "dq": [(64, 16, 4, 3), (64, 32, 8, 2)]}
 
 
-TUNE_KEY = ["DK", "DV", "SIM", "HAS_DECAY", "USE_MAX", "HAS_CLAMP", "PRECISION"]
+def _config(shape) -> triton.Config:
+    block_m, block_n, warps, stages = (16, 16, 4, 1) if _interpreting() else shape
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-@triton.autotune(configs=_configs([(128, 64, 8, 3), (64, 64, 4, 3)]), key=TUNE_KEY)
+def _tuning(kernel: str) -> dict:
+    """triton.autotune's arguments for one kernel: the measured block shape where one was measured
+    (nothing to tune, so nothing to time on first use), a choice of two for wide heads."""
+    shapes = sorted({*BLOCKS[kernel].values(), *WIDE_HEAD_BLOCKS[kernel]})
+    configs = [_config(shape) for shape in shapes[:1 if _interpreting() else None]]  # the interpreter cannot time
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        if max(args["BLOCK_DK"], args["BLOCK_DV"]) <= 64:
+            return [_config(BLOCKS[kernel][args["SIM"]])]
+        return [_config(shape) for shape in WIDE_HEAD_BLOCKS[kernel]]
+
+    return dict(configs=configs, key=["DK", "DV", "SIM", "HAS_DECAY", "USE_MAX", "HAS_CLAMP", "PRECISION"],
+                prune_configs_by={"early_config_prune": prune})
+
+
+@triton.autotune(**_tuning("fwd"))
 @triton.jit
 def _fwd_kernel(
     Q, K, V, CQ, CK, KM, NUM, L, M,
@@ -198,7 +214,7 @@ def _fwd_kernel(
         tl.store(M + b * slb + h + offs_m * slt, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
 
 
-@triton.autotune(configs=_configs([(64, 128, 8, 2), (64, 64, 4, 3)]), key=TUNE_KEY)
+@triton.autotune(**_tuning("dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
@@ -265,7 +281,7 @@ def _bwd_dkdv_kernel(
         tl.store(DCK + b * sdb + h + cols * sdt, dck, mask=col_ok)
 
 
-@triton.autotune(configs=_configs([(128, 64, 8, 2), (64, 64, 4, 3)]), key=TUNE_KEY)
+@triton.autotune(**_tuning("dq"))
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
