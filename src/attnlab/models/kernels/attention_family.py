@@ -418,6 +418,10 @@ def attention_terms(
         USE_MAX=similarity in EXP_SIMILARITIES and denominator == "sum",
         WANT_SUM=denominator in SUM_DENOMINATORS, scale=float(scale),
     )
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) > 1:  # e.g. autocast keeps a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
+        dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtypes)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     num, rows = _AttentionTerms.apply(q, k, v, query_log_decay, key_log_decay, key_mask, opts)
     num = num.transpose(1, 2)  # [B, H, Tq, Dv]
     if denominator in SUM_DENOMINATORS:

@@ -37,6 +37,7 @@ from attnlab.models.ops.attention_family import (
     SUM_DENOMINATORS,
     apply_feature_map,
     chunk_linear_attention,
+    log_decay_cumsum,
     parallel_attention,
     recurrent_step,
 )
@@ -323,7 +324,7 @@ class AttentionFamily(Mixer):
             )
             return o[:, None], {"state": state, "normalizer": normalizer}
         if "state" not in cache and not use_cache:  # training: quadratic form only
-            c = None if log_decay is None else log_decay.float().cumsum(1)
+            c = log_decay_cumsum(log_decay)
             o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms, **kwargs)
             return o, None
         o, state, normalizer = chunk_linear_attention(
@@ -343,7 +344,7 @@ class AttentionFamily(Mixer):
         c = query_term = key_term = key_log_decay = None
         if log_decay is not None:
             # key_log_decay[j]: the log-decay from after key j through the latest token
-            c = log_decay.float().cumsum(1)  # [B, T, H]
+            c = log_decay_cumsum(log_decay)  # [B, T, H]
             past_decay = cache.get("key_log_decay")
             if past_decay is None:
                 past_decay = c.new_zeros(batch, past_len, c.shape[-1])
@@ -370,7 +371,7 @@ class AttentionFamily(Mixer):
             count_power = None
             if options["denominator"] == "count_power":
                 count_power = torch.sigmoid(torch.full((q.shape[2],), 0.5, device=q.device))
-            c = None if log_decay is None else log_decay.float().cumsum(1)
+            c = log_decay_cumsum(log_decay)
             return parallel_attention(
                 q, k, v, similarity=options["similarity"], scale=scale, clamp=options["clamp_scores"],
                 taylor_terms=options["taylor_terms"], denominator=options["denominator"], count_power=count_power,
