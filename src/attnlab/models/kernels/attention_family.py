@@ -101,12 +101,22 @@ def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.cons
             if tl.max(tl.max(outside.to(tl.int32), 1), 0) > 0:
                 f = tl.where(outside, _horner_f64(s, TERMS), f)
                 df = tl.where(outside, _horner_f64(s, TERMS - 1), df)
-        if HAS_OFFSET:
+        if HAS_OFFSET and SIM != 3:  # e is 0 where not allowed, and f, df are finite
             e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))
-            f = f * e
-            df = df * e
-        w = tl.where(allowed, f, 0.0)
-        dw_ds = tl.where(allowed, df, 0.0)
+            if SIM == 2:
+                se = s * e
+                w = s * se
+                dw_ds = 2.0 * se
+            else:
+                w = f * e
+                dw_ds = e
+        else:
+            if HAS_OFFSET:
+                e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))
+                f = f * e
+                df = df * e
+            w = tl.where(allowed, f, 0.0)
+            dw_ds = tl.where(allowed, df, 0.0)
     if HAS_CLAMP:
         dw_ds = tl.where(s_raw <= CLAMP, dw_ds, 0.0)
     return w, dw_ds
