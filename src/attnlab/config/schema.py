@@ -32,7 +32,7 @@ class ModelSection(Section):
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
     tie_word_embeddings: bool = Field(True, description="share the input embedding with the LM head")
     initializer_range: float = Field(0.02, gt=0, description="std of the normal weight init")
-    kernels: Literal["auto", "torch", "fla"] = Field("auto", description="auto = fla's Triton kernels on CUDA when installed, else PyTorch")
+    kernels: Literal["auto", "torch", "fla"] = Field("auto", description="auto = Triton kernels on CUDA (fla's, and attnlab's for the attention family) when installed, else the PyTorch reference; torch = always the reference")
 
 
 class DataSection(Section):
