@@ -42,21 +42,26 @@ OP_PRESETS = ("2mamba", "2mamba-e", "gated_softmax", "softmax_divs", "softmax_ta
 OP_PEERS = ("sdpa", "fla-parallel_forgetting_attn", "fla-chunk_gla")
 
 
+def _bench_names(names: list[str], peers: tuple[str, ...], valid: list[str], option: str, what: str) -> list[str]:
+    """`attnlab-<name>` for each valid name (given with or without the prefix), peers as they are;
+    one error naming the choices for anything else."""
+    out = []
+    for name in names:
+        bare = name.removeprefix("attnlab-")
+        if name not in peers and bare not in valid:
+            raise PreflightError(f"unknown {option} {name!r}; choose a peer ({', '.join(peers)}) or {what}, "
+                                 f"with or without the attnlab- prefix: {', '.join(sorted(valid))}")
+        out.append(name if name in peers else f"attnlab-{bare}")
+    return out
+
+
 def model_names(names: list[str] | None) -> list[str]:
-    """Bench names of the models to train (`attnlab-<mixer>` or a peer), the defaults for None.
-    A mixer may be named with or without the `attnlab-` prefix."""
+    """Bench names of the models to train (`attnlab-<mixer>` or a peer), the defaults for None."""
     from attnlab.models.mixers import MIXERS
 
     if not names:
         return [f"attnlab-{p}" for p in PRESETS] + list(TRAIN_PEERS)
-    out = []
-    for name in names:
-        mixer = name.removeprefix("attnlab-")
-        if name not in TRAIN_PEERS and mixer not in MIXERS:
-            raise PreflightError(f"unknown --model {name!r}; choose a peer ({', '.join(TRAIN_PEERS)}) or a registered mixer, "
-                                 f"with or without the attnlab- prefix: {', '.join(sorted(MIXERS))}")
-        out.append(name if name in TRAIN_PEERS else f"attnlab-{mixer}")
-    return out
+    return _bench_names(names, TRAIN_PEERS, list(MIXERS), "--model", "a registered mixer")
 
 
 def op_names(names: list[str] | None) -> list[str]:
@@ -66,15 +71,8 @@ def op_names(names: list[str] | None) -> list[str]:
 
     if not names:
         return [f"attnlab-{p}" for p in OP_PRESETS] + list(OP_PEERS)
-    family = sorted(name for name, cls in MIXERS.items() if issubclass(cls, AttentionFamily))
-    out = []
-    for name in names:
-        preset = name.removeprefix("attnlab-")
-        if name not in OP_PEERS and preset not in family:
-            raise PreflightError(f"unknown --op-model {name!r}; choose a peer ({', '.join(OP_PEERS)}) or an attention-family "
-                                 f"preset, with or without the attnlab- prefix: {', '.join(family)}")
-        out.append(name if name in OP_PEERS else f"attnlab-{preset}")
-    return out
+    family = [name for name, cls in MIXERS.items() if issubclass(cls, AttentionFamily)]
+    return _bench_names(names, OP_PEERS, family, "--op-model", "an attention-family preset")
 
 
 def parse_shape(spec: str) -> tuple[int, int]:

@@ -64,6 +64,27 @@ def taylor_exp_range(terms: int) -> tuple[float, float]:
 
 
 @triton.jit
+def _tile(ptr, b, h, idx, ok, sb, st, sh, offs_d, D):
+    """Rows `idx` of one batch and head of a [B, T, H, D] tensor as a [len(idx), BLOCK_D] tile, zeros outside."""
+    return tl.load(ptr + b * sb + h * sh + idx[:, None] * st + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _vec(ptr, b, h, idx, ok, sb, st):
+    """Entries `idx` of one batch and head of a [B, T, H] tensor (heads contiguous), zeros outside."""
+    return tl.load(ptr + b * sb + h + idx * st, mask=ok, other=0.0)
+
+
+@triton.jit
+def _allowed(KM, b, skmb, cols, col_ok, query_pos, row_ok, HAS_MASK: tl.constexpr):
+    """[queries, keys]: key j is at or before the query's position and is not padding (key mask KM)."""
+    allowed = (cols[None, :] <= query_pos[:, None]) & col_ok[None, :] & row_ok[:, None]
+    if HAS_MASK:
+        allowed = allowed & (tl.load(KM + b * skmb + cols, mask=col_ok, other=0) != 0)[None, :]
+    return allowed
+
+
+@triton.jit
 def _horner_f64(s, TERMS: tl.constexpr):
     x = s.to(tl.float64)
     out = tl.full(s.shape, 1.0, tl.float64)
@@ -173,11 +194,10 @@ def _fwd_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Tq
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    q = _tile(Q, b, h, offs_m, row_ok, sqb, sqt, sqh, offs_dk, DK)
     cq = tl.zeros([BLOCK_M], tl.float32)
     if HAS_DECAY:
-        cq = tl.load(CQ + b * scb + h + offs_m * sct, mask=row_ok, other=0.0)
+        cq = _vec(CQ, b, h, offs_m, row_ok, scb, sct)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -185,17 +205,12 @@ def _fwd_kernel(
     for start_n in range(0, tl.minimum(Tk, past + start_m + BLOCK_M), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
-        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
-                    mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        allowed = (cols[None, :] <= query_pos[:, None]) & col_ok[None, :] & row_ok[:, None]
-        if HAS_MASK:
-            keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
-            allowed = allowed & (keep[None, :] != 0)
+        k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
+        v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
+        allowed = _allowed(KM, b, skmb, cols, col_ok, query_pos, row_ok, HAS_MASK)
         ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
-            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+            ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if USE_MAX:  # exp under the plain sum: online maximum, as FlashAttention-2
             logit = s
@@ -245,16 +260,14 @@ def _bwd_dkdv_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = cols < Tk
-    k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
-                mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :],
-                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
+    v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
     keep_col = col_ok
     if HAS_MASK:
         keep_col = keep_col & (tl.load(KM + b * skmb + cols, mask=col_ok, other=0) != 0)
     ck = tl.zeros([BLOCK_N], tl.float32)
     if HAS_DECAY:
-        ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+        ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dck = tl.zeros([BLOCK_N], tl.float32)
@@ -264,20 +277,19 @@ def _bwd_dkdv_kernel(
         row_ok = rows < Tq
         q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_dk[:, None],
                       mask=row_ok[None, :] & (offs_dk[:, None] < DK), other=0.0)  # [DK, M]
-        dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
-                       mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [M, DV]
+        dnum = _tile(DNUM, b, h, rows, row_ok, snb, snt, snh, offs_dv, DV)  # [M, DV]
         qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
         if HAS_DECAY:
-            qterm += tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
+            qterm += _vec(CQ, b, h, rows, row_ok, scb, sct)
         if USE_MAX:
-            qterm -= tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+            qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
         allowed = (cols[:, None] <= past + rows[None, :]) & keep_col[:, None] & row_ok[None, :]
         s_t = tl.dot(k, q_t, input_precision=PRECISION) * scale  # [N, M]
         w_t, dw_ds_t = _weights(s_t, allowed, qterm[None, :], ck[:, None], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX,
                                 TERMS, LO, HI)
         g_t = tl.dot(v, tl.trans(dnum), input_precision=PRECISION)  # dL/dw, [N, M]
         if WANT_SUM:
-            g_t += tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)[None, :]
+            g_t += _vec(DL, b, h, rows, row_ok, slb, slt)[None, :]
         dv += tl.dot(w_t.to(dnum.dtype), dnum, input_precision=PRECISION)
         ds_t = g_t * dw_ds_t
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
@@ -311,34 +323,27 @@ def _bwd_dq_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < Tq
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    dnum = tl.load(DNUM + b * snb + h * snh + rows[:, None] * snt + offs_dv[None, :],
-                   mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = _tile(Q, b, h, rows, row_ok, sqb, sqt, sqh, offs_dk, DK)
+    dnum = _tile(DNUM, b, h, rows, row_ok, snb, snt, snh, offs_dv, DV)
     qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
     if HAS_DECAY:
-        qterm += tl.load(CQ + b * scb + h + rows * sct, mask=row_ok, other=0.0)
+        qterm += _vec(CQ, b, h, rows, row_ok, scb, sct)
     if USE_MAX:
-        qterm -= tl.load(M + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+        qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
     dl = tl.zeros([BLOCK_M], tl.float32)
     if WANT_SUM:
-        dl = tl.load(DL + b * slb + h + rows * slt, mask=row_ok, other=0.0)
+        dl = _vec(DL, b, h, rows, row_ok, slb, slt)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dcq = tl.zeros([BLOCK_M], tl.float32)
     for start_n in range(0, tl.minimum(Tk, past + start_m + BLOCK_M), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
-        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :],
-                    mask=col_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        allowed = (cols[None, :] <= past + rows[:, None]) & col_ok[None, :] & row_ok[:, None]
-        if HAS_MASK:
-            keep = tl.load(KM + b * skmb + cols, mask=col_ok, other=0)
-            allowed = allowed & (keep[None, :] != 0)
+        k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
+        v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
+        allowed = _allowed(KM, b, skmb, cols, col_ok, past + rows, row_ok, HAS_MASK)
         ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
-            ck = tl.load(CK + b * sdb + h + cols * sdt, mask=col_ok, other=0.0)
+            ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         w, dw_ds = _weights(s, allowed, qterm[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX, TERMS, LO, HI)
         g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION) + dl[:, None]
