@@ -17,8 +17,8 @@ keys (dk, dv and the key side of the decay), one over keys for a block of querie
 query side of the decay). Nothing of size [T, T] is stored in either direction.
 
 The truncated series equals exp to fp32 precision on [lo, hi] (computed per number of terms), where
-the kernel uses exp; a block with a score outside that range evaluates the series by Horner's rule
-in float64 there, as the reference does everywhere.
+the kernels use exp. Each kernel notes which of its programs met a score outside that range, and a
+second launch redoes only those with the series summed in float64 there, as the reference does.
 
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that in CI.
 """
@@ -95,13 +95,14 @@ def _horner_f64(s, TERMS: tl.constexpr):
 
 @triton.jit
 def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr,
-             HAS_OFFSET: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+             HAS_OFFSET: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, EXACT: tl.constexpr):
     """Weights w (0 where not allowed) and dw/ds for a tile of scores s_raw (already scaled).
     With HAS_OFFSET the log-weights gain qterm_i - kterm_j (decay cq_i - ck_j, less the row maximum
     for exp under the plain sum), qterm and kterm given as the tile's broadcastable row / column."""
     s = s_raw
     if HAS_CLAMP:
         s = tl.minimum(s, CLAMP)
+    left = tl.zeros([s.shape[0]], tl.int32)
     if SIM == 0:
         logit = s
         if HAS_OFFSET:
@@ -119,7 +120,8 @@ def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.cons
             f = tl.exp(s)
             df = f
             outside = (s < LO) | (s > HI)
-            if tl.max(tl.max(outside.to(tl.int32), 1), 0) > 0:
+            left = tl.max(outside.to(tl.int32), 1)
+            if EXACT:
                 f = tl.where(outside, _horner_f64(s, TERMS), f)
                 df = tl.where(outside, _horner_f64(s, TERMS - 1), df)
         if HAS_OFFSET and SIM != 3:  # e is 0 where not allowed, and f, df are finite
@@ -140,7 +142,7 @@ def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.cons
             dw_ds = tl.where(allowed, df, 0.0)
     if HAS_CLAMP:
         dw_ds = tl.where(s_raw <= CLAMP, dw_ds, 0.0)
-    return w, dw_ds
+    return w, dw_ds, left
 
 
 # Block shapes (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and similarity (0 exp, 1 power1,
@@ -178,12 +180,12 @@ def _tuning(kernel: str) -> dict:
 @triton.autotune(**_tuning("fwd"))
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, CQ, CK, KM, NUM, L, M,
+    Q, K, V, CQ, CK, KM, NUM, L, M, LEFT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -193,7 +195,12 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Tq
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    live = pid >= 0  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
+    if EXACT:
+        live = tl.load(LEFT + pid) != 0
+    left = tl.zeros([BLOCK_M], tl.int32)
+    row_ok = (offs_m < Tq) & live
     q = _tile(Q, b, h, offs_m, row_ok, sqb, sqt, sqh, offs_dk, DK)
     cq = tl.zeros([BLOCK_M], tl.float32)
     if HAS_DECAY:
@@ -202,7 +209,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     query_pos = past + offs_m
-    for start_n in range(0, tl.minimum(Tk, past + start_m + BLOCK_M), BLOCK_N):
+    for start_n in range(0, tl.where(live, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
@@ -227,7 +234,8 @@ def _fwd_kernel(
             l_i = l_i * alpha
             m_i = m_new
         else:
-            w, _ = _weights(s, allowed, cq[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY, TERMS, LO, HI)
+            w, _, left_tile = _weights(s, allowed, cq[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY, TERMS, LO, HI, EXACT)
+            left = tl.maximum(left, left_tile)
         if WANT_SUM:
             l_i += tl.sum(w, 1)
         acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
@@ -237,17 +245,19 @@ def _fwd_kernel(
         tl.store(L + b * slb + h + offs_m * slt, l_i, mask=row_ok)
     if USE_MAX:
         tl.store(M + b * slb + h + offs_m * slt, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
+    if SIM == 3 and not EXACT:
+        tl.store(LEFT + pid, tl.max(left, 0))
 
 
 @triton.autotune(**_tuning("dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
+    Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK, LEFT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient.
     Tiles are [keys, queries] (transposed), so that sums over queries stay within a row."""
@@ -259,7 +269,12 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    col_ok = cols < Tk
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    live = pid >= 0  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
+    if EXACT:
+        live = tl.load(LEFT + pid) != 0
+    left = tl.zeros([BLOCK_N], tl.int32)
+    col_ok = (cols < Tk) & live
     k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
     v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
     keep_col = col_ok
@@ -272,7 +287,7 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dck = tl.zeros([BLOCK_N], tl.float32)
     first = tl.maximum(start_n - past, 0) // BLOCK_M * BLOCK_M  # the first query that can see these keys
-    for start_m in range(first, Tq, BLOCK_M):
+    for start_m in range(first, tl.where(live, Tq, 0), BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < Tq
         q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_dk[:, None],
@@ -285,8 +300,9 @@ def _bwd_dkdv_kernel(
             qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
         allowed = (cols[:, None] <= past + rows[None, :]) & keep_col[:, None] & row_ok[None, :]
         s_t = tl.dot(k, q_t, input_precision=PRECISION) * scale  # [N, M]
-        w_t, dw_ds_t = _weights(s_t, allowed, qterm[None, :], ck[:, None], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX,
-                                TERMS, LO, HI)
+        w_t, dw_ds_t, left_tile = _weights(s_t, allowed, qterm[None, :], ck[:, None], SIM, HAS_CLAMP, CLAMP,
+                                           HAS_DECAY or USE_MAX, TERMS, LO, HI, EXACT)
+        left = tl.maximum(left, left_tile)
         g_t = tl.dot(v, tl.trans(dnum), input_precision=PRECISION)  # dL/dw, [N, M]
         if WANT_SUM:
             g_t += _vec(DL, b, h, rows, row_ok, slb, slt)[None, :]
@@ -301,17 +317,19 @@ def _bwd_dkdv_kernel(
              mask=col_ok[:, None] & (offs_dv[None, :] < DV))
     if HAS_DECAY:
         tl.store(DCK + b * sdb + h + cols * sdt, dck, mask=col_ok)
+    if SIM == 3 and not EXACT:
+        tl.store(LEFT + pid, tl.max(left, 0))
 
 
 @triton.autotune(**_tuning("dq"))
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
+    Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ, LEFT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """For a block of queries: dq (same strides as q) and the query side of the decay gradient."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -322,7 +340,12 @@ def _bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = rows < Tq
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    live = pid >= 0  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
+    if EXACT:
+        live = tl.load(LEFT + pid) != 0
+    left = tl.zeros([BLOCK_M], tl.int32)
+    row_ok = (rows < Tq) & live
     q = _tile(Q, b, h, rows, row_ok, sqb, sqt, sqh, offs_dk, DK)
     dnum = _tile(DNUM, b, h, rows, row_ok, snb, snt, snh, offs_dv, DV)
     qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
@@ -335,7 +358,7 @@ def _bwd_dq_kernel(
         dl = _vec(DL, b, h, rows, row_ok, slb, slt)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dcq = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, tl.minimum(Tk, past + start_m + BLOCK_M), BLOCK_N):
+    for start_n in range(0, tl.where(live, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
@@ -345,7 +368,9 @@ def _bwd_dq_kernel(
         if HAS_DECAY:
             ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        w, dw_ds = _weights(s, allowed, qterm[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX, TERMS, LO, HI)
+        w, dw_ds, left_tile = _weights(s, allowed, qterm[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX,
+                                       TERMS, LO, HI, EXACT)
+        left = tl.maximum(left, left_tile)
         g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION) + dl[:, None]
         ds = g * dw_ds
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -355,6 +380,8 @@ def _bwd_dq_kernel(
              mask=row_ok[:, None] & (offs_dk[None, :] < DK))
     if HAS_DECAY:
         tl.store(DCQ + b * scb + h + rows * sct, dcq, mask=row_ok)
+    if SIM == 3 and not EXACT:
+        tl.store(LEFT + pid, tl.max(left, 0))
 
 
 def _head_blocks(dk: int, dv: int) -> dict:
@@ -380,9 +407,8 @@ class _AttentionTerms(torch.autograd.Function):
         strides = (*_bht(q), *_bht(k), *_bht(v), cq.stride(0), cq.stride(1), ck.stride(0), ck.stride(1), km.stride(0) if key_mask is not None else 0,
                    *_bht(num), rows.stride(0), rows.stride(1))
         sizes = (num_queries, num_keys, heads, dk, dv, scale)
-        _fwd_kernel[lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads)](
-            q, k, v, cq, ck, km, num, rows, row_max, *strides, *sizes, **constexprs,
-        )
+        _launch(_fwd_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
+                (q, k, v, cq, ck, km, num, rows, row_max), (*strides, *sizes), constexprs, num_queries * batch * heads)
         ctx.save_for_backward(q, k, v, cq, ck, km, row_max)
         ctx.meta = (strides, sizes, constexprs, has_decay)
         if not opts["WANT_SUM"]:
@@ -404,13 +430,22 @@ class _AttentionTerms(torch.autograd.Function):
         dcq = torch.empty_like(cq) if has_decay else drows
         dck = torch.empty_like(ck) if has_decay else drows
         args = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1), *sizes)
-        _bwd_dkdv_kernel[lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads)](
-            q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck, *args, **constexprs,
-        )
-        _bwd_dq_kernel[lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads)](
-            q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq, *args, **constexprs,
-        )
+        _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads),
+                (q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck), args, constexprs, num_keys * batch * heads)
+        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
+                (q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq), args, constexprs, num_queries * batch * heads)
         return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None
+
+
+def _launch(kernel, grid, tensors, scalars, constexprs, programs_at_most: int) -> None:
+    """One launch; for the truncated series a second one, in which only the programs whose first
+    pass met a score outside [LO, HI] run again with the series summed in float64 there (the rest
+    return at once: no host synchronisation, and the common pass carries no float64 code)."""
+    series = constexprs["SIM"] == SIM_CODES["taylor"]
+    left = torch.zeros(programs_at_most if series else 1, dtype=torch.int32, device=tensors[0].device)
+    kernel[grid](*tensors, left, *scalars, **constexprs, EXACT=False)
+    if series:
+        kernel[grid](*tensors, left, *scalars, **constexprs, EXACT=True)
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:
