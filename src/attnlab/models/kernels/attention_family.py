@@ -422,10 +422,12 @@ class _AttentionTerms(torch.autograd.Function):
         num_queries, num_keys, heads = sizes[:3]
         batch = q.shape[0]
         dnum = dnum.to(q.dtype).contiguous()  # the products run on the tensor cores in the operands' dtype
-        if constexprs["WANT_SUM"] and drows is not None:
-            drows = drows.float().contiguous()
-        else:
+        if constexprs["WANT_SUM"] and drows is None:  # the row sums did not reach the loss
             drows = torch.zeros(batch, num_queries, heads, device=q.device, dtype=torch.float32)
+        elif constexprs["WANT_SUM"]:
+            drows = drows.float().contiguous()
+        else:  # not read
+            drows = row_max
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dcq = torch.empty_like(cq) if has_decay else drows
         dck = torch.empty_like(ck) if has_decay else drows
@@ -442,7 +444,7 @@ def _launch(kernel, grid, tensors, scalars, constexprs, programs_at_most: int) -
     pass met a score outside [LO, HI] run again with the series summed in float64 there (the rest
     return at once: no host synchronisation, and the common pass carries no float64 code)."""
     series = constexprs["SIM"] == SIM_CODES["taylor"]
-    left = torch.zeros(programs_at_most if series else 1, dtype=torch.int32, device=tensors[0].device)
+    left = torch.empty(programs_at_most if series else 1, dtype=torch.int32, device=tensors[0].device)  # every program writes its own
     kernel[grid](*tensors, left, *scalars, **constexprs, EXACT=False)
     if series:
         kernel[grid](*tensors, left, *scalars, **constexprs, EXACT=True)
