@@ -179,6 +179,15 @@ def test_kernels_in_bf16_match_the_fp32_reference_on_cuda(case, num_queries, pas
     assert_terms_match(case, 2, num_queries, past, 4, 64, "cuda", torch.bfloat16, 2e-2, seed=num_queries + past)
 
 
+@pytest.mark.parametrize("case", [("exp", None, "sum", True), ("power2", None, "sum", True), ("exp", 5.0, "count", False)], ids=str)
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_kernels_with_wide_heads_match_the_fp32_reference_on_cuda(case, dim):
+    """Head dims above 64 take other block shapes (tuned between two on first use)."""
+    assert_terms_match(case, 1, 333, 0, 2, dim, "cuda", torch.bfloat16, 2e-2, seed=dim)
+
+
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

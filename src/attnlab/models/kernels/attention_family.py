@@ -124,18 +124,17 @@ def _weights(s_raw, allowed, qterm, kterm, SIM: tl.constexpr, HAS_CLAMP: tl.cons
             if EXACT:
                 f = tl.where(outside, _horner_f64(s, TERMS), f)
                 df = tl.where(outside, _horner_f64(s, TERMS - 1), df)
-        if HAS_OFFSET and SIM != 3:  # e is 0 where not allowed, and f, df are finite
-            e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))
-            if SIM == 2:
-                se = s * e
-                w = s * se
-                dw_ds = 2.0 * se
-            else:
-                w = f * e
-                dw_ds = e
-        else:
+        if HAS_OFFSET:
+            e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))  # 0 where not allowed
+        if HAS_OFFSET and SIM == 2:  # s is finite: e masks
+            se = s * e
+            w = s * se
+            dw_ds = 2.0 * se
+        elif HAS_OFFSET and SIM == 1:
+            w = s * e
+            dw_ds = e
+        else:  # the series may overflow where not allowed: mask explicitly
             if HAS_OFFSET:
-                e = tl.exp(tl.where(allowed, qterm - kterm, float("-inf")))
                 f = f * e
                 df = df * e
             w = tl.where(allowed, f, 0.0)
