@@ -164,6 +164,16 @@ def test_a_head_dim_the_kernels_do_not_cover_falls_back_with_one_line_when_built
     assert layer.kernel_gap and kernels.attention_family_terms("auto", torch.zeros(1), covered=False) is reference_terms
 
 
+def test_float64_inputs_run_the_reference_and_say_so():
+    pytest.importorskip("triton")
+    leaves, key_mask, kwargs = terms_inputs(("exp", None, "sum", True), 1, 9, 0, 2, 16, "cpu", seed=5)
+    q, k, v, cq, ck = (t.double() for t in leaves)
+    with pytest.warns(UserWarning, match="no float64"):
+        num, den = fused_terms()(q, k, v, query_log_decay=cq, key_log_decay=ck, key_mask=key_mask, **kwargs)
+    ref_num, ref_den = reference_terms(q, k, v, query_log_decay=cq, key_log_decay=ck, key_mask=key_mask, **kwargs)
+    assert torch.equal(num, ref_num) and torch.equal(den, ref_den)
+
+
 def test_cpu_tensors_and_kernels_torch_use_the_reference():
     assert kernels.attention_family_terms("auto", torch.zeros(1)) is reference_terms
     assert kernels.attention_family_terms("torch", torch.zeros(1)) is reference_terms

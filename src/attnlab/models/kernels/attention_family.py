@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -470,6 +471,12 @@ def attention_terms(
         WANT_SUM=denominator in SUM_DENOMINATORS, scale=float(scale),
     )
     dtypes = {q.dtype, k.dtype, v.dtype}
+    if torch.float64 in dtypes:  # Triton's products take bf16, fp16 and fp32
+        from attnlab.models.ops.attention_family import attention_terms as reference
+
+        warnings.warn("attnlab's attention-family kernels take no float64: this call runs the PyTorch reference", stacklevel=2)
+        return reference(q, k, v, similarity=similarity, scale=scale, clamp=clamp, taylor_terms=taylor_terms, denominator=denominator,
+                         query_log_decay=query_log_decay, key_log_decay=key_log_decay, key_mask=key_mask)
     if len(dtypes) > 1:  # e.g. autocast keeps a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
         dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtypes)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
