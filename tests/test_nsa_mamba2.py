@@ -20,9 +20,15 @@ from conftest import run_cli, sets
 VOCAB = 64
 # small blocks and windows so that a few dozen tokens cross many block boundaries
 SETUPS = {
-    "nsa": dict(mixer="nsa", mixer_options={"block_size": 8, "block_counts": 2, "window_size": 6, "num_kv_heads": 2}),
+    # the paper's selection (block 0 and the two local blocks forced) with one slot chosen by score
+    "nsa": dict(mixer="nsa", mixer_options={"block_size": 8, "block_counts": 4, "window_size": 6, "num_kv_heads": 2}),
+    # only the query's own block forced, two slots chosen by score
     "nsa-mlp": dict(
-        mixer="nsa", mixer_options={"block_size": 8, "block_counts": 3, "window_size": 4, "compression": "mlp"}
+        mixer="nsa",
+        mixer_options={
+            "block_size": 8, "block_counts": 3, "window_size": 4, "compression": "mlp",
+            "initial_blocks": 0, "local_blocks": 1,
+        },
     ),
     "mamba2": dict(mixer="mamba2", mixer_options={"chunk_size": 16, "state_size": 16, "n_groups": 2}),
 }
@@ -71,16 +77,23 @@ def random_nsa_inputs(batch, seq_len, heads, kv_heads, dim, seed=0):
 
 # ---------------------------------------------------------------- NSA reference forms
 
-NSA_OPS = dict(block_size=4, block_counts=3, window_size=5)
+NSA_OPS = dict(block_size=4, block_counts=4, window_size=5)  # initial_blocks=1, local_blocks=2 by default
+SELECTION_RULES = {
+    "paper": dict(initial_blocks=1, local_blocks=2),
+    "own-block-only": dict(initial_blocks=0, local_blocks=1),
+    "two-initial-one-local": dict(initial_blocks=2, local_blocks=1),
+}
 
 
+@pytest.mark.parametrize("rule", list(SELECTION_RULES))
 @pytest.mark.parametrize("seq_len", [1, 3, 4, 5, 16, 23])
 @pytest.mark.parametrize("kv_heads", [1, 2])
-def test_nsa_parallel_form_matches_brute_force_per_query(seq_len, kv_heads):
+def test_nsa_parallel_form_matches_brute_force_per_query(seq_len, kv_heads, rule):
+    ops = {**NSA_OPS, **SELECTION_RULES[rule]}
     q, k, v, gates = random_nsa_inputs(2, seq_len, 4, kv_heads, 8, seed=seq_len)
     k_cmp, v_cmp = mean_pool_blocks(k, 4), mean_pool_blocks(v, 4)
-    o, block_indices = parallel_nsa(q, k, v, k_cmp, v_cmp, *gates, **NSA_OPS)
-    o_ref, selected_ref = naive_nsa(q, k, v, *gates, **NSA_OPS)
+    o, block_indices = parallel_nsa(q, k, v, k_cmp, v_cmp, *gates, **ops)
+    o_ref, selected_ref = naive_nsa(q, k, v, *gates, **ops)
     assert_close_rel(o, o_ref)
     for b in range(2):
         for t in range(seq_len):
@@ -89,14 +102,16 @@ def test_nsa_parallel_form_matches_brute_force_per_query(seq_len, kv_heads):
                 assert chosen == selected_ref[b][t][h], (b, t, h)
 
 
-def test_nsa_step_form_reading_the_cache_matches_the_parallel_form():
+@pytest.mark.parametrize("rule", list(SELECTION_RULES))
+def test_nsa_step_form_reading_the_cache_matches_the_parallel_form(rule):
+    ops = {**NSA_OPS, **SELECTION_RULES[rule]}
     q, k, v, gates = random_nsa_inputs(2, 23, 4, 2, 8)
     k_cmp, v_cmp = mean_pool_blocks(k, 4), mean_pool_blocks(v, 4)
-    o, block_indices = parallel_nsa(q, k, v, k_cmp, v_cmp, *gates, **NSA_OPS)
+    o, block_indices = parallel_nsa(q, k, v, k_cmp, v_cmp, *gates, **ops)
     for t in range(23):
         o_t, idx_t = nsa_step(
             q[:, t], k[:, : t + 1], v[:, : t + 1], k_cmp[:, : (t + 1) // 4], v_cmp[:, : (t + 1) // 4],
-            *(g[:, t] for g in gates), q_pos=torch.full((2,), t), **NSA_OPS,
+            *(g[:, t] for g in gates), q_pos=torch.full((2,), t), **ops,
         )
         assert_close_rel(o_t, o[:, t])
         assert torch.equal(idx_t.sort(-1).values, block_indices[:, t].sort(-1).values)
@@ -133,7 +148,9 @@ def test_nsa_selection_never_touches_a_future_block_and_k_never_exceeds_the_past
         k_selected = used.sum(-1)
         assert (k_selected <= local + 1).all(), f"query {t} selected more blocks than it has seen"
         assert (k_selected == min(NSA_OPS["block_counts"], local + 1)).all()
-        assert (idx == local).any(-1).all(), f"query {t} lost its local block"
+        assert (idx == local).any(-1).all(), f"query {t} lost its own block"
+        assert (idx == max(local - 1, 0)).any(-1).all(), f"query {t} lost the block before its own"
+        assert (idx == 0).any(-1).all(), f"query {t} lost the initial block"
         for row in idx.reshape(-1, idx.shape[-1]).tolist():
             chosen = [i for i in row if i >= 0]
             assert len(set(chosen)) == len(chosen), f"query {t} selected a block twice: {row}"
@@ -157,7 +174,10 @@ def test_nsa_mixer_matches_brute_force_with_its_own_projections_and_compression(
                 blocks = (seq_len // 8) * 8
                 k_cmp = mixer.compress_key(k[:, :blocks].reshape(batch, -1, 8, *k.shape[2:]))
                 v_cmp = mixer.compress_value(v[:, :blocks].reshape(batch, -1, 8, *v.shape[2:]))
-            o, _ = naive_nsa(q, k, v, *gates, mixer.block_size, mixer.block_counts, mixer.window_size, k_cmp, v_cmp)
+            o, _ = naive_nsa(
+                q, k, v, *gates, mixer.block_size, mixer.block_counts, mixer.window_size, k_cmp, v_cmp,
+                initial_blocks=mixer.initial_blocks, local_blocks=mixer.local_blocks,
+            )
             y_ref = mixer.o_proj(o.reshape(batch, seq_len, -1))
         assert_close_rel(y, y_ref)
 
@@ -384,10 +404,11 @@ def test_health_stats_report_every_nsa_key_within_range():
     assert 0 <= stats["nsa_collapse_fraction"] <= 1
     shares = [stats[f"nsa_branch_share_{b}"] for b in ("cmp", "slc", "swa")]
     assert all(0 <= s <= 1 for s in shares) and abs(sum(shares) - 1) < 1e-5
-    # block_counts 2, block_size 8: queries 0-7 select 1 block, queries 8-39 select 2
-    assert stats["nsa_k_max"] == 2
-    assert stats["nsa_k_mean"] == pytest.approx((8 * 1 + 32 * 2) / 40)
-    assert stats["nsa_pct_at_k_max"] == pytest.approx(100 * 32 / 40)
+    # block_counts 4, block_size 8: queries 0-7 select block 0, 8-15 blocks 0-1, 16-23 blocks 0-2,
+    # 24-39 the forced 0, i - 1, i and one more
+    assert stats["nsa_k_max"] == 4
+    assert stats["nsa_k_mean"] == pytest.approx((8 * 1 + 8 * 2 + 8 * 3 + 16 * 4) / 40)
+    assert stats["nsa_pct_at_k_max"] == pytest.approx(100 * 16 / 40)
 
 
 def test_health_stats_ignore_padding_and_evaluation_and_need_enabling():

@@ -2,9 +2,19 @@
 
 Three branches per query head, mixed by sigmoid gates from `g_proj` (one per head and branch):
 attention over compressed blocks (mean-pooled keys/values, or a small learned MLP per block),
-attention over the tokens of the top-k blocks that the compressed scores select for the query's
-key/value head group (the local block always included), and sliding-window attention. The math
-lives in `attnlab.models.ops.nsa`; parameter names follow fla's `NativeSparseAttention`.
+attention over the tokens of `block_counts` selected blocks per query and key/value head group,
+and sliding-window attention. The math lives in `attnlab.models.ops.nsa`; parameter names follow
+fla's `NativeSparseAttention`.
+
+Block selection is the paper's (section 3.3.2) and fla's (`naive_nsa_topk`, `parallel_nsa_topk`):
+the first `initial_blocks` blocks and the `local_blocks` blocks ending at the query's own block
+(clipped at block 0, never after the query's block) are always selected; the remaining slots go
+to the other complete past blocks with the highest compressed attention probability summed over
+the group's query heads. `block_counts` is the total, the forced blocks included (fla's
+convention, and the paper's n = 16 "including fixed activating the 1 initial block and 2 local
+blocks"), so `initial_blocks + local_blocks <= block_counts` is required. The defaults (1 initial,
+2 local: the own block and the one before it) are the paper's; `initial_blocks=0, local_blocks=1`
+gives attnlab's earlier rule (only the own block forced, the rest by score).
 
 Keys and values are kept left-aligned per sequence (padding removed), so a key's index is its
 position and block boundaries do not move with left padding. The cache holds them with the
@@ -25,7 +35,7 @@ import torch.nn as nn
 
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
-from attnlab.models.ops.nsa import mean_pool_blocks, nsa_step, parallel_nsa
+from attnlab.models.ops.nsa import check_selection_counts, mean_pool_blocks, nsa_step, parallel_nsa
 
 COMPRESSIONS = ("mean", "mlp")
 BRANCHES = ("cmp", "slc", "swa")
@@ -52,7 +62,9 @@ class NativeSparseAttention(Mixer):
     default_options = {
         "num_kv_heads": 1,  # query heads share selected blocks within a kv-head group
         "block_size": 16,  # tokens per compression / selection block
-        "block_counts": 4,  # blocks selected per query (top-k, the local block included)
+        "block_counts": 4,  # blocks selected per query, the forced (initial and local) blocks included
+        "initial_blocks": 1,  # the first blocks of the sequence, always selected
+        "local_blocks": 2,  # the query's own block and the ones just before it, always selected
         "window_size": 32,  # sliding-window length, the query included
         "compression": "mean",  # mean: mean-pooled blocks; mlp: mean plus a learned MLP of the block
     }
@@ -64,6 +76,10 @@ class NativeSparseAttention(Mixer):
             value = options[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"mixer 'nsa': {key} must be a positive integer, got {value!r}")
+        try:
+            check_selection_counts(options["block_counts"], options["initial_blocks"], options["local_blocks"])
+        except ValueError as error:
+            raise ValueError(f"mixer 'nsa': {error}") from None
         if options["compression"] not in COMPRESSIONS:
             raise ValueError(
                 f"mixer 'nsa': compression must be one of {list(COMPRESSIONS)}, got {options['compression']!r}"
@@ -83,6 +99,8 @@ class NativeSparseAttention(Mixer):
             raise ValueError(f"nsa uses RoPE, so the head dim ({self.head_dim}) must be even")
         self.block_size = options["block_size"]
         self.block_counts = options["block_counts"]
+        self.initial_blocks = options["initial_blocks"]
+        self.local_blocks = options["local_blocks"]
         self.window_size = options["window_size"]
         self.rope_theta = config.rope_theta
 
@@ -128,6 +146,7 @@ class NativeSparseAttention(Mixer):
         k_cmp, v_cmp = self._compress(cache, past_len, k, v)
         branch = dict(
             block_size=self.block_size, block_counts=self.block_counts, window_size=self.window_size,
+            initial_blocks=self.initial_blocks, local_blocks=self.local_blocks,
         )
         g_cmp, g_slc, g_swa = g.unbind(-1)
         if seq_len == 1 and cache is not None:

@@ -3,18 +3,25 @@
 Every query head attends three ways and mixes the results with its own sigmoid gates:
 
     o_t = g_cmp * attn(q_t, compressed blocks)            cmp: one key/value per complete past block
-        + g_slc * attn(q_t, tokens of the selected blocks)  slc: top-k blocks by compressed score
+        + g_slc * attn(q_t, tokens of the selected blocks)  slc: forced blocks, then the best-scored
         + g_swa * attn(q_t, the last `window_size` tokens)  swa: sliding window
 
 Keys are cut into blocks of `block_size` tokens. Block c holds positions [c * bs, (c + 1) * bs).
 For a query at position p:
 
 * a compressed block is visible only when complete and in the past: (c + 1) * bs - 1 <= p;
-* the selection ranks the visible compressed blocks by their attention probability summed over
-  the query heads of one key/value head (so a query group shares its blocks), always adds the
-  query's own (local) block p // bs, and keeps the `block_counts` best; a block that contains a
-  token after p is never ranked, and inside the local block only tokens <= p are attended;
-* so a query selects k = min(block_counts, p // bs + 1) blocks, never a block after its own.
+* the selection (section 3.3.2 of the paper; fla's `naive_nsa_topk` and `parallel_nsa_topk`) always
+  takes the forced blocks: the first `initial_blocks` blocks and the `local_blocks` blocks ending
+  at the query's own block i = p // bs, i.e. {c : c < initial_blocks} | {c : i - local_blocks < c},
+  both clipped to 0 <= c <= i. The remaining slots, up to `block_counts` in all (the forced blocks
+  count toward `block_counts`, as in fla and in the paper's n = 16 "including fixed activating the
+  1 initial block and 2 local blocks"), go to the other visible blocks with the highest attention
+  probability summed over the query heads of one key/value head (so a query group shares its
+  blocks). A block that contains a token after p is never ranked; inside the query's own block
+  only tokens <= p are attended;
+* so a query selects k = min(block_counts, |forced| + |other visible blocks|) blocks, never a
+  block after its own. The defaults (1 initial, 2 local) are the paper's and fla's;
+  initial_blocks=0, local_blocks=1 forces the own block only (attnlab's earlier rule).
 
 Layout: q [batch, time, heads, dim]; k, v [batch, keys, kv_heads, dim], where key index =
 position (the mixer stores keys left-aligned, padding removed); k_cmp, v_cmp [batch, blocks,
@@ -46,23 +53,50 @@ def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor
     return scores.softmax(-1) * allowed
 
 
+def check_selection_counts(block_counts: int, initial_blocks: int, local_blocks: int) -> None:
+    """Raise ValueError unless the counts are integers (block_counts >= 1, the others >= 0) and the
+    forced blocks fit: initial_blocks + local_blocks <= block_counts."""
+    for name, value, least in (
+        ("block_counts", block_counts, 1), ("initial_blocks", initial_blocks, 0), ("local_blocks", local_blocks, 0)
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            kind = "a positive" if least else "a non-negative"
+            raise ValueError(f"{name} must be {kind} integer, got {value!r}")
+    if initial_blocks + local_blocks > block_counts:
+        raise ValueError(
+            f"initial_blocks + local_blocks ({initial_blocks} + {local_blocks}) exceeds block_counts "
+            f"({block_counts}): the forced blocks count toward block_counts, so raise block_counts or "
+            "force fewer blocks"
+        )
+
+
 def select_blocks(
-    importance: torch.Tensor, q_pos: torch.Tensor, block_size: int, block_counts: int, num_blocks: int
+    importance: torch.Tensor,
+    q_pos: torch.Tensor,
+    block_size: int,
+    block_counts: int,
+    num_blocks: int,
+    initial_blocks: int,
+    local_blocks: int,
 ) -> torch.Tensor:
-    """Top-k block indices per query and key/value head.
+    """Block indices per query and key/value head: the forced blocks (the first `initial_blocks`
+    and the `local_blocks` ending at the query's own block, none after it), then the best-scored
+    other visible blocks, `block_counts` in all (see the module docstring).
 
     importance: [B, Hkv, T, C] scores of the complete blocks (only visible ones are read);
     q_pos: [B, T]. Returns [B, T, Hkv, block_counts] block indices, -1 in unused slots.
     """
+    check_selection_counts(block_counts, initial_blocks, local_blocks)
     batch, kv_heads, seq_len, num_cmp = importance.shape
     blocks = torch.arange(num_blocks, device=importance.device)
     pos = q_pos[:, None, :, None]  # [B, 1, T, 1]
-    current = torch.div(pos, block_size, rounding_mode="floor")  # the local block (-1 for padding)
+    current = torch.div(pos, block_size, rounding_mode="floor")  # the query's own block (-1 for padding)
     visible = (blocks + 1) * block_size - 1 <= pos  # complete blocks entirely at or before p
+    forced = ((blocks < initial_blocks) | (blocks > current - local_blocks)) & (blocks <= current)  # [B, 1, T, N]
     scores = importance.new_full((batch, kv_heads, seq_len, num_blocks), float("-inf"))
     scores[..., :num_cmp] = importance.float()
     scores = scores.masked_fill(~visible, float("-inf"))
-    scores = scores.masked_fill((blocks == current) & (pos >= 0), float("inf"))  # always the local block
+    scores = scores.masked_fill(forced, float("inf"))  # at most block_counts of them, so all are kept
     k = min(block_counts, num_blocks)
     values, indices = scores.topk(k, dim=-1)  # [B, Hkv, T, k]
     indices = indices.masked_fill(values == float("-inf"), -1)
@@ -92,6 +126,8 @@ def parallel_nsa(
     window_size: int,
     q_pos: torch.Tensor | None = None,
     scale: float | None = None,
+    initial_blocks: int = 1,
+    local_blocks: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All queries at once, with dense masks. Returns (o [B, T, H, D], block_indices [B, T, Hkv, S])."""
     batch, seq_len, heads, dim = q.shape
@@ -110,9 +146,11 @@ def parallel_nsa(
     cmp_probs = _masked_softmax(torch.einsum("bthgd,bchd->bhgtc", qg, k_cmp), cmp_visible)
     o_cmp = torch.einsum("bhgtc,bchd->bthgd", cmp_probs, v_cmp)
 
-    # selected branch: top-k blocks by the group's summed compressed probabilities
+    # selected branch: the forced blocks, then the best by the group's summed compressed probabilities
     num_blocks = cdiv(length, block_size)
-    block_indices = select_blocks(cmp_probs.detach().sum(2), q_pos, block_size, block_counts, num_blocks)
+    block_indices = select_blocks(
+        cmp_probs.detach().sum(2), q_pos, block_size, block_counts, num_blocks, initial_blocks, local_blocks
+    )
     selected = torch.zeros(batch, seq_len, kv_heads, num_blocks + 1, device=q.device)
     selected.scatter_add_(-1, block_indices + 1, torch.ones_like(block_indices, dtype=selected.dtype))
     selected = selected[..., 1:] > 0  # [B, T, Hkv, num_blocks]; slot 0 collected the unused (-1) entries
@@ -146,6 +184,8 @@ def nsa_step(
     window_size: int,
     q_pos: torch.Tensor,
     scale: float | None = None,
+    initial_blocks: int = 1,
+    local_blocks: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row (decoding), reading only what it attends: the compressed keys, the tokens
     of its selected blocks and its window, gathered from the cache.
@@ -169,7 +209,9 @@ def nsa_step(
     o_cmp = torch.einsum("bhgc,bhcd->bhgd", cmp_probs, v_cmp)
 
     importance = cmp_probs.detach().sum(2)[:, :, None]  # [B, Hkv, 1, C]
-    block_indices = select_blocks(importance, q_pos[:, None], block_size, block_counts, cdiv(length, block_size))
+    block_indices = select_blocks(
+        importance, q_pos[:, None], block_size, block_counts, cdiv(length, block_size), initial_blocks, local_blocks
+    )
     block_indices = block_indices[:, 0]  # [B, Hkv, S]
     token_idx = (block_indices[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)
     token_ok = (block_indices[..., None] >= 0).expand(-1, -1, -1, block_size).flatten(-2) & (token_idx <= pos)
@@ -201,12 +243,16 @@ def naive_nsa(
     k_cmp: torch.Tensor | None = None,
     v_cmp: torch.Tensor | None = None,
     scale: float | None = None,
+    initial_blocks: int = 1,
+    local_blocks: int = 2,
 ) -> tuple[torch.Tensor, list]:
-    """Brute-force reference: one query, one head at a time, blocks chosen by sorting in Python.
+    """Brute-force reference: one query, one head at a time, blocks chosen by sorting in Python
+    (the selection rule written out again, not `select_blocks`).
 
     q [B, T, H, D], k, v [B, T, Hkv, D] with query t at position t; k_cmp, v_cmp default to the
     mean of each complete block. Returns (o [B, T, H, D], selected[b][t][kv_head] = sorted block list).
     """
+    check_selection_counts(block_counts, initial_blocks, local_blocks)
     batch, seq_len, heads, dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
@@ -229,7 +275,8 @@ def naive_nsa(
     for b in range(batch):
         for t in range(seq_len):
             complete = [c for c in range(k_cmp.shape[1]) if (c + 1) * block_size - 1 <= t]
-            local = t // block_size
+            own = t // block_size
+            forced = [c for c in range(own + 1) if c < initial_blocks or c > own - local_blocks]
             for kh in range(kv_heads):
                 group = range(kh * groups, (kh + 1) * groups)
                 outs_cmp, importance = {}, torch.zeros(len(complete), dtype=torch.float64)
@@ -237,7 +284,7 @@ def naive_nsa(
                     outs_cmp[h], probs = softmax_attend(q[b, t, h], k_cmp[b, complete, kh], v_cmp[b, complete, kh])
                     importance += probs
                 ranked = sorted(range(len(complete)), key=lambda i: -importance[i].item())
-                chosen = [local] + [complete[i] for i in ranked if complete[i] != local]
+                chosen = forced + [complete[i] for i in ranked if complete[i] not in forced]
                 chosen = sorted(chosen[:block_counts])
                 selected[b][t][kh] = chosen
                 slc_tokens = [j for c in chosen for j in range(c * block_size, (c + 1) * block_size) if j <= t]
