@@ -196,11 +196,11 @@ def _fwd_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    live = pid >= 0  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
+    redo = 1  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
     if EXACT:
-        live = tl.load(LEFT + pid) != 0
+        redo = tl.load(LEFT + pid)
     left = tl.zeros([BLOCK_M], tl.int32)
-    row_ok = (offs_m < Tq) & live
+    row_ok = offs_m < tl.where(redo != 0, Tq, 0)
     q = _tile(Q, b, h, offs_m, row_ok, sqb, sqt, sqh, offs_dk, DK)
     cq = tl.zeros([BLOCK_M], tl.float32)
     if HAS_DECAY:
@@ -209,7 +209,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     query_pos = past + offs_m
-    for start_n in range(0, tl.where(live, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
+    for start_n in range(0, tl.where(redo != 0, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
@@ -270,11 +270,11 @@ def _bwd_dkdv_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    live = pid >= 0  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
+    redo = 1  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
     if EXACT:
-        live = tl.load(LEFT + pid) != 0
+        redo = tl.load(LEFT + pid)
     left = tl.zeros([BLOCK_N], tl.int32)
-    col_ok = (cols < Tk) & live
+    col_ok = cols < tl.where(redo != 0, Tk, 0)
     k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
     v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
     keep_col = col_ok
@@ -287,7 +287,7 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dck = tl.zeros([BLOCK_N], tl.float32)
     first = tl.maximum(start_n - past, 0) // BLOCK_M * BLOCK_M  # the first query that can see these keys
-    for start_m in range(first, tl.where(live, Tq, 0), BLOCK_M):
+    for start_m in range(first, tl.where(redo != 0, Tq, 0), BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < Tq
         q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_dk[:, None],
@@ -341,11 +341,11 @@ def _bwd_dq_kernel(
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    live = pid >= 0  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
+    redo = 1  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
     if EXACT:
-        live = tl.load(LEFT + pid) != 0
+        redo = tl.load(LEFT + pid)
     left = tl.zeros([BLOCK_M], tl.int32)
-    row_ok = (rows < Tq) & live
+    row_ok = rows < tl.where(redo != 0, Tq, 0)
     q = _tile(Q, b, h, rows, row_ok, sqb, sqt, sqh, offs_dk, DK)
     dnum = _tile(DNUM, b, h, rows, row_ok, snb, snt, snh, offs_dv, DV)
     qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
@@ -358,7 +358,7 @@ def _bwd_dq_kernel(
         dl = _vec(DL, b, h, rows, row_ok, slb, slt)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dcq = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, tl.where(live, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
+    for start_n in range(0, tl.where(redo != 0, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
