@@ -35,7 +35,7 @@ class AttnLabConfig(PretrainedConfig):
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     use_cache: bool = True
-    kernels: str = "auto"  # "auto": fla's kernels on CUDA when installed; "torch": always the reference; "fla": insist
+    kernels: str = "auto"  # "auto": Triton kernels (fla's, attnlab's) on CUDA when installed; "torch": always the reference; "fla": insist
     bos_token_id: int | None = 256
     eos_token_id: int | None = 257
     pad_token_id: int | None = 258
