@@ -56,3 +56,13 @@ def sets(overrides: list[str]) -> list[str]:
     for o in overrides:
         out += ["--set", o]
     return out
+
+
+def random_nsa_inputs(batch, seq_len, heads, kv_heads, dim, seed=0):
+    """q, k, v and the three branch gates of an NSA op, from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq_len, heads, dim, generator=gen) * 2
+    k = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
+    v = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
+    gates = torch.rand(batch, seq_len, heads, 3, generator=gen).unbind(-1)
+    return q, k, v, gates

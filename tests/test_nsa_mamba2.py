@@ -15,7 +15,7 @@ from attnlab.models.ops.mamba2 import chunk_ssd, naive_recurrent_ssd, ssd_step
 from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
 from attnlab.models.ops.nsa import mean_pool_blocks, naive_nsa, nsa_step, parallel_nsa
 
-from conftest import run_cli, sets
+from conftest import random_nsa_inputs, run_cli, sets
 
 VOCAB = 64
 # small blocks and windows so that a few dozen tokens cross many block boundaries
@@ -64,15 +64,6 @@ def assert_close_rel(actual, expected, rel: float = 1e-5) -> None:
     err = (actual - expected).abs().max().item()
     scale = expected.abs().max().item()
     assert err <= rel * scale, f"max abs error {err:.3g} exceeds {rel:g} x max |expected| {scale:.3g}"
-
-
-def random_nsa_inputs(batch, seq_len, heads, kv_heads, dim, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq_len, heads, dim, generator=gen) * 2
-    k = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
-    v = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
-    gates = torch.rand(batch, seq_len, heads, 3, generator=gen).unbind(-1)
-    return q, k, v, gates
 
 
 # ---------------------------------------------------------------- NSA reference forms

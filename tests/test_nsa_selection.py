@@ -13,6 +13,7 @@ import torch
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 from attnlab.models.mixers import MIXERS
 from attnlab.models.ops.nsa import naive_nsa, nsa_step, parallel_nsa
+from conftest import random_nsa_inputs
 
 BLOCK_SIZE = 4
 RULES = {  # (initial_blocks, local_blocks, block_counts)
@@ -67,15 +68,6 @@ def as_lists(block_indices):
     return [[[sorted(i for i in row if i >= 0) for row in query] for query in seq] for seq in block_indices.tolist()]
 
 
-def random_inputs(batch, seq_len, heads, kv_heads, dim=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq_len, heads, dim, generator=gen) * 2
-    k = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
-    v = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
-    gates = torch.rand(batch, seq_len, heads, 3, generator=gen).unbind(-1)
-    return q, k, v, gates
-
-
 def compress(x):
     return x[:, : x.shape[1] // BLOCK_SIZE * BLOCK_SIZE].unflatten(1, (-1, BLOCK_SIZE)).mean(2)
 
@@ -92,7 +84,7 @@ def test_parallel_step_and_naive_forms_select_the_papers_blocks(rule, group):
     heads, kv_heads = GROUPS[group]
     seq_len = 37  # 10 blocks of 4, more than any block_counts here
     ops = options(rule)
-    q, k, v, gates = random_inputs(2, seq_len, heads, kv_heads, seed=len(rule) + heads)
+    q, k, v, gates = random_nsa_inputs(2, seq_len, heads, kv_heads, dim=8, seed=len(rule) + heads)
     expected = paper_selection(q, k, [list(range(seq_len))] * 2, BLOCK_SIZE, ops["block_counts"],
                                ops["initial_blocks"], ops["local_blocks"])
     assert any(len(sel) == ops["block_counts"] for seq in expected for query in seq for sel in query)
@@ -117,7 +109,7 @@ def test_parallel_step_and_naive_forms_select_the_papers_blocks(rule, group):
 def test_left_padded_queries_select_what_each_sequence_selects_alone(rule):
     ops = options(rule)
     lengths, width = [33, 21], 33
-    q, k, v, gates = random_inputs(2, width, 4, 2, seed=7)
+    q, k, v, gates = random_nsa_inputs(2, width, 4, 2, seed=7, dim=8)
     # keys left-aligned (index = position), queries right-aligned after left padding, as the mixer keeps them
     q_pos = torch.tensor([list(range(n - width, n)) for n in lengths]).clamp(min=-1)  # -1: padding
     k_cmp, v_cmp = compress(k), compress(v)
@@ -138,8 +130,8 @@ def test_left_padded_queries_select_what_each_sequence_selects_alone(rule):
 @pytest.mark.parametrize("t", [3, 4, 11, 12, 22])  # around block boundaries (block size 4)
 def test_future_tokens_never_change_the_selection_or_outputs_with_forced_blocks(t):
     ops = options("two-initial-three-local")
-    q, k, v, gates = random_inputs(1, 29, 4, 2)
-    noise = random_inputs(1, 29, 4, 2, seed=99)
+    q, k, v, gates = random_nsa_inputs(1, 29, 4, 2, dim=8)
+    noise = random_nsa_inputs(1, 29, 4, 2, seed=99, dim=8)
     o, idx = parallel_nsa(q, k, v, compress(k), compress(v), *gates, **ops)
     future = slice(t + 1, None)
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
@@ -194,6 +186,6 @@ def test_config_rejects_bad_selection_counts(bad, message):
     with pytest.raises(ValueError, match=f"mixer 'nsa': .*{message}"):
         AttnLabConfig(mixer="nsa", mixer_options=bad)
     forms = {"block_counts": 4, "initial_blocks": 1, "local_blocks": 2, **bad}
-    q, k, v, gates = random_inputs(1, 8, 2, 1)
+    q, k, v, gates = random_nsa_inputs(1, 8, 2, 1, dim=8)
     with pytest.raises(ValueError, match=message):
         parallel_nsa(q, k, v, compress(k), compress(v), *gates, block_size=4, window_size=2, **forms)
