@@ -117,3 +117,27 @@ def test_zoo_help_lists_its_options(capsys):
 def test_ops_row_times_the_real_mixing_function_of_a_preset():
     row = zoo.op_row("attnlab-2mamba", 1, 16, 2, 8, repeats=1, warmup=1, device=torch.device("cpu"))
     assert row["fwd_bwd_ms"] > 0 and row["extra_gib"] is None
+
+
+def test_mixer_options_reach_the_model_and_bad_ones_are_refused(tmp_path, monkeypatch, capsys):
+    from attnlab.bench import train
+
+    built = {}
+    real_build = train.build
+
+    def recording_build(name, **size):
+        model = real_build(name, **size)
+        built[name] = model.config.mixer_options
+        return model
+
+    monkeypatch.setattr(zoo, "build", recording_build)
+    out = tmp_path / "zoo.json"
+    assert run_cli("bench", "zoo", *TINY, "--skip-ops", "--model", "nsa", "--mixer-option", "nsa.block_size=8",
+                   "--mixer-option", "nsa.block_counts=3", "--out", str(out)) == 0
+    assert built["attnlab-nsa"]["block_size"] == 8 and built["attnlab-nsa"]["block_counts"] == 3
+    assert "tokens_per_s" in json.loads(out.read_text())["train"]["attnlab-nsa@2x32"]
+    capsys.readouterr()
+    assert run_cli("bench", "zoo", *TINY, "--skip-ops", "--model", "nsa", "--mixer-option", "nsa.block_sise=8") == 1
+    assert "block_sise" in capsys.readouterr().err
+    assert run_cli("bench", "zoo", *TINY, "--skip-ops", "--model", "nsa", "--mixer-option", "nosuch.x=1") == 1
+    assert "MIXER.OPTION=VALUE" in capsys.readouterr().err

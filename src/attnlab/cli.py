@@ -458,6 +458,9 @@ def bench_zoo_cmd(
     heads: int = typer.Option(16, "--heads", help="Heads (fla's Mamba-2: SSM heads; fla's NSA: query heads)."),
     vocab: int = typer.Option(32000, "--vocab", help="Vocabulary size (untied embeddings)."),
     intermediate: int = typer.Option(2048, "--intermediate", help="SwiGLU width of every model's MLP."),
+    mixer_option: Optional[list[str]] = typer.Option(None, "--mixer-option", show_default=False, help=(
+        "MIXER.OPTION=VALUE over a mixer's or preset's defaults, for attnlab's model and fla's model of that family "
+        "(repeatable), e.g. nsa.block_size=64 nsa.block_counts=16 nsa.window_size=512.")),
     steps: int = typer.Option(5, "--steps", min=1, help="Timed training steps (median reported)."),
     warmup: int = typer.Option(2, "--warmup", min=1, help="Untimed steps first, for models and ops; the first is timed alone (first_step_s: capture, compilation, autotuning)."),
     op_repeats: int = typer.Option(20, "--op-repeats", min=1, help="Timed forward+backward runs per op (median reported)."),
@@ -472,7 +475,7 @@ def bench_zoo_cmd(
     shape, and forward+backward time and memory of the token mixing alone."""
     import torch
 
-    from attnlab.bench.zoo import describe, model_names, op_names, parse_shape, run_zoo
+    from attnlab.bench.zoo import describe, mixer_options, model_names, op_names, parse_shape, run_zoo
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise PreflightError("bench zoo measures on a CUDA device; no CUDA device is visible")
@@ -481,7 +484,8 @@ def bench_zoo_cmd(
     shapes = [parse_shape(spec) for spec in shape]
     models = [] if skip_train else model_names(models)
     op_models = [] if skip_ops else op_names(op_models)
-    size = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, intermediate=intermediate)
+    size = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, intermediate=intermediate,
+                mixer_options=mixer_options(mixer_option or []))
     result = run_zoo(models, op_models, shapes, size, op_heads, op_head_dim, steps, warmup, op_repeats, torch.device(device), out,
                      log=lambda line: console.print(line, highlight=False, soft_wrap=True))
     where = result["env"]["gpu"] or "cpu"
@@ -507,7 +511,7 @@ def bench_zoo_cmd(
               lambda r: f"{r['fwd_bwd_ms']}{gib(r['extra_gib'])}")
     for section in ("train", "ops"):
         for key, row in result[section].items():
-            if "error" in row:
+            if "error" in row or "note" in row:
                 console.print(describe(section, key, row), highlight=False, soft_wrap=True)
     if out is not None:
         from attnlab.bench.plot import plot_zoo

@@ -25,9 +25,12 @@ def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:
     return multiple * ((width + multiple - 1) // multiple)
 
 
-def build(name: str, hidden: int, layers: int, heads: int, vocab: int, intermediate: int | None = None):
+def build(name: str, hidden: int, layers: int, heads: int, vocab: int, intermediate: int | None = None,
+          mixer_options: dict[str, dict] | None = None):
     """A randomly initialised model by its bench name, every one of the same width, depth, heads,
     vocabulary and SwiGLU width (default: fla's for the width), untied embeddings.
+    `mixer_options`: {mixer or preset: {option: value}} over its defaults, for attnlab's model of that
+    mixer and for fla's model of the same family (`nsa`, `mamba2`).
 
     `attnlab-<mixer>`: any registered mixer or preset (`attnlab-gla-eager` is attnlab-gla, which the
     bench runs without CUDA graphs); `hf-llama`: LlamaForCausalLM on SDPA; `fla-gla`,
@@ -36,18 +39,20 @@ def build(name: str, hidden: int, layers: int, heads: int, vocab: int, intermedi
     path needs a package that is missing (flash-attn for NSA, mamba-ssm for Mamba-2) is refused.
     """
     intermediate = intermediate or fla_mlp_width(hidden)
+    options = mixer_options or {}
     if name.startswith("attnlab-"):
         from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 
         mixer = name.removeprefix("attnlab-").removesuffix("-eager")
         cfg = AttnLabConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, mixer=mixer,
-                            intermediate_size=intermediate, tie_word_embeddings=False, max_position_embeddings=65536)
+                            mixer_options=options.get(mixer), intermediate_size=intermediate, tie_word_embeddings=False,
+                            max_position_embeddings=131072)
         return AttnLabForCausalLM(cfg)
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=65536)
+                          num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=131072)
         cfg._attn_implementation = "sdpa"
         return LlamaForCausalLM(cfg)
     if name not in FLA_MODELS:
@@ -63,18 +68,21 @@ def build(name: str, hidden: int, layers: int, heads: int, vocab: int, intermedi
     if name == "fla-nsa":
         import fla.ops.nsa.parallel as fla_nsa
 
-        nsa = MIXERS["nsa"].resolve_options(None)
+        nsa = MIXERS["nsa"].resolve_options(options.get("nsa"))
+        note = None
         if nsa["window_size"] and fla_nsa.flash_attn_func is None:
-            raise RuntimeError("fla's NSA needs flash-attn for its sliding window, and it is not installed")
-        return fm.NSAForCausalLM(fm.NSAConfig(num_heads=heads, num_kv_heads=nsa["num_kv_heads"], head_dim=hidden // heads,
+            nsa["window_size"], note = 0, "window 0: fla's sliding window needs flash-attn, which is not installed"
+        model = fm.NSAForCausalLM(fm.NSAConfig(num_heads=heads, num_kv_heads=nsa["num_kv_heads"], head_dim=hidden // heads,
                                               block_size=nsa["block_size"], block_counts=nsa["block_counts"],
                                               window_size=nsa["window_size"], intermediate_size=intermediate,
-                                              max_position_embeddings=65536, **same))
+                                              max_position_embeddings=131072, **same))
+        model.bench_note = note  # the row says how this peer differs from attnlab's model
+        return model
     import fla.layers.mamba2 as fla_mamba2
 
     if not fla_mamba2.is_fast_path_available:
         raise RuntimeError("fla's Mamba-2 runs its kernels only with mamba-ssm installed (else a naive PyTorch path)")
-    ssm = MIXERS["mamba2"].resolve_options(None)
+    ssm = MIXERS["mamba2"].resolve_options(options.get("mamba2"))
     head_dim = ssm["head_dim"] or ssm["expand"] * hidden // heads  # fla's Mamba-2 has expand * hidden / head_dim heads
     return fm.Mamba2ForCausalLM(fm.Mamba2Config(head_dim=head_dim, expand=ssm["expand"], state_size=ssm["state_size"],
                                                 n_groups=ssm["n_groups"], conv_kernel=ssm["conv_kernel"], **same))

@@ -75,6 +75,27 @@ def op_names(names: list[str] | None) -> list[str]:
     return _bench_names(names, OP_PEERS, family, "--op-model", "an attention-family preset")
 
 
+def mixer_options(items: list[str]) -> dict[str, dict]:
+    """['nsa.block_size=64', ...] -> {'nsa': {'block_size': 64}}, each mixer's options checked as a model
+    would check them (one error naming the mixer and option otherwise)."""
+    from attnlab.config.loader import parse_override
+    from attnlab.models.mixers import MIXERS
+
+    options: dict[str, dict] = {}
+    for item in items:
+        key, value = parse_override(item)
+        mixer, _, option = key.partition(".")
+        if mixer not in MIXERS or not option:
+            raise PreflightError(f"--mixer-option expects MIXER.OPTION=VALUE with a registered mixer or preset, got {item!r}")
+        options.setdefault(mixer, {})[option] = value
+    for mixer, opts in options.items():
+        try:
+            MIXERS[mixer].resolve_options(opts)
+        except ValueError as exc:
+            raise PreflightError(f"--mixer-option {mixer}: {exc}") from None
+    return options
+
+
 def parse_shape(spec: str) -> tuple[int, int]:
     try:
         batch, seq_len = (int(v) for v in spec.lower().split("x"))
@@ -136,9 +157,12 @@ def train_row(name: str, size: dict, batch: int, seq_len: int, steps: int, warmu
     step_s, loss = median_time(step, steps, device)
     allocated, reserved = peak_gib(device)
     params = sum(p.numel() for p in model.parameters())
-    return {"tokens_per_s": round(batch * seq_len / step_s), "peak_allocated_gib": allocated, "peak_reserved_gib": reserved,
-            "first_step_s": round(first_s, 3), "step_s": round(step_s, 4), "params_M": round(params / 1e6, 1),
-            "loss": round(loss.item(), 3), "cuda_graphs": graphs}
+    row = {"tokens_per_s": round(batch * seq_len / step_s), "peak_allocated_gib": allocated, "peak_reserved_gib": reserved,
+           "first_step_s": round(first_s, 3), "step_s": round(step_s, 4), "params_M": round(params / 1e6, 1),
+           "loss": round(loss.item(), 3), "cuda_graphs": graphs}
+    if getattr(model, "bench_note", None):
+        row["note"] = model.bench_note
+    return row
 
 
 def op_inputs(name: str, batch: int, seq_len: int, heads: int, head_dim: int, device: torch.device) -> tuple[Callable, list[torch.Tensor]]:
@@ -219,8 +243,9 @@ def describe(section: str, key: str, row: dict) -> str:
         return f"{section} {key}: forward+backward {row['fwd_bwd_ms']} ms{extra}"
     memory = ("" if row["peak_allocated_gib"] is None
               else f", peak {row['peak_allocated_gib']} / {row['peak_reserved_gib']} GiB allocated / reserved")
+    note = f" ({row['note']})" if row.get("note") else ""
     return (f"{section} {key}: {row['tokens_per_s']:,} tokens/s, step {row['step_s']} s, first step {row['first_step_s']} s{memory}, "
-            f"{row['params_M']}M params{', CUDA graphs' if row['cuda_graphs'] else ''}")
+            f"{row['params_M']}M params{', CUDA graphs' if row['cuda_graphs'] else ''}{note}")
 
 
 def write(result: dict, out: Path) -> None:
