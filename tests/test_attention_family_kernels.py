@@ -230,3 +230,34 @@ def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_conti
     for key, ref in ref_grads.items():
         err = float((grads[key].double() - ref.double()).norm()) / max(float(ref.norm()), floor)
         assert err <= 5e-2, (key, err)
+
+
+@pytest.mark.parametrize("denominator", ["none", "sum", "sum_clamped", "sum_detached", "count"])
+def test_parallel_attention_divides_in_the_kernel_as_the_reference_does(denominator):
+    """The fused division (o = num / finished den, written in the output dtype) against the reference's
+    `_divide(_finish_denominator(...))`: outputs and gradients, with rows whose den is 0 (a query
+    whose keys are all padding) and row sums under 1 (where the clamp holds)."""
+    from attnlab.models.kernels.attention_family import divide
+    from attnlab.models.ops.attention_family import parallel_attention
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator(device=device).manual_seed(3)
+    q, k, v = (torch.randn(2, 19, 2, 16, device=device, generator=g) for _ in range(3))
+    q, k = F.elu(q) + 1, F.elu(k) + 1
+    key_mask = torch.ones(2, 19, dtype=torch.bool, device=device)
+    key_mask[0, :7] = False  # queries 0..6 of row 0 attend to nothing: den 0
+    kwargs = dict(similarity="power1", scale=0.05, denominator=denominator, key_mask=key_mask)  # small scale: sums < 1
+    grad_out = torch.randn(2, 19, 2, 16, device=device, generator=g)
+    results = []
+    for terms in (reference_terms, fused_terms()):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = parallel_attention(*leaves, terms=terms, out_dtype=torch.float32, **kwargs)
+        (o * grad_out).sum().backward()
+        results.append((o, [t.grad for t in leaves]))
+    (ref_o, ref_grads), (o, grads) = results
+    assert o.shape == ref_o.shape == (2, 19, 2, 16) and o.dtype == torch.float32
+    assert rel_err(o, ref_o) < 1e-5
+    for fast, ref in zip(grads, ref_grads):
+        assert rel_err(fast, ref) < 1e-5
+    num, den = fused_terms()(q, k, v, **kwargs)
+    assert (divide(num, den, denominator, torch.bfloat16) is None) == (denominator == "count")

@@ -498,3 +498,96 @@ def attended_counts(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | N
     else:
         counts = key_mask.float().cumsum(-1)[:, num_keys - num_queries:]  # [B, Tq]
     return counts[:, None, :, None].expand(batch, heads, num_queries, 1)
+
+
+# ---------------------------------------------------------------- the division by the denominator
+
+DIVIDE_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3}
+
+
+@triton.jit
+def _divisor(den, MODE: tl.constexpr):
+    """The finished denominator of raw row sums (1 where it is 0), as `_finish_denominator` then `_divide`."""
+    f = den if MODE == 1 else tl.maximum(den, 1.0)
+    return tl.where(f == 0.0, 1.0, f)
+
+
+@triton.jit
+def _divide_fwd_kernel(NUM, ROWS, OUT, n_rows, D, MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (r[:, None] < n_rows) & (cols[None, :] < D)
+    o = tl.load(NUM + r[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    if MODE != 0:
+        o = o / _divisor(tl.load(ROWS + r, mask=r < n_rows, other=1.0), MODE)[:, None]
+    tl.store(OUT + r[:, None] * D + cols[None, :], o.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _divide_bwd_kernel(DO, NUM, ROWS, DNUM, DROWS, n_rows, D, MODE: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = r < n_rows
+    ok = row_ok[:, None] & (cols[None, :] < D)
+    do = tl.load(DO + r[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if MODE == 0:
+        tl.store(DNUM + r[:, None] * D + cols[None, :], do, mask=ok)
+    else:
+        den = tl.load(ROWS + r, mask=row_ok, other=1.0)
+        f = _divisor(den, MODE)
+        tl.store(DNUM + r[:, None] * D + cols[None, :], do / f[:, None], mask=ok)
+        if MODE != 3:  # d(num / f) / d den = -(do . num) / f^2 where f follows den (not at 0, not under the clamp)
+            num = tl.load(NUM + r[:, None] * D + cols[None, :], mask=ok, other=0.0)
+            follows = (den != 0.0) if MODE == 1 else (den >= 1.0)
+            g = -tl.sum(do * num, 1) / (f * f)
+            tl.store(DROWS + r, tl.where(follows, g, 0.0), mask=row_ok)
+
+
+class _Divide(torch.autograd.Function):
+    """o = num / finished(den) in the output dtype, one pass each way over [rows, D] (rows: B * Tq * H)."""
+
+    @staticmethod
+    def forward(ctx, num, rows, mode, out_dtype):
+        n_rows, dim = num.numel() // num.shape[-1], num.shape[-1]
+        out = torch.empty(num.shape, device=num.device, dtype=out_dtype)
+        grid, blocks = _divide_grid(n_rows, dim)
+        _divide_fwd_kernel[grid](num, num if rows is None else rows, out, n_rows, dim, MODE=mode, **blocks)
+        ctx.save_for_backward(num if mode in (1, 2) else None, rows if mode else None)
+        ctx.mode = mode
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        num, rows = ctx.saved_tensors
+        mode = ctx.mode
+        dout = dout.contiguous()
+        dnum = torch.empty(dout.shape, device=dout.device, dtype=torch.float32)
+        drows = torch.empty_like(rows) if mode in (1, 2) else None
+        n_rows, dim = dout.numel() // dout.shape[-1], dout.shape[-1]
+        grid, blocks = _divide_grid(n_rows, dim)
+        _divide_bwd_kernel[grid](dout, num if num is not None else dnum, rows if rows is not None else dnum, dnum,
+                                 drows if drows is not None else dnum, n_rows, dim, MODE=mode, **blocks)
+        return dnum, drows, None, None
+
+
+def _divide_grid(n_rows: int, dim: int):
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_r = max(1, min(64, 4096 // block_d))
+    return (triton.cdiv(n_rows, block_r),), dict(BLOCK_R=block_r, BLOCK_D=block_d)
+
+
+def divide(num: torch.Tensor, den: torch.Tensor | None, denominator: str, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """`_divide(_finish_denominator(den))` then the transpose of `parallel_attention`, fused: num [B, H, Tq, Dv]
+    and den [B, H, Tq, 1] as `attention_terms` above returns them -> o [B, Tq, H, Dv] in `out_dtype`.
+    None where it does not apply (the count denominators: the caller divides)."""
+    mode = DIVIDE_MODES.get(denominator)
+    if mode is None or num.dtype != torch.float32:
+        return None
+    num = num.transpose(1, 2).contiguous()  # the kernel's own layout: no copy
+    if not mode:
+        return _Divide.apply(num, None, mode, out_dtype)
+    return _Divide.apply(num, den[..., 0].transpose(1, 2).contiguous(), mode, out_dtype)
+
+
+attention_terms.divide = divide  # `parallel_attention` divides through it

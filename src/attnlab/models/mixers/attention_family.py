@@ -293,7 +293,7 @@ class AttentionFamily(Mixer):
             o, state = self._mix_recurrent(q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms)
         else:
             o, state = self._mix_kv(q, k, v, log_decay, attention_mask, cache, use_cache, terms)
-        y = o.to(x.dtype)  # [B, T, H, D]
+        y = o.to(v.dtype)  # [B, T, H, D]: the values' dtype (under autocast the kernels write it directly)
 
         if residual is not None:
             y = y + residual
@@ -325,7 +325,8 @@ class AttentionFamily(Mixer):
             return o[:, None], {"state": state, "normalizer": normalizer}
         if "state" not in cache and not use_cache:  # training: quadratic form only
             c = log_decay_cumsum(log_decay)
-            o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms, **kwargs)
+            o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms,
+                                   out_dtype=v.dtype, **kwargs)
             return o, None
         o, state, normalizer = chunk_linear_attention(
             q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, **kwargs
@@ -353,7 +354,8 @@ class AttentionFamily(Mixer):
             key_log_decay = torch.cat((past_decay + c[:, -1:], c[:, -1:] - c), dim=1)
         o = parallel_attention(
             q, k, v, clamp=self.options["clamp_scores"], taylor_terms=self.options["taylor_terms"],
-            query_log_decay=query_term, key_log_decay=key_term, key_mask=mask, terms=terms, **self._attention_kwargs(),
+            query_log_decay=query_term, key_log_decay=key_term, key_mask=mask, terms=terms, out_dtype=v.dtype,
+            **self._attention_kwargs(),
         )
         state = {"key": k, "value": v, "mask": mask, "key_log_decay": key_log_decay} if use_cache else None
         return o, state
@@ -375,7 +377,8 @@ class AttentionFamily(Mixer):
             return parallel_attention(
                 q, k, v, similarity=options["similarity"], scale=scale, clamp=options["clamp_scores"],
                 taylor_terms=options["taylor_terms"], denominator=options["denominator"], count_power=count_power,
-                query_log_decay=c, key_log_decay=c, terms=kernels.attention_family_terms(kernel_choice, q, covered=not kernels.attention_family_gap(head_dim)),
+                query_log_decay=c, key_log_decay=c, out_dtype=v.dtype,
+                terms=kernels.attention_family_terms(kernel_choice, q, covered=not kernels.attention_family_gap(head_dim)),
             )
 
         return mix

@@ -174,13 +174,22 @@ def attention_terms(
     return num, den
 
 
-def parallel_attention(q, k, v, *, denominator="sum", count_power=None, terms=attention_terms, **kwargs) -> torch.Tensor:
-    """The quadratic form; see `attention_terms`. Returns o [B, Tq, H, Dv] in fp32. `terms` computes
-    the numerator and raw denominator: this reference or a kernel with the same contract."""
+def parallel_attention(
+    q, k, v, *, denominator="sum", count_power=None, terms=attention_terms, out_dtype=None, **kwargs
+) -> torch.Tensor:
+    """The quadratic form; see `attention_terms`. Returns o [B, Tq, H, Dv] in fp32 (or `out_dtype`).
+    `terms` computes the numerator and raw denominator: this reference or a kernel with the same
+    contract; a kernel's `terms.divide(num, den, denominator, dtype)` may finish the division too."""
     num, den = terms(q, k, v, denominator=denominator, **kwargs)
+    divide = getattr(terms, "divide", None)
+    if divide is not None:
+        o = divide(num, den, denominator, out_dtype or torch.float32)
+        if o is not None:
+            return o
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
-    return _divide(num, den).transpose(1, 2)
+    o = _divide(num, den).transpose(1, 2)
+    return o if out_dtype is None else o.to(out_dtype)
 
 
 def chunk_linear_attention(
