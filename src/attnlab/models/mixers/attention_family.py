@@ -116,6 +116,7 @@ def check_options(options: dict, name: str) -> None:
 
 @register_mixer("attention_family")
 class AttentionFamily(Mixer):
+    train_graph_safe = True  # the training forward launches kernels only: no host synchronisation, no data-dependent shape
     default_options = {
         "similarity": "softmax",  # softmax | exp | power1 | power2 | taylor
         "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
