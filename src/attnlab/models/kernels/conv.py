@@ -32,8 +32,12 @@ import triton
 import triton.language as tl
 
 MAX_KERNEL_SIZE = 8  # each program unrolls K (forward) and K * K (backward) loads of its tile
-FWD_BLOCK_T, BWD_BLOCK_T = 64, 32
-BWD_MIN_PROGRAMS = 1024  # the backward walks several time tiles per program while this many remain
+# Tiles of 32 steps (forward, 4 warps) and 16 steps (backward, 8 warps) by up to 128 channels:
+# compiled for sm_90, no kernel size up to 4 spills registers (the backward holds dx and recomputes
+# the K pre-activations it needs; the compiler keeps all their loads in flight).
+FWD_BLOCK_T, BWD_BLOCK_T = 32, 16
+FWD_WARPS, BWD_WARPS = 4, 8
+BWD_MIN_PROGRAMS = 1024  # the backward walks up to 16 time tiles per program while this many programs remain
 
 
 @triton.jit
@@ -52,9 +56,9 @@ def _window(X, H0, idx, c, c_ok, T, sxt, sxc, sht, shc, K: tl.constexpr, HAS_H0:
 
 @triton.jit
 def _pre_activation(X, H0, w_ptrs, bias, u, c, c_ok, T, sxt, sxc, sht, shc, swk,
-                    K: tl.constexpr, HAS_H0: tl.constexpr):
+                    K: tl.constexpr, HAS_H0: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """bias + sum_k weight[:, k] * p[u + k] for output times u ([BLOCK_T])."""
-    acc = tl.zeros((u.shape[0], c.shape[0]), dtype=tl.float32) + bias[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32) + bias[None, :]
     for k in tl.static_range(K):
         w = tl.load(w_ptrs + k * swk, mask=c_ok, other=0.0).to(tl.float32)
         acc += w[None, :] * _window(X, H0, u + (k - (K - 1)), c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
@@ -77,7 +81,7 @@ def _fwd_kernel(
     bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(Bias + c, mask=c_ok, other=0.0).to(tl.float32)
-    y = _pre_activation(X, H0, W + c * swc, bias, t, c, c_ok, T, sxt, sxc, sht, shc, swk, K, HAS_H0)
+    y = _pre_activation(X, H0, W + c * swc, bias, t, c, c_ok, T, sxt, sxc, sht, shc, swk, K, HAS_H0, BLOCK_T, BLOCK_C)
     if SILU:
         y = y * tl.sigmoid(y)
     ok = (t < T)[:, None] & c_ok[None, :]
@@ -112,7 +116,7 @@ def _bwd_kernel(
             u = t + s
             dpre = tl.load(DY + u.to(tl.int64)[:, None] * sdyt + c[None, :] * sdyc, mask=(u < T)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
             if SILU:
-                pre = _pre_activation(X, H0, w_ptrs, bias, u, c, c_ok, T, sxt, sxc, sht, shc, swk, K, HAS_H0)
+                pre = _pre_activation(X, H0, w_ptrs, bias, u, c, c_ok, T, sxt, sxc, sht, shc, swk, K, HAS_H0, BLOCK_T, BLOCK_C)
                 sig = tl.sigmoid(pre)
                 dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
             w = tl.load(w_ptrs + (K - 1 - s) * swk, mask=c_ok, other=0.0).to(tl.float32)
@@ -172,7 +176,7 @@ class _CausalConv1d(torch.autograd.Function):
             x, weight, bias if bias is not None else weight, h0_arg, y, T, C,
             *x.stride(), *weight.stride(), *sh, *y.stride(),
             K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
-            BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=4,
+            BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
         )
         final = _final_state(x, h0, K - 1, channel_major)
         ctx.save_for_backward(x, weight, bias, h0)
@@ -193,7 +197,7 @@ class _CausalConv1d(torch.autograd.Function):
             time_tiles = triton.cdiv(T, BWD_BLOCK_T)
             channel_blocks = triton.cdiv(C, block_c)
             tiles_per_program = 1
-            while tiles_per_program < 8 and B * channel_blocks * triton.cdiv(time_tiles, 2 * tiles_per_program) >= BWD_MIN_PROGRAMS:
+            while tiles_per_program < 16 and B * channel_blocks * triton.cdiv(time_tiles, 2 * tiles_per_program) >= BWD_MIN_PROGRAMS:
                 tiles_per_program *= 2
             time_programs = triton.cdiv(time_tiles, tiles_per_program)
             dw_parts = torch.empty(B * time_programs, K, C, dtype=torch.float32, device=x.device)
@@ -204,7 +208,7 @@ class _CausalConv1d(torch.autograd.Function):
                 T, C, tiles_per_program, time_programs,
                 *x.stride(), *weight.stride(), *sh, *dy.stride(), *dx.stride(),
                 K=K, BLOCK_K=triton.next_power_of_2(K), HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=ctx.silu,
-                BLOCK_T=BWD_BLOCK_T, BLOCK_C=block_c, num_warps=4,
+                BLOCK_T=BWD_BLOCK_T, BLOCK_C=block_c, num_warps=BWD_WARPS,
             )
             dweight = dw_parts.sum(0).t().to(weight.dtype)
             dbias = db_parts.sum(0).to(bias.dtype) if bias is not None else None
