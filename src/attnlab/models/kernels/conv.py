@@ -172,12 +172,13 @@ class _CausalConv1d(torch.autograd.Function):
         sh = h0.stride() if h0 is not None else (0, 0, 0)
         block_c = _block_c(C)
         grid = (triton.cdiv(T, FWD_BLOCK_T), triton.cdiv(C, block_c), B)
-        _fwd_kernel[grid](
-            x, weight, bias if bias is not None else weight, h0_arg, y, T, C,
-            *x.stride(), *weight.stride(), *sh, *y.stride(),
-            K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
-            BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
-        )
+        if T and C and B:  # no empty launch
+            _fwd_kernel[grid](
+                x, weight, bias if bias is not None else weight, h0_arg, y, T, C,
+                *x.stride(), *weight.stride(), *sh, *y.stride(),
+                K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
+                BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
+            )
         final = _final_state(x, h0, K - 1, channel_major)
         ctx.save_for_backward(x, weight, bias, h0)
         ctx.silu = silu
@@ -192,7 +193,7 @@ class _CausalConv1d(torch.autograd.Function):
         width = K - 1
         dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dy is not None else torch.zeros_like(x)
         dweight = dbias = None
-        if dy is not None:
+        if dy is not None and T and C and B:
             block_c = _block_c(C)
             time_tiles = triton.cdiv(T, BWD_BLOCK_T)
             channel_blocks = triton.cdiv(C, block_c)
@@ -212,13 +213,13 @@ class _CausalConv1d(torch.autograd.Function):
             )
             dweight = dw_parts.sum(0).t().to(weight.dtype)
             dbias = db_parts.sum(0).to(bias.dtype) if bias is not None else None
-        elif ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        else:
             dweight = torch.zeros_like(weight)
             dbias = torch.zeros_like(bias) if bias is not None else None
 
         dh0 = None
         if h0 is not None and ctx.needs_input_grad[3]:
-            if dy is not None:  # only the first `width` outputs read the state
+            if dy is not None and T:  # only the first `width` outputs read the state
                 n = min(T, width)
                 with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
                     state = h0.detach().requires_grad_()
