@@ -2,14 +2,16 @@
 
 `config.kernels` chooses: "auto" uses fla's kernels for CUDA tensors when the `gpu` extra
 (flash-linear-attention) is installed, and the reference otherwise; "torch" always uses the
-reference; "fla" insists on fla and says why when it cannot. The reference is the oracle the
-fast paths are tested against (tests/test_kernels_cuda.py).
+reference; "fla" insists on fla and says why when it cannot. attnlab's own Triton kernels (the
+attention family's quadratic form, the mixers' causal conv) follow the same choice. The reference is
+the oracle the fast paths are tested against (tests/test_kernels_cuda.py, tests/test_conv_kernel.py).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -63,6 +65,35 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
     from attnlab.models.kernels.attention_family import attention_terms as fused
 
     return fused
+
+
+CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: it unrolls K * K loads per tile in the backward
+
+
+def causal_conv1d_gap(kernel_size: int) -> str | None:
+    """None when attnlab's causal conv kernel covers this kernel size, else what it does not cover."""
+    if not 2 <= kernel_size <= CONV_MAX_KERNEL_SIZE:
+        return f"the conv kernel size {kernel_size} (it takes 2 to {CONV_MAX_KERNEL_SIZE})"
+    return None
+
+
+def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
+    """attnlab's causal depthwise conv kernel (`kernels/conv.py`: x [B, T, C], weight [C, K], bias,
+    initial_state [B, K-1, C], silu -> y, final_state) for this CUDA tensor, or None: the mixer runs
+    its PyTorch reference. `covered`: whether the kernel covers the layer's kernel size (the layer
+    says why not when it is built)."""
+    if choice == "torch" or not covered or not x.is_cuda:
+        return None
+    if not triton_installed():
+        if choice == "fla":
+            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
+        return None
+    if x.dtype == torch.float64:  # Triton's kernel accumulates in fp32
+        warnings.warn("attnlab's conv kernel takes no float64: the convolution runs the PyTorch reference", stacklevel=3)
+        return None
+    from attnlab.models.kernels.conv import causal_conv1d
+
+    return causal_conv1d
 
 
 def _log_forget_gate(logits: torch.Tensor, normalizer: float, keep: torch.Tensor | None) -> torch.Tensor:

@@ -194,13 +194,17 @@ class AttentionFamily(Mixer):
 
     def _conv(self, qkv: torch.Tensor, conv_state: torch.Tensor | None):
         """Causal depthwise conv over time. qkv [B, T, C]; conv_state: the last K - 1 inputs [B, K-1, C]."""
+        silu = self.options["conv_activation"] == "silu"
+        conv = kernels.causal_conv1d_fn(self.kernels, qkv)  # conv sizes 2 to 4: the CUDA kernel covers them all
+        if conv is not None:
+            return conv(qkv, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, silu)
         width = self.options["conv_size"] - 1
         if conv_state is None:
             conv_state = qkv.new_zeros(qkv.shape[0], width, qkv.shape[2])
         padded = torch.cat((conv_state.to(qkv.dtype), qkv), dim=1)  # [B, K-1+T, C]
         out = F.conv1d(padded.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=qkv.shape[2])
         out = out.transpose(1, 2)  # [B, T, C]
-        if self.options["conv_activation"] == "silu":
+        if silu:
             out = F.silu(out)
         return out, padded[:, -width:]
 

@@ -15,11 +15,13 @@ Left padding neither writes the state (dt = 0) nor enters the convolution (input
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.mamba2 import chunk_ssd, ssd_step
@@ -101,6 +103,11 @@ class Mamba2(Mixer):
             self.intermediate_size, self.intermediate_size // self.n_groups, eps=config.norm_eps
         )
         self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=False)
+        self.kernels = config.kernels
+        self.conv_gap = kernels.causal_conv1d_gap(self.conv_kernel_size)
+        if self.conv_gap and config.kernels != "torch" and layer_idx == 0:
+            warnings.warn(f"mixer 'mamba2': attnlab's CUDA conv kernel does not cover {self.conv_gap}; on CUDA the "
+                          "convolution runs the PyTorch reference", stacklevel=2)
 
     def forward(
         self,
@@ -139,6 +146,11 @@ class Mamba2(Mixer):
 
     def _conv(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
         """Causal depthwise conv + SiLU over [B, T, conv_dim]; returns it and the last K - 1 inputs."""
+        conv = kernels.causal_conv1d_fn(self.kernels, xBC, covered=not self.conv_gap)
+        if conv is not None:  # the cache keeps its channel-major layout: the kernel reads and writes it in place of a copy
+            state = None if conv_state is None else conv_state.transpose(1, 2)  # [B, K - 1, conv_dim] view
+            out, new_state = conv(xBC, self.conv1d.weight[:, 0], self.conv1d.bias, state, True, channel_major_state=True)
+            return out, new_state.transpose(1, 2)  # [B, conv_dim, K - 1], contiguous
         batch, seq_len, _ = xBC.shape
         inputs = xBC.transpose(1, 2)  # [B, conv_dim, T]
         if conv_state is None:
