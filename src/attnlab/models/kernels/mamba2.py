@@ -1,0 +1,186 @@
+"""Mamba-2's state-space recurrence (SSD) on CUDA, through fla's chunked GLA kernels.
+
+The SSD is a GLA whose forget gate is one scalar per head and step, shared by every state channel:
+per head h, with the group g = h // (heads / groups) that h reads B and C from,
+
+    q = C[g],  k = B[g],  v = x * dt,  log forget gate = dt * A_h on each of the N channels,  scale 1
+
+and attnlab's state [B, H, P, N] is fla's [B, H, K=N, V=P] transposed. `ssd_as_gla` and
+`state_from_gla` write the mapping once; `_ChunkSSD` runs it through a GLA backend (fla's
+`chunk_gla_fwd` / `chunk_gla_bwd` on CUDA) and keeps for the backward only what the layer already
+holds: x and B, C (views of the convolution's output, in the compute dtype), dt (fp32, one per head
+and step), and the kernel's intra-chunk scores. The expanded q, k, the product v = x * dt and the
+fp32 log gate [B, T, H, N] are rebuilt in the backward, and the D skip y + x * D is added inside,
+so no fp32 [B, T, H, P] tensor outlives the call. The tests run the same function on CPU with the
+PyTorch GLA reference as backend (`ReferenceGLA`), which checks the mapping and its gradients in CI.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.models.kernels import use_fla
+
+
+def ssd_as_gla(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+):
+    """The GLA inputs that compute the SSD: (q, k, v, g, h0), contiguous, in fla's layout.
+
+    x [b, T, H, P]; dt [b, T, H] fp32; A [H]; B, C [b, T, G, N]; initial_state [b, H, P, N] or None.
+    q, k [b, T, H, N] and v [b, T, H, P] in x's dtype; g [b, T, H, N] fp32; h0 [b, H, N, P] fp32."""
+    batch, seq_len, heads, _ = x.shape
+    state_size = B.shape[-1]
+
+    def per_head(bc: torch.Tensor) -> torch.Tensor:  # [b, T, G, N] -> [b, T, H, N], group g serving heads g*H/G..
+        groups = bc.shape[2]
+        bc = bc[:, :, :, None].expand(batch, seq_len, groups, heads // groups, state_size)
+        return bc.reshape(batch, seq_len, heads, state_size).to(x.dtype).contiguous()
+
+    dt = dt.float()
+    v = (x.float() * dt[..., None]).to(x.dtype).contiguous()
+    g = (dt * A.float())[..., None].expand(batch, seq_len, heads, state_size).contiguous()
+    h0 = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
+    return per_head(C), per_head(B), v, g, h0
+
+
+def state_from_gla(state: torch.Tensor | None) -> torch.Tensor | None:
+    """fla's [b, H, N, P] state (or its gradient) as attnlab's [b, H, P, N]."""
+    return None if state is None else state.transpose(-1, -2)
+
+
+class FlaGLA:
+    """fla's chunked GLA kernels (fla.ops.gla.chunk), with fla's own chunk size."""
+
+    @staticmethod
+    def forward(q, k, v, g, h0, output_final_state: bool):
+        import triton
+        from fla.ops.gla.chunk import chunk_gla_fwd
+
+        chunk_size = min(64, max(16, triton.next_power_of_2(q.shape[1])))  # as fla's chunk_gla
+        _, scores, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=1.0, initial_state=h0,
+                                                     output_final_state=output_final_state, chunk_size=chunk_size)
+        return o, final_state, (scores, chunk_size)
+
+    @staticmethod
+    def backward(q, k, v, g, h0, saved, do, dht):
+        from fla.ops.gla.chunk import chunk_gla_bwd
+
+        scores, chunk_size = saved
+        return chunk_gla_bwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=1.0, initial_state=h0, h=None, A=scores,
+                             do=do, dht=dht, chunk_size=chunk_size)
+
+
+class ReferenceGLA:
+    """attnlab's PyTorch GLA (`ops.gla.chunk_gla`) behind the same interface: the backward
+    differentiates the reference again. For tests of the mapping on CPU."""
+
+    @staticmethod
+    def _run(q, k, v, g, h0):
+        from attnlab.models.ops.gla import chunk_gla
+
+        return chunk_gla(q, k, v, g, initial_state=h0, scale=1.0)
+
+    @classmethod
+    def forward(cls, q, k, v, g, h0, output_final_state: bool):
+        o, final_state = cls._run(q, k, v, g, h0)
+        return o, (final_state if output_final_state else None), None
+
+    @classmethod
+    def backward(cls, q, k, v, g, h0, saved, do, dht):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+            h0_leaf = None if h0 is None else h0.detach().requires_grad_()
+            o, final_state = cls._run(*leaves, h0_leaf)
+            outputs, grads = [o], [do]
+            if dht is not None:
+                outputs.append(final_state)
+                grads.append(dht)
+            inputs = leaves + ([] if h0_leaf is None else [h0_leaf])
+            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        found = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, found)]
+        return (*found[:4], found[4] if h0 is not None else None)
+
+
+class _ChunkSSD(torch.autograd.Function):
+    """y = SSD(x, dt, A, B, C) + x * D in x's dtype, and the final state (fp32) when asked for."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, initial_state, output_final_state, backend):
+        q, k, v, g, h0 = ssd_as_gla(x, dt, A, B, C, initial_state)
+        o, final_state, saved = backend.forward(q, k, v, g, h0, output_final_state)
+        del q, k, v, g
+        y = o if D is None else torch.addcmul(o.float(), x.float(), D.float()[:, None]).to(x.dtype)
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        ctx.saved, ctx.backend = saved, backend
+        return y, state_from_gla(final_state)
+
+    @staticmethod
+    def backward(ctx, dy, dstate):
+        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        batch, seq_len, heads, _ = x.shape
+        groups, state_size = B.shape[2], B.shape[3]
+        q, k, v, g, h0 = ssd_as_gla(x, dt, A, B, C, initial_state)
+        dht = None if dstate is None else dstate.float().transpose(-1, -2).contiguous()
+        dq, dk, dv, dg, dh0 = ctx.backend.backward(q, k, v, g, h0, ctx.saved, dy.to(v.dtype).contiguous(), dht)
+        del q, k, v, g, h0
+        dt32 = dt.float()
+
+        def per_group(d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # the heads of a group summed
+            d = d.float().view(batch, seq_len, groups, heads // groups, state_size).sum(3)
+            return d.to(like.dtype)
+
+        dC, dB = per_group(dq, C), per_group(dk, B)
+        dv = dv.float()
+        da = dg.float().sum(-1)  # [b, T, H]: the log gate dt * A is shared by the N channels
+        ddt = (dv * x.float()).sum(-1) + da * A.float()
+        dA = (da * dt32).sum((0, 1)).to(A.dtype)
+        dx = dv.mul_(dt32[..., None])
+        dD = None
+        if D is not None:
+            dy32 = dy.float()
+            dD = (dy32 * x.float()).sum((0, 1, 3)).to(D.dtype)
+            dx.addcmul_(dy32, D.float()[:, None])
+        dh0 = None if initial_state is None else state_from_gla(dh0).to(initial_state.dtype)
+        return dx.to(x.dtype), ddt.to(dt.dtype), dA, dB, dC, dD, dh0, None, None
+
+
+def chunk_ssd_gla(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False, backend=FlaGLA,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The SSD (and the D skip) through a chunked GLA: (y [b, T, H, P] in x's dtype, final state
+    [b, H, P, N] fp32 or None). Layouts as `attnlab.models.ops.mamba2`; dt fp32 after softplus,
+    0 at padding (no decay, no write)."""
+    return _ChunkSSD.apply(x, dt, A, B, C, D, initial_state, output_final_state, backend)
+
+
+def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
+    """Whether Mamba-2's parallel form runs on fla's kernels (CUDA tensor, fla installed, kernels
+    not 'torch'); kernels 'fla' without them raises, as `use_fla`."""
+    return use_fla(choice, x)
+
+
+def ssd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+    chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: fla's chunked GLA
+    for CUDA tensors (y in x's dtype), else the PyTorch reference `chunk_ssd` (y fp32). Returns
+    (y [b, T, H, P], final state [b, H, P, N] fp32; None on the fast path unless asked for)."""
+    if use_fast_ssd(choice, x):
+        return chunk_ssd_gla(x, dt, A, B, C, D, initial_state, output_final_state)
+    from attnlab.models.ops.mamba2 import chunk_ssd
+
+    y, state = chunk_ssd(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
+    return y + x.float() * D.float()[:, None], state
+
+
+def grouped_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """rmsnorm(x * silu(z)) over groups of `group_size` channels, times `weight`, in x's dtype:
+    fla's gated RMSNorm (mamba_ssm's, with norm_before_gate=False), one pass each way. It keeps x,
+    z and the fp32 inverse norms (one per row and group) for the backward."""
+    from fla.modules.norm.layernorm_gated import rmsnorm_fn
+
+    return rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=False)
