@@ -87,3 +87,77 @@ def test_ssd_dispatch_keeps_the_reference_on_cpu_and_refuses_fla_there():
         assert torch.equal(y, y_ref + x * D[:, None]) and torch.equal(final_state, state_ref)
     with pytest.raises(RuntimeError, match="kernels is 'fla'"):
         ssd(x, dt, A, B, C, D, 16, state, False, "fla")
+
+
+# ---------------------------------------------------------------- the mixer's fast path, wired on CPU
+
+
+def reference_grouped_gated_rms_norm(x, z, weight, group_size, eps):
+    """What fla's gated norm computes (rmsnorm(x * silu(z)) per group, times the weight), in x's dtype."""
+    h = (x.float() * torch.nn.functional.silu(z.float())).unflatten(-1, (-1, group_size))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h.flatten(-2) * weight.float()).to(x.dtype)
+
+
+@pytest.fixture
+def fast_path_on_cpu(monkeypatch):
+    """The mixer's CUDA path on CPU: the dispatch says yes and the PyTorch GLA and norm stand in for fla's kernels."""
+    import attnlab.models.kernels.mamba2 as fast
+    import attnlab.models.mixers.mamba2 as mixer
+
+    monkeypatch.setattr(fast, "use_fla", lambda choice, x: choice != "torch")
+    monkeypatch.setattr(fast.FlaGLA, "forward", ReferenceGLA.forward)
+    monkeypatch.setattr(fast.FlaGLA, "backward", ReferenceGLA.backward)
+    monkeypatch.setattr(mixer, "grouped_gated_rms_norm", reference_grouped_gated_rms_norm)
+
+
+def mixer_pair(seed=0):
+    from attnlab.models import MIXERS, AttnLabConfig
+
+    torch.manual_seed(seed)
+    cfg = dict(mixer="mamba2", hidden_size=32, num_heads=4, mixer_options={"state_size": 8, "n_groups": 2, "chunk_size": 16})
+    fast = MIXERS["mamba2"](AttnLabConfig(kernels="auto", **cfg), 0)
+    with torch.no_grad():
+        fast.norm.weight.normal_(1.0, 0.2)
+        fast.D.normal_(1.0, 0.5)
+    ref = MIXERS["mamba2"](AttnLabConfig(kernels="torch", **cfg), 0)
+    ref.load_state_dict(fast.state_dict())
+    return fast, ref
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_mixer_fast_path_wiring_matches_the_reference_outputs_and_gradients(fast_path_on_cpu, padded):
+    fast, ref = mixer_pair()
+    x = torch.randn(2, 37, 32, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 37, dtype=torch.long)
+    if padded:
+        mask[1, :9] = 0
+    x_fast, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, cache = fast(x_fast, attention_mask=mask if padded else None, use_cache=True)
+    ref_out, ref_cache = ref(x_ref, attention_mask=mask if padded else None, use_cache=True)
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(cache["recurrent_state"], ref_cache["recurrent_state"]) < 1e-5
+    dy = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2))
+    (out * dy).sum().backward()
+    (ref_out * dy).sum().backward()
+    assert rel_err(x_fast.grad, x_ref.grad) < 1e-5
+    ref_params = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        assert rel_err(p.grad, ref_params[name].grad) < 1e-5, name
+
+
+def test_mixer_fast_path_prefill_after_a_cache_and_decoding_match_the_reference(fast_path_on_cpu):
+    fast, ref = mixer_pair()
+    x = torch.randn(2, 41, 32, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 41, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        ref_out, ref_cache = ref(x, attention_mask=mask, use_cache=True)
+        first, cache = fast(x[:, :13], attention_mask=mask[:, :13], use_cache=True)
+        second, cache = fast(x[:, 13:38], attention_mask=mask[:, :38], cache=cache, use_cache=True)
+        steps = []
+        for t in range(38, 41):
+            step, cache = fast(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+            steps.append(step)
+    assert rel_err(torch.cat([first, second, *steps], dim=1), ref_out) < 1e-5
+    assert rel_err(cache["recurrent_state"], ref_cache["recurrent_state"]) < 1e-5

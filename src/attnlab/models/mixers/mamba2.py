@@ -10,6 +10,8 @@ Parameter names match fla so checkpoints map one to one. The cache holds
     conv_state:      [B, conv_dim, conv_kernel - 1]  the last inputs of the convolution
     recurrent_state: [B, num_heads, head_dim, state_size] fp32
 Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
+On CUDA with fla (kernels not "torch"), the parallel form runs the SSD as fla's chunked GLA and the
+gated norm as fla's fused kernel (`attnlab.models.kernels.mamba2`); decoding steps stay `ssd_step`.
 """
 
 from __future__ import annotations
