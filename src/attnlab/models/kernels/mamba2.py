@@ -39,7 +39,7 @@ def ssd_as_gla(
         return bc.reshape(batch, seq_len, heads, state_size).to(x.dtype).contiguous()
 
     dt = dt.float()
-    v = (x.float() * dt[..., None]).to(x.dtype).contiguous()
+    v = torch.mul(x, dt[..., None], out=torch.empty(x.shape, dtype=x.dtype, device=x.device))  # one pass, in fp32
     g = (dt * A.float())[..., None].expand(batch, seq_len, heads, state_size).contiguous()
     h0 = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
     return per_head(C), per_head(B), v, g, h0
@@ -51,7 +51,9 @@ def state_from_gla(state: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class FlaGLA:
-    """fla's chunked GLA kernels (fla.ops.gla.chunk), with fla's own chunk size."""
+    """fla's chunked GLA kernels (fla.ops.gla.chunk), with fla's own chunk size. The backward
+    recomputes the intra-chunk scores (fp32 [B, T, H, chunk], as large as the layer's input) from
+    q, k and the gate rather than keeping them, as it recomputes the chunk states."""
 
     @staticmethod
     def forward(q, k, v, g, h0, output_final_state: bool):
@@ -59,16 +61,19 @@ class FlaGLA:
         from fla.ops.gla.chunk import chunk_gla_fwd
 
         chunk_size = min(64, max(16, triton.next_power_of_2(q.shape[1])))  # as fla's chunk_gla
-        _, scores, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=1.0, initial_state=h0,
-                                                     output_final_state=output_final_state, chunk_size=chunk_size)
-        return o, final_state, (scores, chunk_size)
+        _, _, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=1.0, initial_state=h0,
+                                                output_final_state=output_final_state, chunk_size=chunk_size)
+        return o, final_state, chunk_size
 
     @staticmethod
-    def backward(q, k, v, g, h0, saved, do, dht):
-        from fla.ops.gla.chunk import chunk_gla_bwd
+    def backward(q, k, v, g, h0, chunk_size, do, dht):
+        from fla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd_intra_gk
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
 
-        scores, chunk_size = saved
-        return chunk_gla_bwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=1.0, initial_state=h0, h=None, A=scores,
+        g_cumsum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2)  # as chunk_gla_fwd: log2 of the decays
+        scores = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cumsum, scale=1.0, chunk_size=chunk_size)
+        return chunk_gla_bwd(q=q, k=k, v=v, g=None, g_cumsum=g_cumsum, scale=1.0, initial_state=h0, h=None, A=scores,
                              do=do, dht=dht, chunk_size=chunk_size)
 
 
@@ -111,7 +116,7 @@ class _ChunkSSD(torch.autograd.Function):
         q, k, v, g, h0 = ssd_as_gla(x, dt, A, B, C, initial_state)
         o, final_state, saved = backend.forward(q, k, v, g, h0, output_final_state)
         del q, k, v, g
-        y = o if D is None else torch.addcmul(o.float(), x.float(), D.float()[:, None]).to(x.dtype)
+        y = o if D is None else o.addcmul_(x, D.float()[:, None])  # in fp32, rounded once to o's dtype
         ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
         ctx.saved, ctx.backend = saved, backend
         return y, state_from_gla(final_state)
