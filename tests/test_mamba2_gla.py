@@ -161,3 +161,28 @@ def test_mixer_fast_path_prefill_after_a_cache_and_decoding_match_the_reference(
             steps.append(step)
     assert rel_err(torch.cat([first, second, *steps], dim=1), ref_out) < 1e-5
     assert rel_err(cache["recurrent_state"], ref_cache["recurrent_state"]) < 1e-5
+
+
+# ---------------------------------------------------------------- the backward's elementwise kernel
+
+
+@pytest.mark.parametrize("with_D", [True, False])
+def test_skip_grads_kernel_matches_its_pytorch_form(with_D):
+    from attnlab.models.kernels.mamba2 import _skip_grads_torch
+    from attnlab.models.kernels.mamba2_grads import ssd_skip_grads
+
+    gen = torch.Generator().manual_seed(7)
+    batch, seq_len, heads, head_dim = 2, 5, 3, 6  # head_dim not a power of two: masked columns
+    # x as the convolution leaves it: time fastest, channels next ([B, channels, T] transposed)
+    x = torch.randn(batch, heads * head_dim, seq_len, generator=gen).transpose(1, 2).unflatten(-1, (heads, head_dim))
+    dv = torch.randn(batch, seq_len, heads, head_dim, generator=gen)
+    dy = torch.randn(batch, seq_len, heads, head_dim, generator=gen)
+    dt = torch.rand(batch, seq_len, heads, generator=gen)
+    D = torch.randn(heads, generator=gen) if with_D else None
+    got = ssd_skip_grads(dv, dy, x, dt, D)
+    want = _skip_grads_torch(dv.clone(), dy, x, dt, D)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.models.kernels import use_fla
+from attnlab.models.kernels import triton_installed, use_fla
 
 
 def ssd_as_gla(
@@ -108,6 +108,19 @@ class ReferenceGLA:
         return (*found[:4], found[4] if h0 is not None else None)
 
 
+def _skip_grads_torch(dv, dy, x, dt, D):
+    """(dx, sum_p dv * x, sum_p dy * x) through v = x * dt and y = o + x * D; see `kernels/mamba2_grads.py`."""
+    dv, x32 = dv.float(), x.float()
+    ddt = (dv * x32).sum(-1)
+    dx = dv.mul_(dt.float()[..., None])
+    dD = None
+    if D is not None:
+        dy = dy.float()
+        dD = (dy * x32).sum(-1)
+        dx.addcmul_(dy, D.float()[:, None])
+    return dx.to(x.dtype), ddt, dD
+
+
 class _ChunkSSD(torch.autograd.Function):
     """y = SSD(x, dt, A, B, C) + x * D in x's dtype, and the final state (fp32) when asked for."""
 
@@ -130,25 +143,22 @@ class _ChunkSSD(torch.autograd.Function):
         dht = None if dstate is None else dstate.float().transpose(-1, -2).contiguous()
         dq, dk, dv, dg, dh0 = ctx.backend.backward(q, k, v, g, h0, ctx.saved, dy.to(v.dtype).contiguous(), dht)
         del q, k, v, g, h0
-        dt32 = dt.float()
 
         def per_group(d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # the heads of a group summed
             d = d.float().view(batch, seq_len, groups, heads // groups, state_size).sum(3)
             return d.to(like.dtype)
 
         dC, dB = per_group(dq, C), per_group(dk, B)
-        dv = dv.float()
+        skip_grads = _skip_grads_torch
+        if x.is_cuda and triton_installed():
+            from attnlab.models.kernels.mamba2_grads import ssd_skip_grads as skip_grads
+        dx, ddt, dD = skip_grads(dv, dy, x, dt, D)  # through v = x * dt and y = o + x * D
         da = dg.float().sum(-1)  # [b, T, H]: the log gate dt * A is shared by the N channels
-        ddt = (dv * x.float()).sum(-1) + da * A.float()
-        dA = (da * dt32).sum((0, 1)).to(A.dtype)
-        dx = dv.mul_(dt32[..., None])
-        dD = None
-        if D is not None:
-            dy32 = dy.float()
-            dD = (dy32 * x.float()).sum((0, 1, 3)).to(D.dtype)
-            dx.addcmul_(dy32, D.float()[:, None])
+        ddt = ddt + da * A.float()
+        dA = (da * dt.float()).sum((0, 1)).to(A.dtype)
+        dD = None if D is None else dD.sum((0, 1)).to(D.dtype)
         dh0 = None if initial_state is None else state_from_gla(dh0).to(initial_state.dtype)
-        return dx.to(x.dtype), ddt.to(dt.dtype), dA, dB, dC, dD, dh0, None, None
+        return dx, ddt.to(dt.dtype), dA, dB, dC, dD, dh0, None, None
 
 
 def chunk_ssd_gla(
