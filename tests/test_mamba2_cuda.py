@@ -96,6 +96,30 @@ def grad_tolerance(name: str) -> float:
     return 5e-2 if name.rsplit(".", 1)[-1] in PER_HEAD else 3e-2
 
 
+def test_gated_norm_and_projection_on_fla_match_the_fp32_reference_under_autocast():
+    from attnlab.models.kernels.mamba2 import gated_norm_linear
+    from attnlab.models.mixers.mamba2 import GroupedGatedRMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(2, 333, 512, device="cuda", generator=g)
+    wide = torch.randn(2, 333, 700, device="cuda", generator=g)  # z as a slice of a wider projection
+    norm, proj = GroupedGatedRMSNorm(512, 256).cuda(), torch.nn.Linear(512, 128, bias=False).cuda()
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, wide, norm.weight, proj.weight)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = gated_norm_linear(leaves[0].bfloat16(), leaves[1][..., 100:612].bfloat16(), leaves[2], leaves[3], 256, norm.eps)
+    ref_x, ref_wide = x.clone().requires_grad_(), wide.clone().requires_grad_()
+    ref_out = proj(norm(ref_x, ref_wide[..., 100:612]))
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref_out) <= 1e-2
+    dy = torch.randn(ref_out.shape, device="cuda", generator=g)
+    (out.float() * dy).sum().backward()
+    (ref_out * dy).sum().backward()
+    assert leaves[2].grad.dtype == torch.float32 and leaves[3].grad.dtype == torch.float32
+    for fast, ref in zip(leaves, (ref_x, ref_wide, norm.weight, proj.weight)):
+        assert rel_err(fast.grad, ref.grad) <= 1e-2
+
+
 def mixer_pair():
     """The mamba2 mixer on fla's kernels and the same weights on the reference path (fp32)."""
     torch.manual_seed(0)

@@ -109,6 +109,8 @@ def fast_path_on_cpu(monkeypatch):
     monkeypatch.setattr(fast.FlaGLA, "forward", ReferenceGLA.forward)
     monkeypatch.setattr(fast.FlaGLA, "backward", ReferenceGLA.backward)
     monkeypatch.setattr(mixer, "grouped_gated_rms_norm", reference_grouped_gated_rms_norm)
+    monkeypatch.setattr(mixer, "gated_norm_linear", lambda x, z, norm_weight, weight, group_size, eps: torch.nn.functional.linear(
+        reference_grouped_gated_rms_norm(x, z, norm_weight, group_size, eps), weight))
 
 
 def mixer_pair(seed=0):

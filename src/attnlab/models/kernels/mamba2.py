@@ -199,3 +199,47 @@ def grouped_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tenso
     from fla.modules.norm.layernorm_gated import rmsnorm_fn
 
     return rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=False)
+
+
+class _GatedNormLinear(torch.autograd.Function):
+    """out_proj(rmsnorm(x * silu(z)) per group * norm_weight) with fla's gated norm kernels, keeping
+    x, z and the fp32 inverse norms but not the normed tensor (as large as x) that the projection
+    would keep: the backward's norm kernel recomputes it. The matmuls follow autocast as
+    nn.Linear does (custom_fwd / custom_bwd)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, z, norm_weight, weight, group_size, eps):
+        from fla.modules.norm.layernorm_gated import layer_norm_fwd
+
+        shape = x.shape
+        rows, gate = x.reshape(-1, shape[-1]).contiguous(), z.reshape(-1, shape[-1]).contiguous()
+        normed, _, rstd = layer_norm_fwd(rows, norm_weight.contiguous(), None, eps, z=gate, group_size=group_size,
+                                         norm_before_gate=False, is_rms_norm=True)
+        out = torch.nn.functional.linear(normed, weight)
+        ctx.save_for_backward(rows, gate, norm_weight, weight, rstd)
+        ctx.shape, ctx.group_size, ctx.eps = shape, group_size, eps
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        from fla.modules.norm.layernorm_gated import layer_norm_bwd
+
+        rows, gate, norm_weight, weight, rstd = ctx.saved_tensors
+        dout = dout.reshape(-1, dout.shape[-1])
+        dnormed = torch.nn.functional.linear(dout, weight.t()).contiguous()
+        dx, dnorm_weight, _, dz, normed = layer_norm_bwd(
+            dnormed, rows, norm_weight.contiguous(), None,
+            ctx.eps, None, rstd, z=gate, group_size=ctx.group_size, norm_before_gate=False, is_rms_norm=True,
+            recompute_output=True,
+        )
+        dweight = torch.matmul(dout.t(), normed.to(dout.dtype) if normed.dtype != dout.dtype else normed).to(weight.dtype)
+        return dx.view(ctx.shape), dz.view(ctx.shape), dnorm_weight.to(norm_weight.dtype), dweight, None, None
+
+
+def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                      group_size: int, eps: float) -> torch.Tensor:
+    """linear(rmsnorm(x * silu(z)) over groups of `group_size`, times `norm_weight`; `weight`) on fla's
+    norm kernels, without keeping the normed tensor for the backward (see `_GatedNormLinear`)."""
+    return _GatedNormLinear.apply(x, z, norm_weight, weight, group_size, eps)

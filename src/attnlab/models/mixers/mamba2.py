@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.models.kernels.mamba2 import grouped_gated_rms_norm, ssd, use_fast_ssd
+from attnlab.models.kernels.mamba2 import gated_norm_linear, grouped_gated_rms_norm, ssd, use_fast_ssd
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.mamba2 import ssd_step
@@ -138,9 +138,12 @@ class Mamba2(Mixer):
             y = y[:, None] + xs.float() * self.D.float()[:, None]  # [B, 1, H, P]
         else:  # fla's chunked kernels on CUDA (y in the compute dtype), else the reference (y fp32)
             y, ssm_state = ssd(xs, dt, A, B, C, self.D, self.chunk_size, ssm_state, use_cache, self.kernels)
-        y = self.norm(y.reshape(batch, seq_len, self.intermediate_size), z)
-        out = self.out_proj(y.to(x.dtype))
-        return out, ({"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None)
+        y = y.reshape(batch, seq_len, self.intermediate_size)
+        cached = {"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None
+        if seq_len > 1 and type(self.out_proj) is nn.Linear and self.out_proj.bias is None and use_fast_ssd(self.kernels, x):
+            # the norm and the projection in one autograd node that does not keep the normed tensor
+            return gated_norm_linear(y, z, self.norm.weight, self.out_proj.weight, self.norm.group_size, self.norm.eps), cached
+        return self.out_proj(self.norm(y, z).to(x.dtype)), cached
 
     def _conv(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
         """Causal depthwise conv + SiLU over [B, T, conv_dim]; returns it and the last K - 1 inputs."""
