@@ -8,11 +8,15 @@ per head h, with the group g = h // (heads / groups) that h reads B and C from,
 and attnlab's state [B, H, P, N] is fla's [B, H, K=N, V=P] transposed. `ssd_as_gla` and
 `state_from_gla` write the mapping once; `_ChunkSSD` runs it through a GLA backend (fla's
 `chunk_gla_fwd` / `chunk_gla_bwd` on CUDA) and keeps for the backward only what the layer already
-holds: x and B, C (views of the convolution's output, in the compute dtype), dt (fp32, one per head
-and step), and the kernel's intra-chunk scores. The expanded q, k, the product v = x * dt and the
-fp32 log gate [B, T, H, N] are rebuilt in the backward, and the D skip y + x * D is added inside,
-so no fp32 [B, T, H, P] tensor outlives the call. The tests run the same function on CPU with the
-PyTorch GLA reference as backend (`ReferenceGLA`), which checks the mapping and its gradients in CI.
+holds: x and B, C (views of the convolution's output, in the compute dtype) and dt (fp32, one per
+head and step). The expanded q, k, the product v = x * dt, the fp32 log gate [B, T, H, N] and the
+kernel's intra-chunk scores are rebuilt in the backward; the D skip y + x * D is added inside, and
+the backward's elementwise part is one Triton kernel (`kernels/mamba2_grads.py`), so no fp32
+[B, T, H, P] tensor outlives the call. The tests run the same function on CPU with the PyTorch GLA
+reference as backend (`ReferenceGLA`), which checks the mapping and its gradients in CI.
+
+The gated norm rmsnorm(y * silu(z)) per group and the output projection run on fla's port of
+mamba_ssm's gated norm kernels (`grouped_gated_rms_norm`, `gated_norm_linear`).
 """
 
 from __future__ import annotations
@@ -132,7 +136,7 @@ class _ChunkSSD(torch.autograd.Function):
         y = o if D is None else o.addcmul_(x, D.float()[:, None])  # in fp32, rounded once to o's dtype
         ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
         ctx.saved, ctx.backend = saved, backend
-        return y, state_from_gla(final_state)
+        return y, (None if final_state is None else state_from_gla(final_state).contiguous())
 
     @staticmethod
     def backward(ctx, dy, dstate):
