@@ -10,6 +10,8 @@ Parameter names match fla so checkpoints map one to one. The cache holds
     conv_state:      [B, conv_dim, conv_kernel - 1]  the last inputs of the convolution
     recurrent_state: [B, num_heads, head_dim, state_size] fp32
 Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
+On CUDA with fla (kernels not "torch"), the parallel form runs the SSD as fla's chunked GLA and the
+gated norm as fla's fused kernel (`attnlab.models.kernels.mamba2`); decoding steps stay `ssd_step`.
 """
 
 from __future__ import annotations
@@ -22,20 +24,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
+from attnlab.models.kernels.mamba2 import gated_norm_linear, grouped_gated_rms_norm, ssd, use_fast_ssd
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.modules import RMSNorm
-from attnlab.models.ops.mamba2 import chunk_ssd, ssd_step
+from attnlab.models.ops.mamba2 import ssd_step
 
 
 class GroupedGatedRMSNorm(RMSNorm):
     """rmsnorm(x * silu(z)) over groups of `group_size` channels, times a weight (fla's RMSNormGated
     with norm_before_gate=False)."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
-        super().__init__(hidden_size, eps=eps, kernels="torch")
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6, kernels: str = "torch"):
+        super().__init__(hidden_size, eps=eps, kernels=kernels)
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if use_fast_ssd(self.kernels, x):  # fla's fused kernel, in x's dtype, keeping no fp32 copy of x or z
+            return grouped_gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
         h = x.float() * F.silu(z.float())
         groups = h.unflatten(-1, (-1, self.group_size))
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -99,11 +104,11 @@ class Mamba2(Mixer):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         for p in (self.dt_bias, self.A_log, self.D):
             p._no_weight_decay = True  # as in mamba_ssm and fla, for optimizers that honour it
+        self.kernels = config.kernels
         self.norm = GroupedGatedRMSNorm(
-            self.intermediate_size, self.intermediate_size // self.n_groups, eps=config.norm_eps
+            self.intermediate_size, self.intermediate_size // self.n_groups, eps=config.norm_eps, kernels=config.kernels
         )
         self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=False)
-        self.kernels = config.kernels
         self.conv_gap = kernels.causal_conv1d_gap(self.conv_kernel_size)
         if self.conv_gap and config.kernels != "torch" and layer_idx == 0:
             warnings.warn(f"mixer 'mamba2': attnlab's CUDA conv kernel does not cover {self.conv_gap}; on CUDA the "
@@ -136,13 +141,15 @@ class Mamba2(Mixer):
 
         if seq_len == 1 and cache is not None:
             y, ssm_state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm_state)
-            y = y[:, None]
-        else:
-            y, ssm_state = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=ssm_state)
-        y = y + xs.float() * self.D.float()[:, None]  # [B, T, H, P]
-        y = self.norm(y.reshape(batch, seq_len, self.intermediate_size), z)
-        out = self.out_proj(y.to(x.dtype))
-        return out, ({"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None)
+            y = y[:, None] + xs.float() * self.D.float()[:, None]  # [B, 1, H, P]
+        else:  # fla's chunked kernels on CUDA (y in the compute dtype), else the reference (y fp32)
+            y, ssm_state = ssd(xs, dt, A, B, C, self.D, self.chunk_size, ssm_state, use_cache, self.kernels)
+        y = y.reshape(batch, seq_len, self.intermediate_size)
+        cached = {"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None
+        if seq_len > 1 and type(self.out_proj) is nn.Linear and self.out_proj.bias is None and use_fast_ssd(self.kernels, x):
+            # the norm and the projection in one autograd node that does not keep the normed tensor
+            return gated_norm_linear(y, z, self.norm.weight, self.out_proj.weight, self.norm.group_size, self.norm.eps), cached
+        return self.out_proj(self.norm(y, z).to(x.dtype)), cached
 
     def _conv(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
         """Causal depthwise conv + SiLU over [B, T, conv_dim]; returns it and the last K - 1 inputs."""

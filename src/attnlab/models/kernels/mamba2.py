@@ -1,0 +1,249 @@
+"""Mamba-2's state-space recurrence (SSD) on CUDA, through fla's chunked GLA kernels.
+
+The SSD is a GLA whose forget gate is one scalar per head and step, shared by every state channel:
+per head h, with the group g = h // (heads / groups) that h reads B and C from,
+
+    q = C[g],  k = B[g],  v = x * dt,  log forget gate = dt * A_h on each of the N channels,  scale 1
+
+and attnlab's state [B, H, P, N] is fla's [B, H, K=N, V=P] transposed. `ssd_as_gla` and
+`state_from_gla` write the mapping once; `_ChunkSSD` runs it through a GLA backend (fla's
+`chunk_gla_fwd` / `chunk_gla_bwd` on CUDA) and keeps for the backward only what the layer already
+holds: x and B, C (views of the convolution's output, in the compute dtype) and dt (fp32, one per
+head and step). The expanded q, k, the product v = x * dt, the fp32 log gate [B, T, H, N] and the
+kernel's intra-chunk scores are rebuilt in the backward; the D skip y + x * D is added inside, and
+the backward's elementwise part is one Triton kernel (`kernels/mamba2_grads.py`), so no fp32
+[B, T, H, P] tensor outlives the call. The tests run the same function on CPU with the PyTorch GLA
+reference as backend (`ReferenceGLA`), which checks the mapping and its gradients in CI.
+
+The gated norm rmsnorm(y * silu(z)) per group and the output projection run on fla's port of
+mamba_ssm's gated norm kernels (`grouped_gated_rms_norm`, `gated_norm_linear`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.models.kernels import triton_installed, use_fla
+
+
+def ssd_as_gla(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+):
+    """The GLA inputs that compute the SSD: (q, k, v, g, h0), contiguous, in fla's layout.
+
+    x [b, T, H, P]; dt [b, T, H] fp32; A [H]; B, C [b, T, G, N]; initial_state [b, H, P, N] or None.
+    q, k [b, T, H, N] and v [b, T, H, P] in x's dtype; g [b, T, H, N] fp32; h0 [b, H, N, P] fp32."""
+    batch, seq_len, heads, _ = x.shape
+    state_size = B.shape[-1]
+
+    def per_head(bc: torch.Tensor) -> torch.Tensor:  # [b, T, G, N] -> [b, T, H, N], group g serving heads g*H/G..
+        groups = bc.shape[2]
+        bc = bc[:, :, :, None].expand(batch, seq_len, groups, heads // groups, state_size)
+        return bc.reshape(batch, seq_len, heads, state_size).to(x.dtype).contiguous()
+
+    dt = dt.float()
+    v = torch.mul(x, dt[..., None], out=torch.empty(x.shape, dtype=x.dtype, device=x.device))  # one pass, in fp32
+    g = (dt * A.float())[..., None].expand(batch, seq_len, heads, state_size).contiguous()
+    h0 = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
+    return per_head(C), per_head(B), v, g, h0
+
+
+def state_from_gla(state: torch.Tensor | None) -> torch.Tensor | None:
+    """fla's [b, H, N, P] state (or its gradient) as attnlab's [b, H, P, N]."""
+    return None if state is None else state.transpose(-1, -2)
+
+
+class FlaGLA:
+    """fla's chunked GLA kernels (fla.ops.gla.chunk), with fla's own chunk size. The backward
+    recomputes the intra-chunk scores (fp32 [B, T, H, chunk], as large as the layer's input) from
+    q, k and the gate rather than keeping them, as it recomputes the chunk states."""
+
+    @staticmethod
+    def forward(q, k, v, g, h0, output_final_state: bool):
+        import triton
+        from fla.ops.gla.chunk import chunk_gla_fwd
+
+        chunk_size = min(64, max(16, triton.next_power_of_2(q.shape[1])))  # as fla's chunk_gla
+        _, _, _, final_state, o = chunk_gla_fwd(q=q, k=k, v=v, g=g, g_cumsum=None, scale=1.0, initial_state=h0,
+                                                output_final_state=output_final_state, chunk_size=chunk_size)
+        return o, final_state, chunk_size
+
+    @staticmethod
+    def backward(q, k, v, g, h0, chunk_size, do, dht):
+        from fla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd_intra_gk
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
+
+        g_cumsum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2)  # as chunk_gla_fwd: log2 of the decays
+        scores = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cumsum, scale=1.0, chunk_size=chunk_size)
+        return chunk_gla_bwd(q=q, k=k, v=v, g=None, g_cumsum=g_cumsum, scale=1.0, initial_state=h0, h=None, A=scores,
+                             do=do, dht=dht, chunk_size=chunk_size)
+
+
+class ReferenceGLA:
+    """attnlab's PyTorch GLA (`ops.gla.chunk_gla`) behind the same interface: the backward
+    differentiates the reference again. For tests of the mapping on CPU."""
+
+    @staticmethod
+    def _run(q, k, v, g, h0):
+        from attnlab.models.ops.gla import chunk_gla
+
+        return chunk_gla(q, k, v, g, initial_state=h0, scale=1.0)
+
+    @classmethod
+    def forward(cls, q, k, v, g, h0, output_final_state: bool):
+        o, final_state = cls._run(q, k, v, g, h0)
+        return o, (final_state if output_final_state else None), None
+
+    @classmethod
+    def backward(cls, q, k, v, g, h0, saved, do, dht):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+            h0_leaf = None if h0 is None else h0.detach().requires_grad_()
+            o, final_state = cls._run(*leaves, h0_leaf)
+            outputs, grads = [o], [do]
+            if dht is not None:
+                outputs.append(final_state)
+                grads.append(dht)
+            inputs = leaves + ([] if h0_leaf is None else [h0_leaf])
+            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        found = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, found)]
+        return (*found[:4], found[4] if h0 is not None else None)
+
+
+def _skip_grads_torch(dv, dy, x, dt, D):
+    """(dx, sum_p dv * x, sum_p dy * x) through v = x * dt and y = o + x * D; see `kernels/mamba2_grads.py`."""
+    dv, x32 = dv.float(), x.float()
+    ddt = (dv * x32).sum(-1)
+    dx = dv.mul_(dt.float()[..., None])
+    dD = None
+    if D is not None:
+        dy = dy.float()
+        dD = (dy * x32).sum(-1)
+        dx.addcmul_(dy, D.float()[:, None])
+    return dx.to(x.dtype), ddt, dD
+
+
+class _ChunkSSD(torch.autograd.Function):
+    """y = SSD(x, dt, A, B, C) + x * D in x's dtype, and the final state (fp32) when asked for."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, initial_state, output_final_state, backend):
+        q, k, v, g, h0 = ssd_as_gla(x, dt, A, B, C, initial_state)
+        o, final_state, saved = backend.forward(q, k, v, g, h0, output_final_state)
+        del q, k, v, g
+        y = o if D is None else o.addcmul_(x, D.float()[:, None])  # in fp32, rounded once to o's dtype
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        ctx.saved, ctx.backend = saved, backend
+        return y, (None if final_state is None else state_from_gla(final_state).contiguous())
+
+    @staticmethod
+    def backward(ctx, dy, dstate):
+        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        batch, seq_len, heads, _ = x.shape
+        groups, state_size = B.shape[2], B.shape[3]
+        q, k, v, g, h0 = ssd_as_gla(x, dt, A, B, C, initial_state)
+        dht = None if dstate is None else dstate.float().transpose(-1, -2).contiguous()
+        dq, dk, dv, dg, dh0 = ctx.backend.backward(q, k, v, g, h0, ctx.saved, dy.to(v.dtype).contiguous(), dht)
+        del q, k, v, g, h0
+
+        def per_group(d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # the heads of a group summed
+            d = d.float().view(batch, seq_len, groups, heads // groups, state_size).sum(3)
+            return d.to(like.dtype)
+
+        dC, dB = per_group(dq, C), per_group(dk, B)
+        skip_grads = _skip_grads_torch
+        if x.is_cuda and triton_installed():
+            from attnlab.models.kernels.mamba2_grads import ssd_skip_grads as skip_grads
+        dx, ddt, dD = skip_grads(dv, dy, x, dt, D)  # through v = x * dt and y = o + x * D
+        da = dg.float().sum(-1)  # [b, T, H]: the log gate dt * A is shared by the N channels
+        ddt = ddt + da * A.float()
+        dA = (da * dt.float()).sum((0, 1)).to(A.dtype)
+        dD = None if D is None else dD.sum((0, 1)).to(D.dtype)
+        dh0 = None if initial_state is None else state_from_gla(dh0).to(initial_state.dtype)
+        return dx, ddt.to(dt.dtype), dA, dB, dC, dD, dh0, None, None
+
+
+def chunk_ssd_gla(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False, backend=FlaGLA,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The SSD (and the D skip) through a chunked GLA: (y [b, T, H, P] in x's dtype, final state
+    [b, H, P, N] fp32 or None). Layouts as `attnlab.models.ops.mamba2`; dt fp32 after softplus,
+    0 at padding (no decay, no write)."""
+    return _ChunkSSD.apply(x, dt, A, B, C, D, initial_state, output_final_state, backend)
+
+
+def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
+    """Whether Mamba-2's parallel form runs on fla's kernels (CUDA tensor, fla installed, kernels
+    not 'torch'); kernels 'fla' without them raises, as `use_fla`."""
+    return use_fla(choice, x)
+
+
+def ssd(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+    chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: fla's chunked GLA
+    for CUDA tensors (y in x's dtype), else the PyTorch reference `chunk_ssd` (y fp32). Returns
+    (y [b, T, H, P], final state [b, H, P, N] fp32; None on the fast path unless asked for)."""
+    if use_fast_ssd(choice, x):
+        return chunk_ssd_gla(x, dt, A, B, C, D, initial_state, output_final_state)
+    from attnlab.models.ops.mamba2 import chunk_ssd
+
+    y, state = chunk_ssd(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
+    return y + x.float() * D.float()[:, None], state
+
+
+def grouped_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """rmsnorm(x * silu(z)) over groups of `group_size` channels, times `weight`, in x's dtype:
+    fla's gated RMSNorm (mamba_ssm's, with norm_before_gate=False), one pass each way. It keeps x,
+    z and the fp32 inverse norms (one per row and group) for the backward."""
+    from fla.modules.norm.layernorm_gated import rmsnorm_fn
+
+    return rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=False)
+
+
+class _GatedNormLinear(torch.autograd.Function):
+    """out_proj(rmsnorm(x * silu(z)) per group * norm_weight) with fla's gated norm kernels, keeping
+    x, z and the fp32 inverse norms but not the normed tensor (as large as x) that the projection
+    would keep: the backward's norm kernel recomputes it. The matmuls follow autocast as
+    nn.Linear does (custom_fwd / custom_bwd)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, z, norm_weight, weight, group_size, eps):
+        from fla.modules.norm.layernorm_gated import layer_norm_fwd
+
+        shape = x.shape
+        rows, gate = x.reshape(-1, shape[-1]).contiguous(), z.reshape(-1, shape[-1]).contiguous()
+        normed, _, rstd = layer_norm_fwd(rows, norm_weight.contiguous(), None, eps, z=gate, group_size=group_size,
+                                         norm_before_gate=False, is_rms_norm=True)
+        out = torch.nn.functional.linear(normed, weight)
+        ctx.save_for_backward(rows, gate, norm_weight, weight, rstd)
+        ctx.shape, ctx.group_size, ctx.eps = shape, group_size, eps
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        from fla.modules.norm.layernorm_gated import layer_norm_bwd
+
+        rows, gate, norm_weight, weight, rstd = ctx.saved_tensors
+        dout = dout.reshape(-1, dout.shape[-1])
+        dnormed = torch.nn.functional.linear(dout, weight.t()).contiguous()
+        dx, dnorm_weight, _, dz, normed = layer_norm_bwd(
+            dnormed, rows, norm_weight.contiguous(), None,
+            ctx.eps, None, rstd, z=gate, group_size=ctx.group_size, norm_before_gate=False, is_rms_norm=True,
+            recompute_output=True,
+        )
+        dweight = torch.matmul(dout.t(), normed.to(dout.dtype) if normed.dtype != dout.dtype else normed).to(weight.dtype)
+        return dx.view(ctx.shape), dz.view(ctx.shape), dnorm_weight.to(norm_weight.dtype), dweight, None, None
+
+
+def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                      group_size: int, eps: float) -> torch.Tensor:
+    """linear(rmsnorm(x * silu(z)) over groups of `group_size`, times `norm_weight`; `weight`) on fla's
+    norm kernels, without keeping the normed tensor for the backward (see `_GatedNormLinear`)."""
+    return _GatedNormLinear.apply(x, z, norm_weight, weight, group_size, eps)
