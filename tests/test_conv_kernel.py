@@ -249,4 +249,6 @@ def test_mixers_on_the_kernel_match_the_reference_on_cuda(setup, monkeypatch):
     """Same weights, the conv on the reference and on the kernel: fp32 closely, and under bf16 autocast."""
     assert kernels.causal_conv1d_fn("auto", torch.zeros(1, device="cuda")) is fused_conv()
     assert_mixer_on_the_kernel_matches(setup, "cuda", monkeypatch, 1e-4, 1e-3)
-    assert_mixer_on_the_kernel_matches(setup, "cuda", monkeypatch, 2e-2, 5e-2, dtype=torch.bfloat16)
+    # under autocast the reference rounds the conv weights to bf16 and the kernel keeps them in fp32: the two differ
+    # by bf16 rounding through a layer (2.3e-2 measured on an H100 for 2mamba's prefill output)
+    assert_mixer_on_the_kernel_matches(setup, "cuda", monkeypatch, 4e-2, 5e-2, dtype=torch.bfloat16)

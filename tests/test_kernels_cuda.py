@@ -188,7 +188,7 @@ def test_cuda_graph_decoding_equals_the_eager_engine_token_for_token(kernels_cho
     assert isinstance(make_runner(model), StaticRunner)  # the first run above decoded through CUDA graphs
 
 
-@pytest.mark.parametrize("mixer", ["gla", "softmax", "2mamba", "softmax_taylor_80terms", "linear__output_norm"])
+@pytest.mark.parametrize("mixer", ["gla", "softmax", "2mamba", "softmax_taylor_80terms", "linear__output_norm", "mamba2"])
 def test_captured_training_step_equals_the_eager_one_through_optimizer_steps_and_accumulation(mixer):
     from attnlab.train.graphs import CapturedLoss, graph_blocker
 

@@ -50,6 +50,7 @@ class GroupedGatedRMSNorm(RMSNorm):
 @register_mixer("mamba2")
 class Mamba2(Mixer):
     fixed_size_state = True  # conv window and SSM state of fixed size: CUDA-graph decoding applies
+    train_graph_safe = True  # the training forward launches kernels only (no host synchronisation)
     default_options = {
         "state_size": 64,  # N, per head
         "expand": 2,  # inner width = expand * hidden_size
