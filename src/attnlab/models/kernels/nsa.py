@@ -40,7 +40,9 @@ LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 NO_WINDOW = 1 << 30  # the compressed branch: every complete past block
 NO_WINDOW_INT = tl.constexpr(NO_WINDOW)
 SELECT_CHUNK_ELEMENTS = 1 << 25  # fp32 scores per chunk of queries while selecting blocks (128 MiB)
-ROWS_PER_PROGRAM = 4096  # (query, head) rows per program of the selected branch's dk, dv kernel
+ROWS_PER_PROGRAM = 2048  # (query, head) rows per program of the selected branch's dk, dv kernel
+QUERY_TILES_PER_PROGRAM = 16  # query tiles per program of the compressed branch's dk, dv kernel
+PROGRAMS_WANTED = 512  # the dk, dv kernels of the compressed and window branches split heads up to this
 
 
 def _interpreting() -> bool:
@@ -148,9 +150,15 @@ def _range_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, qk_scale, sm_scale, T, N, H
 
 @triton.jit
 def _range_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, QLO, QHI, qk_scale, sm_scale, T, N, H, G, D,
-                    KMUL, KOFF, WINDOW, KEY_TILES, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    bhk = tl.program_id(1)
+                    KMUL, KOFF, WINDOW, KEY_TILES, HEADS_PER_PROGRAM, TILES_PER_PROGRAM,
+                    ATOMIC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """dk, dv of one tile of keys of one kv head from HEADS_PER_PROGRAM of its query heads
+    (program_id(1) picks which) and up to TILES_PER_PROGRAM of the query tiles that may see it
+    (program_id(2)); with ATOMIC the partial sums are added into fp32 DK, DV."""
     kv_heads = H // G
+    head_splits = tl.cdiv(G, HEADS_PER_PROGRAM)
+    bhk = tl.program_id(1) // head_splits
+    g_first = (tl.program_id(1) % head_splits) * HEADS_PER_PROGRAM
     b = (bhk // kv_heads).to(tl.int64)
     hk = bhk % kv_heads
     tile = tl.program_id(0)
@@ -159,31 +167,36 @@ def _range_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, QLO, QHI, qk_scale, s
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     kv_off = ((b * N + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     key_pos = cols * KMUL + KOFF
-    first = tl.load(QLO + b * KEY_TILES + tile)  # the query tiles that may see this key tile
-    stop = tl.load(QHI + b * KEY_TILES + tile)
-    dk = tl.zeros([BN, BD], tl.float32)
-    dv = tl.zeros([BN, BD], tl.float32)
-    for g in range(0, G):
-        h = hk * G + g
-        for m in range(first, stop):
-            rows = m * BM + tl.arange(0, BM)
-            row_ok = rows < T
-            pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
-            q_off = ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            lse = tl.load(LSE + (b * T + rows) * H + h, mask=row_ok, other=float("inf"))
-            delta = tl.load(DELTA + (b * T + rows) * H + h, mask=row_ok, other=0.0)
-            allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
-            p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)  # [BM, BN]
-            dv += tl.dot(tl.trans(p).to(do.dtype), do)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+    first = tl.load(QLO + b * KEY_TILES + tile) + tl.program_id(2) * TILES_PER_PROGRAM  # query tiles that may see these keys
+    stop = tl.minimum(tl.load(QHI + b * KEY_TILES + tile), first + TILES_PER_PROGRAM)
+    if stop > first:
+        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        dk = tl.zeros([BN, BD], tl.float32)
+        dv = tl.zeros([BN, BD], tl.float32)
+        for g in range(g_first, tl.minimum(g_first + HEADS_PER_PROGRAM, G)):
+            h = hk * G + g
+            for m in range(first, stop):
+                rows = m * BM + tl.arange(0, BM)
+                row_ok = rows < T
+                pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
+                q_off = ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :]
+                q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                lse = tl.load(LSE + (b * T + rows) * H + h, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA + (b * T + rows) * H + h, mask=row_ok, other=0.0)
+                allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
+                p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)  # [BM, BN]
+                dv += tl.dot(tl.trans(p).to(do.dtype), do)
+                ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+                dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+        if ATOMIC:
+            tl.atomic_add(DK + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
+            tl.atomic_add(DV + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+            tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
 
 
 def _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window):
@@ -230,9 +243,9 @@ class _RangeAttention(torch.autograd.Function):
         q, k, v, o, lse, q_pos = ctx.saved_tensors
         batch, seq_len, heads, dim = q.shape
         num_keys, kv_heads = k.shape[1], k.shape[2]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if num_keys == 0:
-            return dq, dk, dv, None, None, None, None, None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # keys no query sees keep 0
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)  # [B, T, H]
         block_m, block_n = _tiles()
@@ -241,8 +254,26 @@ class _RangeAttention(torch.autograd.Function):
         _range_bwd_dq[(cdiv(seq_len, block_m), batch * heads)](q, k, v, do, dq, lse, delta, q_pos, *common, **blocks)
         key_tiles = cdiv(num_keys, block_n)
         first, stop = _query_tile_ranges(q_pos, block_m, key_tiles, block_n, ctx.kmul, ctx.koff, ctx.window)
-        _range_bwd_dkdv[(key_tiles, batch * kv_heads)](q, k, v, do, dk, dv, lse, delta, q_pos, first, stop, *common,
-                                                      key_tiles, **blocks)
+        groups = heads // kv_heads
+        # Enough programs to fill the GPU: the heads of a group, and for the compressed keys (few
+        # tiles, each seen by every later query) the query tiles too, split over programs whose
+        # partial sums are added into fp32 buffers.
+        query_tiles = cdiv(seq_len, block_m)
+        per_program = 2 if _interpreting() else QUERY_TILES_PER_PROGRAM  # the tests split too
+        splits = 1 if ctx.window < NO_WINDOW else cdiv(query_tiles, per_program)
+        tiles_per_program = query_tiles if splits == 1 else per_program
+        head_splits = min(groups, cdiv(PROGRAMS_WANTED, key_tiles * batch * kv_heads * splits))
+        heads_per_program = cdiv(groups, head_splits)
+        head_splits = cdiv(groups, heads_per_program)
+        atomic = splits > 1 or head_splits > 1
+        if atomic:
+            dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+            dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+        grid = (key_tiles, batch * kv_heads * head_splits, splits)
+        _range_bwd_dkdv[grid](q, k, v, do, dk32 if atomic else dk, dv32 if atomic else dv, lse, delta, q_pos, first, stop,
+                              *common, key_tiles, heads_per_program, tiles_per_program, ATOMIC=atomic, **blocks)
+        if atomic:
+            dk, dv = dk32.to(k.dtype), dv32.to(v.dtype)
         return dq, dk, dv, None, None, None, None, None
 
 
