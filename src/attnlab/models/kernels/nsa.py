@@ -39,7 +39,7 @@ from attnlab.models.ops.nsa import _masked_softmax, cdiv, check_selection_counts
 LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 NO_WINDOW = 1 << 30  # the compressed branch: every complete past block
 NO_WINDOW_INT = tl.constexpr(NO_WINDOW)
-SELECT_CHUNK_ELEMENTS = 1 << 25  # fp32 scores per chunk of queries while selecting blocks (128 MiB)
+SELECT_CHUNK_ELEMENTS = 1 << 24  # fp32 scores per chunk of queries while selecting blocks (64 MiB)
 ROWS_PER_PROGRAM = 2048  # (query, head) rows per program of the selected branch's dk, dv kernel
 QUERY_TILES_PER_PROGRAM = 16  # query tiles per program of the compressed branch's dk, dv kernel
 PROGRAMS_WANTED = 512  # the dk, dv kernels of the compressed and window branches split heads up to this
@@ -428,7 +428,8 @@ def _pairs_by_block(block_indices: torch.Tensor, num_blocks: int):
     seg = (head * (num_blocks + 1) + block_indices.long() + 1).flatten()
     seg, order = torch.sort(seg, stable=True)
     query = torch.div(order, kv_heads * slots, rounding_mode="floor") % seq_len
-    seg_end = torch.bincount(seg, minlength=batch * kv_heads * (num_blocks + 1)).cumsum(0)
+    segments = torch.arange(batch * kv_heads * (num_blocks + 1), device=device)
+    seg_end = torch.searchsorted(seg, segments, side="right")  # (bincount would wait for the device)
     return seg.int().contiguous(), query.int().contiguous(), seg_end.int().contiguous()
 
 
