@@ -51,15 +51,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # (batch, queries, heads, kv heads, dim, block size, block_counts, window, padding queries, keys)
 CPU_CASES = {
     "group-1": (2, 48, 2, 2, 16, 8, 3, 6, 0, None),
-    "group-2-padded": (2, 40, 4, 2, 16, 8, 4, 10, 7, None),
+    "group-2-padded": (2, 36, 4, 2, 16, 8, 4, 10, 7, None),
     "group-3-padded-block-16": (2, 45, 3, 1, 32, 16, 3, 20, 5, None),
-    "group-16": (2, 40, 16, 1, 16, 8, 4, 12, 0, None),
+    "group-16": (2, 34, 16, 1, 16, 8, 4, 12, 0, None),
     "prefill-after-a-cache-padded": (2, 24, 4, 2, 16, 8, 4, 10, 4, 64),
 }
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
-def test_nsa_kernels_match_the_reference_outputs_selection_and_gradients(case):
+def test_nsa_kernels_match_the_reference_outputs_selection_and_gradients(case, monkeypatch):
+    monkeypatch.setattr("attnlab.models.kernels.nsa.SELECT_CHUNK_ELEMENTS", 200)  # selection over several chunks
     batch, seq_len, heads, kv_heads, dim, block_size, block_counts, window, padding, keys = CPU_CASES[case]
     leaves, q_pos = nsa_case(batch, seq_len, heads, kv_heads, dim, block_size, padding, keys, seed=seq_len)
     options = dict(block_size=block_size, block_counts=block_counts, window_size=window)

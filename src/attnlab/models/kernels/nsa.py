@@ -10,9 +10,10 @@ there defines the function) without its dense [T, L] masks:
   the tiles of keys its queries can see, with an online softmax; it keeps each row's log-sum-exp.
 * sliding window (`_RangeAttention` over k, v): the same kernels, key j at position j, visible
   when q_pos - window_size < j <= q_pos.
-* selection: the group's summed compressed probabilities, recomputed in PyTorch on chunks of
-  queries (no [B, Hkv, T, C] tensor larger than `SELECT_CHUNK_ELEMENTS`), then `select_blocks`
-  itself, without gradient (as the reference detaches them).
+* selection: the group's summed compressed probabilities, recomputed by `_importance` from q,
+  k_cmp and the compressed branch's log-sum-exp on chunks of queries (no [B, Hkv, T, C] tensor
+  larger than `SELECT_CHUNK_ELEMENTS`), then `select_blocks` itself on each chunk, without
+  gradient (as the reference detaches them).
 * selected branch (`_SelectedAttention`): one program per (batch, query, kv head) holds the G query
   heads of its group as the rows of a tile (padded to a power of two, at least 16) and walks over
   its selected blocks. dq comes from the same per-query programs; dk, dv from programs over the
@@ -34,12 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.models.ops.nsa import _masked_softmax, cdiv, check_selection_counts, select_blocks
+from attnlab.models.ops.nsa import cdiv, check_selection_counts, select_blocks
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 NO_WINDOW = 1 << 30  # the compressed branch: every complete past block
 NO_WINDOW_INT = tl.constexpr(NO_WINDOW)
-SELECT_CHUNK_ELEMENTS = 1 << 24  # fp32 scores per chunk of queries while selecting blocks (64 MiB)
+SELECT_CHUNK_ELEMENTS = 1 << 24  # fp32 importance scores per chunk of queries while selecting blocks (64 MiB)
 ROWS_PER_PROGRAM = 2048  # (query, head) rows per program of the selected branch's dk, dv kernel
 QUERY_TILES_PER_PROGRAM = 16  # query tiles per program of the compressed branch's dk, dv kernel
 PROGRAMS_WANTED = 512  # the dk, dv kernels of the compressed and window branches split heads up to this
@@ -218,7 +219,8 @@ def _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window):
 
 class _RangeAttention(torch.autograd.Function):
     """Softmax attention of q [B, T, H, D] over k, v [B, N, Hkv, D], key j at position j * kmul + koff,
-    visible to a query at p when p - window < j * kmul + koff <= p. Returns o [B, T, H, D]."""
+    visible to a query at p when p - window < j * kmul + koff <= p. Returns o [B, T, H, D] and each
+    row's log-sum-exp [B, T, H] (fp32, base 2, +inf where nothing is visible; no gradient)."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, scale, kmul, koff, window):
@@ -236,10 +238,11 @@ class _RangeAttention(torch.autograd.Function):
                              kmul, koff, window, BM=block_m, BN=block_n, BD=_dim_block(dim))
         ctx.save_for_backward(q, k, v, o, lse, q_pos)
         ctx.scale, ctx.kmul, ctx.koff, ctx.window = scale, kmul, koff, window
-        return o
+        ctx.mark_non_differentiable(lse)
+        return o, lse
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, dlse):
         q, k, v, o, lse, q_pos = ctx.saved_tensors
         batch, seq_len, heads, dim = q.shape
         num_keys, kv_heads = k.shape[1], k.shape[2]
@@ -509,23 +512,55 @@ class _GateMix(torch.autograd.Function):
         return (*d_outs, *d_gates)
 
 
+@triton.jit
+def _importance(Q, KC, LSE, QPOS, OUT, qk_scale, T, C, H, G, D, BLOCK, T0, TC,
+                BM: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """OUT [B, Hkv, TC, C] (fp32): for the queries T0 .. T0 + TC, the compressed attention
+    probabilities exp(s - lse) of the group's heads summed, 0 where a block is not visible."""
+    bhk = tl.program_id(1)
+    kv_heads = H // G
+    b = (bhk // kv_heads).to(tl.int64)
+    hk = bhk % kv_heads
+    local = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = local < TC
+    rows = T0 + local
+    cols = tl.program_id(2) * BC + tl.arange(0, BC)
+    col_ok = cols < C
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
+    kc = tl.load(KC + ((b * C + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    visible = (((cols + 1) * BLOCK - 1)[None, :] <= pos[:, None]) & col_ok[None, :]
+    acc = tl.zeros([BM, BC], tl.float32)
+    for g in range(0, G):
+        h = hk * G + g
+        q = tl.load(Q + ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + (b * T + rows) * H + h, mask=row_ok, other=float("inf"))
+        acc += tl.where(visible, tl.exp2(tl.dot(q, tl.trans(kc)) * qk_scale - lse[:, None]), 0.0)
+    tl.store(OUT + (bhk * TC + local[:, None]) * C + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
 @torch.no_grad()
-def select_blocks_chunked(q, k_cmp, q_pos, scale, block_size, block_counts, num_blocks, initial_blocks, local_blocks):
-    """The reference's block selection (the group's summed compressed attention probabilities, in
-    fp32, then `select_blocks`) on chunks of queries: [B, T, Hkv, S] int64, -1 in unused slots."""
+def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_counts, num_blocks, initial_blocks, local_blocks):
+    """The reference's block selection (the group's summed compressed attention probabilities,
+    recomputed from q, k_cmp and the compressed branch's log-sum-exp, then `select_blocks`) on chunks
+    of queries, so that no [B, Hkv, T, C] score tensor exists: [B, T, Hkv, S] int64, -1 in unused slots.
+    q, k_cmp contiguous in one dtype; lse_cmp [B, T, H] (base 2); q_pos [B, T]."""
     batch, seq_len, heads, dim = q.shape
     num_cmp, kv_heads = k_cmp.shape[1], k_cmp.shape[2]
-    groups = heads // kv_heads
-    k_cmp = k_cmp.float()
-    blocks = torch.arange(num_cmp, device=q.device)
-    chunk = max(1, SELECT_CHUNK_ELEMENTS // max(1, batch * heads * num_cmp))
+    chunk = max(1, SELECT_CHUNK_ELEMENTS // max(1, batch * kv_heads * num_cmp))
+    q_pos32 = q_pos.to(torch.int32).contiguous()
+    block_m, block_c = _tiles()
     out = []
     for start in range(0, seq_len, chunk):
-        qg = q[:, start : start + chunk].float().unflatten(2, (kv_heads, groups)) * scale
-        pos = q_pos[:, start : start + chunk]
-        visible = ((blocks + 1) * block_size - 1 <= pos[:, :, None])[:, None, None]  # [B, 1, 1, t, C]
-        probs = _masked_softmax(torch.einsum("bthgd,bchd->bhgtc", qg, k_cmp), visible)
-        out.append(select_blocks(probs.sum(2), pos, block_size, block_counts, num_blocks, initial_blocks, local_blocks))
+        rows = min(chunk, seq_len - start)
+        importance = torch.zeros(batch, kv_heads, rows, num_cmp, device=q.device, dtype=torch.float32)
+        if num_cmp:
+            grid = (cdiv(rows, block_m), batch * kv_heads, cdiv(num_cmp, block_c))
+            _importance[grid](q, k_cmp, lse_cmp, q_pos32, importance, scale * LOG2E, seq_len, num_cmp, heads,
+                              heads // kv_heads, dim, block_size, start, rows, BM=block_m, BC=block_c, BD=_dim_block(dim))
+        pos = q_pos[:, start : start + rows]
+        out.append(select_blocks(importance, pos, block_size, block_counts, num_blocks, initial_blocks, local_blocks))
     return torch.cat(out, dim=1)
 
 
@@ -556,14 +591,14 @@ def parallel_nsa(
     scale = dim ** -0.5 if scale is None else scale
     if q_pos is None:
         q_pos = torch.arange(length - seq_len, length, device=q.device).expand(batch, seq_len)
-    block_indices = select_blocks_chunked(
-        q, k_cmp, q_pos, scale, block_size, block_counts, cdiv(length, block_size), initial_blocks, local_blocks
-    )
     dtype = q.dtype
     q = q.contiguous()
     k, v, k_cmp, v_cmp = (x.to(dtype).contiguous() for x in (k, v, k_cmp, v_cmp))
     pos32 = q_pos.to(torch.int32).contiguous()
-    o_cmp = _RangeAttention.apply(q, k_cmp, v_cmp, pos32, scale, block_size, block_size - 1, NO_WINDOW)
+    o_cmp, lse_cmp = _RangeAttention.apply(q, k_cmp, v_cmp, pos32, scale, block_size, block_size - 1, NO_WINDOW)
+    block_indices = select_blocks_chunked(
+        q, k_cmp, lse_cmp, q_pos, scale, block_size, block_counts, cdiv(length, block_size), initial_blocks, local_blocks
+    )
     o_slc = _SelectedAttention.apply(q, k, v, pos32, block_indices.to(torch.int32).contiguous(), scale, block_size)
-    o_swa = _RangeAttention.apply(q, k, v, pos32, scale, 1, 0, window_size)
+    o_swa, _ = _RangeAttention.apply(q, k, v, pos32, scale, 1, 0, window_size)
     return _GateMix.apply(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa), block_indices
