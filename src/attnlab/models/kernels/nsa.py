@@ -50,9 +50,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _tiles() -> tuple[int, int]:
-    """(queries, keys) per tile of the compressed and window kernels."""
-    return (16, 16) if _interpreting() else (64, 64)
+def _tiles(dim: int) -> tuple[int, int]:
+    """(queries, keys) per tile of the compressed and window kernels: smaller for wide heads, whose
+    tiles and fp32 accumulators would not fit in registers."""
+    if _interpreting():
+        return 16, 16
+    return (64, 64) if dim <= 64 else (64, 32) if dim <= 128 else (32, 32)
 
 
 def _dim_block(dim: int) -> int:
@@ -228,7 +231,7 @@ class _RangeAttention(torch.autograd.Function):
         num_keys, kv_heads = k.shape[1], k.shape[2]
         o = torch.empty_like(q)
         lse = torch.empty(batch, seq_len, heads, device=q.device, dtype=torch.float32)
-        block_m, block_n = _tiles()
+        block_m, block_n = _tiles(dim)
         if num_keys == 0:
             o.zero_()
             lse.fill_(float("inf"))
@@ -251,7 +254,7 @@ class _RangeAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # keys no query sees keep 0
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)  # [B, T, H]
-        block_m, block_n = _tiles()
+        block_m, block_n = _tiles(dim)
         common = (ctx.scale * LOG2E, ctx.scale, seq_len, num_keys, heads, heads // kv_heads, dim, ctx.kmul, ctx.koff, ctx.window)
         blocks = dict(BM=block_m, BN=block_n, BD=_dim_block(dim))
         _range_bwd_dq[(cdiv(seq_len, block_m), batch * heads)](q, k, v, do, dq, lse, delta, q_pos, *common, **blocks)
@@ -475,7 +478,7 @@ class _SelectedAttention(torch.autograd.Function):
         seg, query, seg_end = _pairs_by_block(block_indices, num_blocks)
         pairs = seg.numel()
         head_rows = triton.next_power_of_2(groups)  # rows of one pair in the dk, dv tiles
-        rows = max(64, head_rows)
+        rows = max(64 if dim <= 128 else 32, head_rows)
         per_program = max(rows // head_rows, ROWS_PER_PROGRAM // head_rows)
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
@@ -550,7 +553,7 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
     num_cmp, kv_heads = k_cmp.shape[1], k_cmp.shape[2]
     chunk = max(1, SELECT_CHUNK_ELEMENTS // max(1, batch * kv_heads * num_cmp))
     q_pos32 = q_pos.to(torch.int32).contiguous()
-    block_m, block_c = _tiles()
+    block_m, block_c = _tiles(dim)
     out = []
     for start in range(0, seq_len, chunk):
         rows = min(chunk, seq_len - start)

@@ -4,7 +4,9 @@ Three branches per query head, mixed by sigmoid gates from `g_proj` (one per hea
 attention over compressed blocks (mean-pooled keys/values, or a small learned MLP per block),
 attention over the tokens of `block_counts` selected blocks per query and key/value head group,
 and sliding-window attention. The math lives in `attnlab.models.ops.nsa`; parameter names follow
-fla's `NativeSparseAttention`.
+fla's `NativeSparseAttention`. On CUDA the parallel form (training, prefill) runs attnlab's Triton
+kernels (`attnlab.models.kernels.nsa`, memory linear in the sequence length) unless
+`config.kernels` is "torch"; decoding steps run `nsa_step`.
 
 Block selection is the paper's (section 3.3.2) and fla's (`naive_nsa_topk`, `parallel_nsa_topk`):
 the first `initial_blocks` blocks and the `local_blocks` blocks ending at the query's own block
