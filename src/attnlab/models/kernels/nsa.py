@@ -58,6 +58,13 @@ def _tiles(dim: int) -> tuple[int, int]:
     return (64, 64) if dim <= 64 else (64, 32) if dim <= 128 else (32, 32)
 
 
+def _warps(dim: int, heavy: bool = False) -> int:
+    """Warps per program: 8 where 4 would spill registers on an H100 (`heavy`: the dk, dv kernels,
+    which hold two fp32 accumulators, and the importance kernel; every kernel past head dim 64),
+    else 4 (compiled for sm_90 by Triton 3.6: no spills at head dims 64 and 128, a few at 256)."""
+    return 8 if heavy or dim > 64 else 4
+
+
 def _dim_block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
@@ -73,17 +80,21 @@ def _dim_block(dim: int) -> int:
 def _range_fwd(Q, K, V, O, LSE, QPOS, qk_scale, T, N, H, G, D, KMUL, KOFF, WINDOW,
                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
+    b = (bh // H).to(tl.int64)  # 64-bit only in the per-row base offsets; int32 within a row
     h = bh % H
     kv_heads = H // G
     hk = h // G
+    q_base = b * T * H * D + h * D
+    kv_base = b * N * kv_heads * D + hk * D
+    QPOS += b * T
+    LSE += b * T * H + h
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < T
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
-    pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
-    q_off = ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
+    q_off = rows[:, None] * (H * D) + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     pos_max = tl.max(pos, 0)
     pos_min = tl.min(tl.where(pos >= 0, pos, NO_WINDOW_INT), 0)
     first = (tl.maximum(pos_min - WINDOW + 1 - KOFF, 0) + KMUL - 1) // KMUL  # first key some row sees
@@ -94,9 +105,9 @@ def _range_fwd(Q, K, V, O, LSE, QPOS, qk_scale, T, N, H, G, D, KMUL, KOFF, WINDO
     for start in range((first // BN) * BN, stop, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < stop
-        kv_off = ((b * N + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         key_pos = cols * KMUL + KOFF
         allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
         s = tl.where(allowed, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
@@ -109,8 +120,8 @@ def _range_fwd(Q, K, V, O, LSE, QPOS, qk_scale, T, N, H, G, D, KMUL, KOFF, WINDO
         m_i = m_new
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
-    tl.store(O + q_off, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + (b * T + rows) * H + h, tl.where(seen, m_i + tl.log2(l_safe), float("inf")), mask=row_ok)
+    tl.store(O + q_base + q_off, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + rows * H, tl.where(seen, m_i + tl.log2(l_safe), float("inf")), mask=row_ok)
 
 
 
@@ -118,20 +129,24 @@ def _range_fwd(Q, K, V, O, LSE, QPOS, qk_scale, T, N, H, G, D, KMUL, KOFF, WINDO
 def _range_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, qk_scale, sm_scale, T, N, H, G, D, KMUL, KOFF, WINDOW,
                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
+    b = (bh // H).to(tl.int64)  # 64-bit only in the per-row base offsets; int32 within a row
     h = bh % H
     kv_heads = H // G
     hk = h // G
+    q_base = b * T * H * D + h * D
+    kv_base = b * N * kv_heads * D + hk * D
+    QPOS += b * T
+    LSE += b * T * H + h
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < T
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
-    pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
-    q_off = ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(LSE + (b * T + rows) * H + h, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + (b * T + rows) * H + h, mask=row_ok, other=0.0)
+    pos = tl.load(QPOS + rows, mask=row_ok, other=-1)
+    q_off = rows[:, None] * (H * D) + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(LSE + rows * H, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * T * H + h + rows * H, mask=row_ok, other=0.0)
     pos_max = tl.max(pos, 0)
     pos_min = tl.min(tl.where(pos >= 0, pos, NO_WINDOW_INT), 0)
     first = (tl.maximum(pos_min - WINDOW + 1 - KOFF, 0) + KMUL - 1) // KMUL
@@ -140,16 +155,16 @@ def _range_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, qk_scale, sm_scale, T, N, H
     for start in range((first // BN) * BN, stop, BN):
         cols = start + tl.arange(0, BN)
         col_ok = cols < stop
-        kv_off = ((b * N + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         key_pos = cols * KMUL + KOFF
         allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
         p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -170,13 +185,14 @@ def _range_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, QLO, QHI, qk_scale, s
     col_ok = cols < N
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
-    kv_off = ((b * N + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
+    kv_base = b * N * kv_heads * D + hk * D
+    kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
     key_pos = cols * KMUL + KOFF
     first = tl.load(QLO + b * KEY_TILES + tile) + tl.program_id(2) * TILES_PER_PROGRAM  # query tiles that may see these keys
     stop = tl.minimum(tl.load(QHI + b * KEY_TILES + tile), first + TILES_PER_PROGRAM)
     if stop > first:
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         dk = tl.zeros([BN, BD], tl.float32)
         dv = tl.zeros([BN, BD], tl.float32)
         for g in range(g_first, tl.minimum(g_first + HEADS_PER_PROGRAM, G)):
@@ -185,22 +201,23 @@ def _range_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, QLO, QHI, qk_scale, s
                 rows = m * BM + tl.arange(0, BM)
                 row_ok = rows < T
                 pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
-                q_off = ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :]
-                q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                lse = tl.load(LSE + (b * T + rows) * H + h, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA + (b * T + rows) * H + h, mask=row_ok, other=0.0)
+                q_off = rows[:, None] * (H * D) + offs_d[None, :]
+                q_base = b * T * H * D + h * D
+                q = tl.load(Q + q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                do = tl.load(DO + q_base + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                lse = tl.load(LSE + b * T * H + h + rows * H, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA + b * T * H + h + rows * H, mask=row_ok, other=0.0)
                 allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
                 p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)  # [BM, BN]
                 dv += tl.dot(tl.trans(p).to(do.dtype), do)
                 ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q)
         if ATOMIC:
-            tl.atomic_add(DK + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
-            tl.atomic_add(DV + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
+            tl.atomic_add(DK + kv_base + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
+            tl.atomic_add(DV + kv_base + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
         else:
-            tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
-            tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+            tl.store(DK + kv_base + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+            tl.store(DV + kv_base + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
 
 
 def _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window):
@@ -238,7 +255,7 @@ class _RangeAttention(torch.autograd.Function):
         else:
             grid = (cdiv(seq_len, block_m), batch * heads)
             _range_fwd[grid](q, k, v, o, lse, q_pos, scale * LOG2E, seq_len, num_keys, heads, heads // kv_heads, dim,
-                             kmul, koff, window, BM=block_m, BN=block_n, BD=_dim_block(dim))
+                             kmul, koff, window, BM=block_m, BN=block_n, BD=_dim_block(dim), num_warps=_warps(dim))
         ctx.save_for_backward(q, k, v, o, lse, q_pos)
         ctx.scale, ctx.kmul, ctx.koff, ctx.window = scale, kmul, koff, window
         ctx.mark_non_differentiable(lse)
@@ -257,7 +274,8 @@ class _RangeAttention(torch.autograd.Function):
         block_m, block_n = _tiles(dim)
         common = (ctx.scale * LOG2E, ctx.scale, seq_len, num_keys, heads, heads // kv_heads, dim, ctx.kmul, ctx.koff, ctx.window)
         blocks = dict(BM=block_m, BN=block_n, BD=_dim_block(dim))
-        _range_bwd_dq[(cdiv(seq_len, block_m), batch * heads)](q, k, v, do, dq, lse, delta, q_pos, *common, **blocks)
+        _range_bwd_dq[(cdiv(seq_len, block_m), batch * heads)](q, k, v, do, dq, lse, delta, q_pos, *common, **blocks,
+                                                               num_warps=_warps(dim))
         key_tiles = cdiv(num_keys, block_n)
         first, stop = _query_tile_ranges(q_pos, block_m, key_tiles, block_n, ctx.kmul, ctx.koff, ctx.window)
         groups = heads // kv_heads
@@ -277,7 +295,8 @@ class _RangeAttention(torch.autograd.Function):
             dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
         grid = (key_tiles, batch * kv_heads * head_splits, splits)
         _range_bwd_dkdv[grid](q, k, v, do, dk32 if atomic else dk, dv32 if atomic else dv, lse, delta, q_pos, first, stop,
-                              *common, key_tiles, heads_per_program, tiles_per_program, ATOMIC=atomic, **blocks)
+                              *common, key_tiles, heads_per_program, tiles_per_program, ATOMIC=atomic, **blocks,
+                              num_warps=_warps(dim, heavy=True))
         if atomic:
             dk, dv = dk32.to(k.dtype), dv32.to(v.dtype)
         return dq, dk, dv, None, None, None, None, None
@@ -303,8 +322,12 @@ def _slc_fwd(Q, K, V, O, LSE, QPOS, IDX, qk_scale, T, L, H, G, D, S, BLOCK,
     d_ok = offs_d < D
     offs_k = tl.arange(0, BK)
     pos = tl.load(QPOS + b * T + t)
-    row = (b * T + t) * H + hk * G + g
-    q = tl.load(Q + row[:, None] * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    head = hk * G + g  # int32 offsets within the query's row of heads, 64-bit bases
+    q_base = (b * T + t) * H * D
+    kv_base = b * L * kv_heads * D + hk * D
+    LSE += (b * T + t) * H
+    q_off = head[:, None] * D + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BD], tl.float32)
@@ -312,9 +335,9 @@ def _slc_fwd(Q, K, V, O, LSE, QPOS, IDX, qk_scale, T, L, H, G, D, S, BLOCK,
         block = tl.load(IDX + ((b * T + t) * kv_heads + hk) * S + slot)
         cols = block * BLOCK + offs_k
         col_ok = (block >= 0) & (offs_k < BLOCK) & (cols <= pos) & (cols < L)
-        kv_off = ((b * L + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.where(col_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -325,9 +348,8 @@ def _slc_fwd(Q, K, V, O, LSE, QPOS, IDX, qk_scale, T, L, H, G, D, S, BLOCK,
         m_i = m_new
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
-    tl.store(O + row[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + row, tl.where(seen, m_i + tl.log2(l_safe), float("inf")), mask=g_ok)
+    tl.store(O + q_base + q_off, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + head, tl.where(seen, m_i + tl.log2(l_safe), float("inf")), mask=g_ok)
 
 
 @triton.jit
@@ -344,24 +366,27 @@ def _slc_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, IDX, qk_scale, sm_scale, T, L
     d_ok = offs_d < D
     offs_k = tl.arange(0, BK)
     pos = tl.load(QPOS + b * T + t)
-    row = (b * T + t) * H + hk * G + g
-    q_off = row[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(LSE + row, mask=g_ok, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=g_ok, other=0.0)
+    head = hk * G + g  # int32 offsets within the query's row of heads, 64-bit bases
+    q_base = (b * T + t) * H * D
+    kv_base = b * L * kv_heads * D + hk * D
+    LSE += (b * T + t) * H
+    q_off = head[:, None] * D + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + q_base + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    lse = tl.load(LSE + head, mask=g_ok, other=float("inf"))
+    delta = tl.load(DELTA + (b * T + t) * H + head, mask=g_ok, other=0.0)
     dq = tl.zeros([GP, BD], tl.float32)
     for slot in range(0, S):
         block = tl.load(IDX + ((b * T + t) * kv_heads + hk) * S + slot)
         cols = block * BLOCK + offs_k
         col_ok = (block >= 0) & (offs_k < BLOCK) & (cols <= pos) & (cols < L)
-        kv_off = ((b * L + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         p = tl.where(col_ok[None, :], tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -390,9 +415,10 @@ def _slc_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, SEG, TQ, SEG_END, qk_sc
         hk = bhk % kv_heads
         cols = block * BLOCK + offs_k
         col_ok = (block >= 0) & (offs_k < BLOCK) & (cols < L)
-        kv_off = ((b * L + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_base = b * L * kv_heads * D + hk * D
+        kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
+        k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         dk = tl.zeros([BK, BD], tl.float32)
         dv = tl.zeros([BK, BD], tl.float32)
         for first in range(here, tl.where(block >= 0, seg_stop, here), BR // GP):
@@ -400,19 +426,19 @@ def _slc_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, SEG, TQ, SEG_END, qk_sc
             row_ok = (pair < seg_stop) & g_ok
             t = tl.load(TQ + pair, mask=row_ok, other=0)
             pos = tl.load(QPOS + b * T + t, mask=row_ok, other=-1)
-            row = (b * T + t) * H + hk * G + g
+            row = t * H + hk * G + g  # within the batch row: int32
             q_off = row[:, None] * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            do = tl.load(DO + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+            q = tl.load(Q + b * T * H * D + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(DO + b * T * H * D + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(LSE + b * T * H + row, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + b * T * H + row, mask=row_ok, other=0.0)
             allowed = (cols[None, :] <= pos[:, None]) & col_ok[None, :] & row_ok[:, None]
             p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)  # [BR, BK]
             dv += tl.dot(tl.trans(p).to(do.dtype), do)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-        tl.atomic_add(DK + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
-        tl.atomic_add(DV + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
+        tl.atomic_add(DK + kv_base + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
+        tl.atomic_add(DV + kv_base + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
         here = seg_stop
 
 
@@ -452,7 +478,7 @@ class _SelectedAttention(torch.autograd.Function):
         groups = heads // kv_heads
         _slc_fwd[(seq_len, batch * kv_heads)](
             q, k, v, o, lse, q_pos, block_indices, scale * LOG2E, seq_len, length, heads, groups, dim, slots, block_size,
-            GP=_group_rows(groups), BK=_block_tile(block_size), BD=_dim_block(dim),
+            GP=_group_rows(groups), BK=_block_tile(block_size), BD=_dim_block(dim), num_warps=_warps(dim),
         )
         ctx.save_for_backward(q, k, v, o, lse, q_pos, block_indices)
         ctx.scale, ctx.block_size = scale, block_size
@@ -472,13 +498,13 @@ class _SelectedAttention(torch.autograd.Function):
         gp, bk, bd = _group_rows(groups), _block_tile(block_size), _dim_block(dim)
         _slc_bwd_dq[(seq_len, batch * kv_heads)](
             q, k, v, do, dq, lse, delta, q_pos, block_indices, ctx.scale * LOG2E, ctx.scale,
-            seq_len, length, heads, groups, dim, slots, block_size, GP=gp, BK=bk, BD=bd,
+            seq_len, length, heads, groups, dim, slots, block_size, GP=gp, BK=bk, BD=bd, num_warps=_warps(dim),
         )
         num_blocks = cdiv(length, block_size)
         seg, query, seg_end = _pairs_by_block(block_indices, num_blocks)
         pairs = seg.numel()
         head_rows = triton.next_power_of_2(groups)  # rows of one pair in the dk, dv tiles
-        rows = max(64 if dim <= 128 else 32, head_rows)
+        rows = max(64 if dim <= 64 else 32, head_rows)
         per_program = max(rows // head_rows, ROWS_PER_PROGRAM // head_rows)
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
@@ -486,7 +512,7 @@ class _SelectedAttention(torch.autograd.Function):
             _slc_bwd_dkdv[(cdiv(pairs, per_program),)](
                 q, k, v, do, dk, dv, lse, delta, q_pos, seg, query, seg_end, ctx.scale * LOG2E, ctx.scale,
                 seq_len, length, heads, groups, dim, num_blocks + 1, pairs, per_program, block_size,
-                GP=head_rows, BR=rows, BK=bk, BD=bd,
+                GP=head_rows, BR=rows, BK=bk, BD=bd, num_warps=_warps(dim, heavy=True),
             )
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -532,15 +558,17 @@ def _importance(Q, KC, LSE, QPOS, OUT, qk_scale, T, C, H, G, D, BLOCK, T0, TC,
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     pos = tl.load(QPOS + b * T + rows, mask=row_ok, other=-1)
-    kc = tl.load(KC + ((b * C + cols[:, None]) * kv_heads + hk) * D + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    kc_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
+    kc = tl.load(KC + b * C * kv_heads * D + hk * D + kc_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     visible = (((cols + 1) * BLOCK - 1)[None, :] <= pos[:, None]) & col_ok[None, :]
     acc = tl.zeros([BM, BC], tl.float32)
     for g in range(0, G):
         h = hk * G + g
-        q = tl.load(Q + ((b * T + rows[:, None]) * H + h) * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        lse = tl.load(LSE + (b * T + rows) * H + h, mask=row_ok, other=float("inf"))
+        q_off = rows[:, None] * (H * D) + offs_d[None, :]
+        q = tl.load(Q + b * T * H * D + h * D + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + b * T * H + h + rows * H, mask=row_ok, other=float("inf"))
         acc += tl.where(visible, tl.exp2(tl.dot(q, tl.trans(kc)) * qk_scale - lse[:, None]), 0.0)
-    tl.store(OUT + (bhk * TC + local[:, None]) * C + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(OUT + bhk.to(tl.int64) * TC * C + local[:, None] * C + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @torch.no_grad()
@@ -561,7 +589,8 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
         if num_cmp:
             grid = (cdiv(rows, block_m), batch * kv_heads, cdiv(num_cmp, block_c))
             _importance[grid](q, k_cmp, lse_cmp, q_pos32, importance, scale * LOG2E, seq_len, num_cmp, heads,
-                              heads // kv_heads, dim, block_size, start, rows, BM=block_m, BC=block_c, BD=_dim_block(dim))
+                              heads // kv_heads, dim, block_size, start, rows, BM=block_m, BC=block_c, BD=_dim_block(dim),
+                              num_warps=_warps(dim, heavy=True))
         pos = q_pos[:, start : start + rows]
         out.append(select_blocks(importance, pos, block_size, block_counts, num_blocks, initial_blocks, local_blocks))
     return torch.cat(out, dim=1)
