@@ -43,6 +43,12 @@ def run(fn, leaves, q_pos, do, dtype=torch.float32, **options):
     return o.float(), block_indices, [x.grad for x in leaves]
 
 
+def same_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B, T, Hkv]: whether two block selections hold the same blocks (in any slot order: the
+    forced blocks tie at +inf and may come out of top-k in either order)."""
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
@@ -67,7 +73,7 @@ def test_nsa_kernels_match_the_reference_outputs_selection_and_gradients(case, m
     do = torch.randn(batch, seq_len, heads, dim, generator=torch.Generator().manual_seed(1))
     o, idx, grads = run(fused_nsa, leaves, q_pos, do, **options)
     ref_o, ref_idx, ref_grads = run(reference_nsa, leaves, q_pos, do, **options)
-    assert torch.equal(idx, ref_idx)
+    assert same_blocks(idx, ref_idx).all()
     torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
     if padding:
         assert o[1, :padding].abs().max() == 0, "padding queries output 0"
@@ -81,7 +87,7 @@ def test_nsa_kernels_give_zero_output_and_gradient_before_the_first_complete_blo
     do = torch.randn(1, 6, 2, 16, generator=torch.Generator().manual_seed(2))
     o, idx, grads = run(fused_nsa, leaves, q_pos, do, **options)
     ref_o, ref_idx, ref_grads = run(reference_nsa, leaves, q_pos, do, **options)
-    assert torch.equal(idx, ref_idx)
+    assert same_blocks(idx, ref_idx).all()
     torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
     assert grads[5].abs().max() == 0, "the compressed gate has nothing to scale"
     for name, grad, ref_grad in zip(NAMES, grads, ref_grads):
@@ -128,7 +134,7 @@ def test_nsa_kernels_in_bf16_match_the_fp32_reference_on_cuda(case):
     do = torch.randn(batch, seq_len, heads, dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     o, idx, grads = run(fused_nsa, leaves, q_pos, do, dtype=torch.bfloat16, **options)
     ref_o, ref_idx, ref_grads = run(reference_nsa, leaves, q_pos, do, **options)
-    assert o.dtype == torch.float32 and (idx != ref_idx).float().mean() < 1e-3  # ties may fall either way
+    assert (~same_blocks(idx, ref_idx)).float().mean() < 1e-3  # near-ties may fall either way
     assert rel_err(o, ref_o) < 2e-2
     for name, grad, ref_grad in zip(NAMES, grads, ref_grads):
         assert grad.isfinite().all() and rel_err(grad, ref_grad) < 2e-2, name

@@ -620,6 +620,9 @@ def parallel_nsa(
     length, kv_heads = k.shape[1], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    if max(seq_len * heads, length * kv_heads) * dim >= 2**31:
+        raise ValueError(f"NSA kernels: one row of q or k ({seq_len} x {heads} or {length} x {kv_heads} heads of {dim}) "
+                         "needs 64-bit offsets; use shorter rows (or kernels 'torch')")
     scale = dim ** -0.5 if scale is None else scale
     if q_pos is None:
         q_pos = torch.arange(length - seq_len, length, device=q.device).expand(batch, seq_len)
