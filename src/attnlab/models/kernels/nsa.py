@@ -585,8 +585,8 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
     out = []
     for start in range(0, seq_len, chunk):
         rows = min(chunk, seq_len - start)
-        importance = torch.zeros(batch, kv_heads, rows, num_cmp, device=q.device, dtype=torch.float32)
-        if num_cmp:
+        importance = torch.empty(batch, kv_heads, rows, num_cmp, device=q.device, dtype=torch.float32)
+        if num_cmp:  # the kernel writes every entry
             grid = (cdiv(rows, block_m), batch * kv_heads, cdiv(num_cmp, block_c))
             _importance[grid](q, k_cmp, lse_cmp, q_pos32, importance, scale * LOG2E, seq_len, num_cmp, heads,
                               heads // kv_heads, dim, block_size, start, rows, BM=block_m, BC=block_c, BD=_dim_block(dim),
