@@ -402,6 +402,21 @@ def test_health_stats_report_every_nsa_key_within_range():
     assert stats["nsa_pct_at_k_max"] == pytest.approx(100 * 16 / 40)
 
 
+def test_health_stats_stay_on_the_device_until_read():
+    model = make_model("nsa").train()
+    model.enable_health_stats(True)
+    tokens = random_tokens(2, 24)
+    model(tokens, labels=tokens)
+    layer_stats = [m.last_stats for m in model.modules() if getattr(m, "last_stats", None)]
+    assert len(layer_stats) == 2
+    for stats in layer_stats:
+        assert all(isinstance(value, torch.Tensor) and value.dim() == 0 for key, value in stats.items() if key != "nsa_k_max")
+    before = model.health_stats()
+    mask = torch.zeros(2, 24, dtype=torch.long)  # nothing real: the statistics keep their values
+    model(tokens, attention_mask=mask)
+    assert model.health_stats() == before
+
+
 def test_health_stats_ignore_padding_and_evaluation_and_need_enabling():
     model = make_model("nsa").train()
     tokens = random_tokens(2, 16)

@@ -159,12 +159,20 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
                     module.last_stats = {}
 
     def health_stats(self) -> dict[str, float]:
-        """The latest statistics of the mixers that report them, averaged over layers, e.g.
-        `nsa_gate_entropy_mean`, `nsa_k_mean`; empty when no mixer reports any."""
+        """The latest statistics of the mixers that report them, averaged over layers, as floats
+        (e.g. `nsa_gate_entropy_mean`, `nsa_k_mean`); empty when no mixer reports any."""
         per_layer = [m.last_stats for m in self.modules() if getattr(m, "last_stats", None)]
         if not per_layer:
             return {}
-        return {key: sum(stats[key] for stats in per_layer) / len(per_layer) for key in per_layer[0]}
+        # the mixers keep 0-d tensors on the device (recording them never waits for it): one
+        # transfer here, at log time
+        keys = list(per_layer[0])
+        device = next((v.device for v in per_layer[0].values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        table = torch.stack([
+            torch.stack([torch.as_tensor(stats[key], dtype=torch.float32, device=device).reshape(()) for key in keys])
+            for stats in per_layer
+        ])  # [layers, keys]
+        return dict(zip(keys, table.mean(0).tolist()))
 
     def forward(
         self,

@@ -36,7 +36,7 @@ def graph_blocker(model: nn.Module, world_size: int = 1) -> str | None:
     if unsafe:
         return f"mixer {', '.join(unsafe)} is not verified for capture"
     if any(getattr(m, "collect_stats", False) for m in model.modules()):
-        return "a mixer records statistics on the host during the forward"
+        return "a mixer records statistics during the forward (not verified for capture)"
     if getattr(model, "is_gradient_checkpointing", False):
         return "gradient checkpointing recomputes blocks inside the backward"
     if world_size > 1:

@@ -1,4 +1,4 @@
-"""Kernel dispatch: the pure-PyTorch reference everywhere, fla's Triton kernels on CUDA.
+"""Kernel dispatch: the pure-PyTorch reference everywhere, fla's and attnlab's Triton kernels on CUDA.
 
 `config.kernels` chooses: "auto" uses fla's kernels for CUDA tensors when the `gpu` extra
 (flash-linear-attention) is installed, and the reference otherwise; "torch" always uses the
@@ -94,6 +94,37 @@ def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
     from attnlab.models.kernels.conv import causal_conv1d
 
     return causal_conv1d
+
+
+NSA_MAX_HEAD_DIM = 256  # the NSA kernels hold a tile of queries and keys with their head dims in registers
+NSA_MAX_BLOCK_SIZE = 256  # a selected block is one tile of keys
+NSA_MAX_GROUP = 128  # a selected-branch program holds the group's query heads as rows
+
+
+def nsa_gap(head_dim: int, block_size: int, groups: int) -> str | None:
+    """None when attnlab's NSA kernels cover a layer with these sizes, else what they do not cover."""
+    for name, value, most in (("head dims", head_dim, NSA_MAX_HEAD_DIM), ("block sizes", block_size, NSA_MAX_BLOCK_SIZE),
+                              ("query heads per kv head", groups, NSA_MAX_GROUP)):
+        if value > most:
+            return f"{name} above {most} (this model has {value})"
+    return None
+
+
+def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
+    """NSA's training and prefill form for this call: attnlab's Triton kernels for CUDA tensors
+    (memory linear in the sequence length), else the PyTorch reference. `covered`: whether the
+    kernels compute the layer's options (the layer says why not when it is built)."""
+    from attnlab.models.ops.nsa import parallel_nsa
+
+    if choice == "torch" or not covered or not x.is_cuda:
+        return parallel_nsa
+    if not triton_installed():
+        if choice == "fla":
+            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
+        return parallel_nsa
+    from attnlab.models.kernels.nsa import parallel_nsa as fused
+
+    return fused
 
 
 def _log_forget_gate(logits: torch.Tensor, normalizer: float, keep: torch.Tensor | None) -> torch.Tensor:

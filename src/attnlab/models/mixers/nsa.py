@@ -4,7 +4,9 @@ Three branches per query head, mixed by sigmoid gates from `g_proj` (one per hea
 attention over compressed blocks (mean-pooled keys/values, or a small learned MLP per block),
 attention over the tokens of `block_counts` selected blocks per query and key/value head group,
 and sliding-window attention. The math lives in `attnlab.models.ops.nsa`; parameter names follow
-fla's `NativeSparseAttention`.
+fla's `NativeSparseAttention`. On CUDA the parallel form (training, prefill) runs attnlab's Triton
+kernels (`attnlab.models.kernels.nsa`, memory linear in the sequence length) unless
+`config.kernels` is "torch"; decoding steps run `nsa_step`.
 
 Block selection is the paper's (section 3.3.2) and fla's (`naive_nsa_topk`, `parallel_nsa_topk`):
 the first `initial_blocks` blocks and the `local_blocks` blocks ending at the query's own block
@@ -30,12 +32,15 @@ the latest forward (see `_record_stats`).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
+from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
-from attnlab.models.ops.nsa import check_selection_counts, mean_pool_blocks, nsa_step, parallel_nsa
+from attnlab.models.ops.nsa import check_selection_counts, mean_pool_blocks, nsa_step
 
 COMPRESSIONS = ("mean", "mlp")
 BRANCHES = ("cmp", "slc", "swa")
@@ -103,6 +108,11 @@ class NativeSparseAttention(Mixer):
         self.local_blocks = options["local_blocks"]
         self.window_size = options["window_size"]
         self.rope_theta = config.rope_theta
+        self.kernels = config.kernels
+        self.kernel_gap = kernels.nsa_gap(self.head_dim, self.block_size, self.num_heads // self.num_kv_heads)
+        if self.kernel_gap and config.kernels != "torch" and layer_idx == 0:
+            warnings.warn(f"mixer 'nsa': attnlab's CUDA kernels do not cover {self.kernel_gap}; on CUDA it runs the "
+                          "PyTorch reference (memory quadratic in the sequence length)", stacklevel=2)
 
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
@@ -117,7 +127,7 @@ class NativeSparseAttention(Mixer):
             self.compress_key = self.compress_value = None
 
         self.collect_stats = False
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, torch.Tensor | float] = {}
 
     def forward(
         self,
@@ -155,7 +165,9 @@ class NativeSparseAttention(Mixer):
             )
             o, block_indices = o[:, None], block_indices[:, None]  # [B, 1, H, D], [B, 1, Hkv, S]
         else:
-            o, block_indices = parallel_nsa(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos=pos, **branch)
+            # the one choice between the reference and the CUDA kernels for the parallel form
+            parallel = kernels.nsa_parallel(self.kernels, x, covered=not self.kernel_gap)
+            o, block_indices = parallel(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos=pos, **branch)
         y = self.o_proj(o.reshape(batch, seq_len, self.num_heads * self.head_dim))
 
         if self.training and self.collect_stats:
@@ -209,8 +221,9 @@ class NativeSparseAttention(Mixer):
 
     @torch.no_grad()
     def _record_stats(self, g: torch.Tensor, block_indices: torch.Tensor, pos: torch.Tensor) -> None:
-        """Gate and selection statistics over the real tokens of the latest forward, as floats
-        (keys prefixed `nsa_`):
+        """Gate and selection statistics over the real tokens of the latest forward, as 0-d tensors
+        on the model's device (keys prefixed `nsa_`; nothing here waits for the device: the reader,
+        `AttnLabForCausalLM.health_stats`, turns them into floats when it logs them):
 
         gate_entropy_mean: entropy (nats, at most ln 3) of each head's gates normalised to sum to 1;
         max_gate_mean: mean of each head's largest gate (sigmoid, 0..1);
@@ -218,20 +231,28 @@ class NativeSparseAttention(Mixer):
         branch_share_{cmp,slc,swa}: mean normalised gate of each branch (they sum to 1);
         k_mean: mean number of selected blocks per query and kv head; k_max: the cap (block_counts);
         pct_at_k_max: percent of (query, kv head) pairs that selected k_max blocks.
+
+        A forward without real tokens keeps the previous values.
         """
-        real = pos >= 0  # [B, T]
-        if not bool(real.any()):
-            return
-        gates = g.detach().float()[real]  # [N, H, 3]
+        real = (pos >= 0).float()[..., None]  # [B, T, 1]
+        tokens = real.sum()
+        count = tokens.clamp_min(1)
+        gates = g.detach().float()  # [B, T, H, 3]
         share = gates / gates.sum(-1, keepdim=True)
-        entropy = -(share * share.clamp_min(1e-12).log()).sum(-1).mean()
-        max_gate = gates.max(-1).values.mean()
-        collapse = (gates.mean(0).max(-1).values > 0.99).float().mean()
-        branch_share = share.mean((0, 1))  # [3]
-        k_selected = (block_indices[real] >= 0).sum(-1).float()  # [N, Hkv]
-        at_max = (k_selected == self.block_counts).float().mean() * 100
-        values = torch.stack((entropy, max_gate, collapse, *branch_share, k_selected.mean(), at_max)).tolist()
+        entropy = (-(share * share.clamp_min(1e-12).log()).sum(-1) * real).sum() / (count * self.num_heads)
+        max_gate = (gates.max(-1).values * real).sum() / (count * self.num_heads)
+        head_means = (gates * real[..., None]).sum((0, 1)) / count  # [H, 3]
+        collapse = (head_means.max(-1).values > 0.99).float().mean()
+        branch_share = (share * real[..., None]).sum((0, 1, 2)) / (count * self.num_heads)  # [3]
+        k_selected = (block_indices >= 0).sum(-1).float()  # [B, T, Hkv]
+        k_mean = (k_selected * real).sum() / (count * self.num_kv_heads)
+        at_max = ((k_selected == self.block_counts).float() * real).sum() / (count * self.num_kv_heads) * 100
+        values = torch.stack((entropy, max_gate, collapse, *branch_share, k_mean, at_max))
         names = ["gate_entropy_mean", "max_gate_mean", "collapse_fraction"]
         names += [f"branch_share_{b}" for b in BRANCHES] + ["k_mean", "pct_at_k_max"]
-        self.last_stats = {f"nsa_{name}": value for name, value in zip(names, values)}
+        names = [f"nsa_{name}" for name in names]
+        if self.last_stats:
+            previous = torch.stack([torch.as_tensor(self.last_stats[name], device=values.device) for name in names])
+            values = torch.where(tokens > 0, values, previous)
+        self.last_stats = dict(zip(names, values.unbind()))
         self.last_stats["nsa_k_max"] = float(self.block_counts)
