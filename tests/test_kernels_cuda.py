@@ -188,13 +188,14 @@ def test_cuda_graph_decoding_equals_the_eager_engine_token_for_token(kernels_cho
     assert isinstance(make_runner(model), StaticRunner)  # the first run above decoded through CUDA graphs
 
 
-@pytest.mark.parametrize("mixer", ["gla", "softmax", "2mamba", "softmax_taylor_80terms", "linear__output_norm", "mamba2"])
+@pytest.mark.parametrize("mixer", ["gla", "softmax", "2mamba", "softmax_taylor_80terms", "linear__output_norm", "mamba2", "nsa"])
 def test_captured_training_step_equals_the_eager_one_through_optimizer_steps_and_accumulation(mixer):
     from attnlab.train.graphs import CapturedLoss, graph_blocker
 
     torch.manual_seed(0)
     cfg = AttnLabConfig(vocab_size=512, hidden_size=1024, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
     model = AttnLabForCausalLM(cfg).cuda().train()
+    model.enable_health_stats(True)  # as `attnlab train` trains (NSA records its statistics in the captured forward)
     assert graph_blocker(model) is None
     batches = [torch.randint(0, 512, (2, 300), device="cuda") for _ in range(3)]
     captured = CapturedLoss(model, batches[0], batches[0], torch.bfloat16)
@@ -211,7 +212,7 @@ def test_captured_training_step_equals_the_eager_one_through_optimizer_steps_and
                     loss = model(input_ids=ids, labels=ids, num_items_in_batch=1).loss
             loss.backward()
             losses.append(loss.item())
-        return losses, [p.grad.clone() for p in model.parameters()]
+        return losses, [p.grad.clone() for p in model.parameters()] + [torch.tensor(list(model.health_stats().values()))]
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # an optimizer step between each; gradients zeroed in place once (they may be the graph's buffers)

@@ -35,7 +35,7 @@ def graph_blocker(model: nn.Module, world_size: int = 1) -> str | None:
     unsafe = sorted({type(m).__name__ for m in model.modules() if isinstance(m, Mixer) and not getattr(m, "train_graph_safe", False)})
     if unsafe:
         return f"mixer {', '.join(unsafe)} is not verified for capture"
-    if any(getattr(m, "collect_stats", False) for m in model.modules()):
+    if any(getattr(m, "collect_stats", False) and not getattr(m, "stats_graph_safe", False) for m in model.modules()):
         return "a mixer records statistics during the forward (not verified for capture)"
     if getattr(model, "is_gradient_checkpointing", False):
         return "gradient checkpointing recomputes blocks inside the backward"

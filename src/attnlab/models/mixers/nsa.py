@@ -64,6 +64,10 @@ class BlockCompressor(nn.Module):
 
 @register_mixer("nsa")
 class NativeSparseAttention(Mixer):
+    # the training forward (no cache, no padding) launches kernels only, and the health statistics are
+    # written in place into one buffer, which a replayed CUDA graph rewrites
+    train_graph_safe = True
+    stats_graph_safe = True
     default_options = {
         "num_kv_heads": 1,  # query heads share selected blocks within a kv-head group
         "block_size": 16,  # tokens per compression / selection block
@@ -128,6 +132,7 @@ class NativeSparseAttention(Mixer):
 
         self.collect_stats = False
         self.last_stats: dict[str, torch.Tensor | float] = {}
+        self._stats_buffer: torch.Tensor | None = None  # the statistics' values; last_stats holds views of it
 
     def forward(
         self,
@@ -187,6 +192,8 @@ class NativeSparseAttention(Mixer):
         if past_k is not None:
             k, v = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
         past_width = 0 if past_k is None else past_k.shape[1]
+        if cache is None and is_token is None:  # training: nothing to move, and nothing to ask the device
+            return k, v, past_len + seq_len
         if is_token is None and bool((past_len == past_width).all()):
             return k, v, past_len + seq_len  # nothing to move
         is_past = torch.arange(past_width, device=k.device) < past_len[:, None]
@@ -251,8 +258,11 @@ class NativeSparseAttention(Mixer):
         names = ["gate_entropy_mean", "max_gate_mean", "collapse_fraction"]
         names += [f"branch_share_{b}" for b in BRANCHES] + ["k_mean", "pct_at_k_max"]
         names = [f"nsa_{name}" for name in names]
-        if self.last_stats:
-            previous = torch.stack([torch.as_tensor(self.last_stats[name], device=values.device) for name in names])
-            values = torch.where(tokens > 0, values, previous)
-        self.last_stats = dict(zip(names, values.unbind()))
-        self.last_stats["nsa_k_max"] = float(self.block_counts)
+        buffer = self._stats_buffer
+        if buffer is None or buffer.device != values.device or not self.last_stats:
+            buffer = self._stats_buffer = torch.zeros_like(values)
+            self.last_stats = dict(zip(names, buffer.unbind()))  # views of the buffer
+            self.last_stats["nsa_k_max"] = float(self.block_counts)
+            buffer.copy_(values)
+        else:  # in place: a forward captured in a CUDA graph updates the statistics on every replay
+            buffer.copy_(torch.where(tokens > 0, values, buffer))
