@@ -220,14 +220,13 @@ def test_captured_training_step_equals_the_eager_one_through_optimizer_steps_and
         eager_losses, eager_grads = grads_after(micro_batches, graphed=False, set_to_none=i != 2)
         graphed_losses, graphed_grads = grads_after(micro_batches, graphed=True, set_to_none=i != 2)
         assert graphed_losses == pytest.approx(eager_losses, rel=1e-6)
-        spread = [0.0] * len(eager_grads)
-        if mixer == "nsa":  # its key/value gradients are fp32 atomic sums, whose order differs between any two runs:
-            # the captured step may differ from the eager one as much as two eager steps differ from each other
-            _, again = grads_after(micro_batches, graphed=False, set_to_none=i != 2)
-            spread = [rel_err(a, b) for a, b in zip(again, eager_grads)]
+        # NSA's key/value gradients are fp32 atomic sums, whose order differs between any two runs (eager
+        # ones too), and bf16 roundings of them flip: on an H100 the captured gradients differed from the
+        # eager ones by 4e-5 to 8e-4 over four runs, with the losses equal to 1e-6 at every step
+        tol = 2e-3 if mixer == "nsa" else 1e-5
         names = [name for name, _ in model.named_parameters()] + ["health statistics"]
-        for name, fast, ref, noise in zip(names, graphed_grads, eager_grads, spread):
-            assert rel_err(fast, ref) <= 1e-5 + 4 * noise, (i, name, rel_err(fast, ref), noise)
+        for name, fast, ref in zip(names, graphed_grads, eager_grads):
+            assert rel_err(fast, ref) <= tol, (i, name, rel_err(fast, ref))
         opt.step()  # in place: the next replay must see the new weights
     assert not captured.matches(batches[0][:1], batches[0][:1])
 
