@@ -334,7 +334,7 @@ def _slc_fwd(Q, K, V, O, LSE, QPOS, IDX, qk_scale, T, L, H, G, D, S, BLOCK,
     for slot in range(0, S):
         block = tl.load(IDX + ((b * T + t) * kv_heads + hk) * S + slot)
         cols = block * BLOCK + offs_k
-        col_ok = (block >= 0) & (offs_k < BLOCK) & (cols <= pos) & (cols < L)
+        col_ok = (cols >= 0) & (offs_k < BLOCK) & (cols <= pos) & (cols < L)
         kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
         k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
@@ -379,7 +379,7 @@ def _slc_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, IDX, qk_scale, sm_scale, T, L
     for slot in range(0, S):
         block = tl.load(IDX + ((b * T + t) * kv_heads + hk) * S + slot)
         cols = block * BLOCK + offs_k
-        col_ok = (block >= 0) & (offs_k < BLOCK) & (cols <= pos) & (cols < L)
+        col_ok = (cols >= 0) & (offs_k < BLOCK) & (cols <= pos) & (cols < L)
         kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
         k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
@@ -414,7 +414,7 @@ def _slc_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, SEG, TQ, SEG_END, qk_sc
         b = (bhk // kv_heads).to(tl.int64)
         hk = bhk % kv_heads
         cols = block * BLOCK + offs_k
-        col_ok = (block >= 0) & (offs_k < BLOCK) & (cols < L)
+        col_ok = (cols >= 0) & (offs_k < BLOCK) & (cols < L)
         kv_base = b * L * kv_heads * D + hk * D
         kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
         k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
