@@ -40,6 +40,19 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def use_triton(choice: str, x: torch.Tensor, covered: bool = True) -> bool:
+    """Whether this call should run one of attnlab's own Triton kernels: a CUDA tensor, a layer the
+    kernel covers (`covered`; the layer says why not when it is built), `choice` not "torch", and
+    triton installed ("fla" insists on it and says so when it is missing)."""
+    if choice == "torch" or not covered or not x.is_cuda:
+        return False
+    if not triton_installed():
+        if choice == "fla":
+            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
+        return False
+    return True
+
+
 ATTENTION_FAMILY_MAX_HEAD_DIM = 256  # the tiled kernels hold a block of queries and keys with their head dims in registers
 
 
@@ -54,13 +67,9 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
     """The attention family's `attention_terms` for this call: attnlab's Triton kernels for CUDA
     tensors (memory linear in the sequence length), else the PyTorch reference. `covered`: whether
     the kernels compute the layer's options (the layer says why not when it is built)."""
-    from attnlab.models.ops.attention_family import attention_terms
+    if not use_triton(choice, x, covered):
+        from attnlab.models.ops.attention_family import attention_terms
 
-    if choice == "torch" or not covered or not x.is_cuda:
-        return attention_terms
-    if not triton_installed():
-        if choice == "fla":
-            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
         return attention_terms
     from attnlab.models.kernels.attention_family import attention_terms as fused
 
@@ -82,11 +91,7 @@ def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
     initial_state [B, K-1, C], silu -> y, final_state) for this CUDA tensor, or None: the mixer runs
     its PyTorch reference. `covered`: whether the kernel covers the layer's kernel size (the layer
     says why not when it is built)."""
-    if choice == "torch" or not covered or not x.is_cuda:
-        return None
-    if not triton_installed():
-        if choice == "fla":
-            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
+    if not use_triton(choice, x, covered):
         return None
     if x.dtype == torch.float64:  # Triton's kernel accumulates in fp32
         warnings.warn("attnlab's conv kernel takes no float64: the convolution runs the PyTorch reference", stacklevel=3)
@@ -114,13 +119,9 @@ def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
     """NSA's training and prefill form for this call: attnlab's Triton kernels for CUDA tensors
     (memory linear in the sequence length), else the PyTorch reference. `covered`: whether the
     kernels compute the layer's options (the layer says why not when it is built)."""
-    from attnlab.models.ops.nsa import parallel_nsa
+    if not use_triton(choice, x, covered):
+        from attnlab.models.ops.nsa import parallel_nsa
 
-    if choice == "torch" or not covered or not x.is_cuda:
-        return parallel_nsa
-    if not triton_installed():
-        if choice == "fla":
-            raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
         return parallel_nsa
     from attnlab.models.kernels.nsa import parallel_nsa as fused
 
