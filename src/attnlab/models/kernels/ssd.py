@@ -202,6 +202,9 @@ def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC,
     tl.store(ds + i_bh.to(tl.int64) * Tp + i_n * CHUNK + j, d_s)
 
 
+_WARPS = 8  # the output and backward kernels hold several [chunk, P] and [P, N] fp32 tiles at once
+
+
 def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
@@ -246,7 +249,7 @@ class _SSD(torch.autograd.Function):
         y = torch.empty_like(x)
         _chunk_output_kernel[(padded // chunk, batch * heads)](
             x, dt, B, C, s, states, y, seq_len, padded, padded // chunk, H=heads, G=B.shape[2], P=head_dim,
-            N=B.shape[3], CHUNK=chunk, BP=_block(head_dim), BN=_block(B.shape[3]), IEEE=ieee)
+            N=B.shape[3], CHUNK=chunk, BP=_block(head_dim), BN=_block(B.shape[3]), IEEE=ieee, num_warps=_WARPS)
         ctx.save_for_backward(x, dt, A, B, C, h0)
         ctx.chunk, ctx.has_init = chunk, initial_state is not None
         ctx.init_dtype = None if initial_state is None else initial_state.dtype
@@ -273,7 +276,7 @@ class _SSD(torch.autograd.Function):
         _chunk_backward_kernel[(padded // chunk, batch * heads)](
             x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, seq_len, padded, padded // chunk,
             H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=_block(head_dim), BN=_block(state_size),
-            IEEE=ieee)
+            IEEE=ieee, num_warps=_WARPS)
         del states, dstates
         # d(dt * A) at t: every s at or after t in its chunk depends on it
         da = ds.view(batch, heads, padded // chunk, chunk).flip(-1).cumsum(-1).flip(-1)
