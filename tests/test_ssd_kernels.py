@@ -127,3 +127,19 @@ def test_chunked_ssd_in_fp32_on_cuda_matches_the_reference():
     assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
     for name, g, g_ref in zip(NAMES, grads, grads_ref):
         assert rel_err(g, g_ref) < 1e-4, name
+
+
+def test_chunked_ssd_kernels_with_the_head_dims_split_over_programs(monkeypatch):
+    """Head dims in blocks of 16 (64 on the GPU): the backward's sums over P add up across blocks."""
+    from attnlab.models.kernels import ssd as kernels
+
+    monkeypatch.setattr(kernels, "_BLOCK_P", 16)
+    inputs = ssd_inputs(2, 37, 4, 40, 8, 2, True, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    dy = torch.randn(2, 37, 4, 40, generator=gen)
+    dstate = torch.randn(2, 4, 40, 8, generator=gen)
+    y, state, grads = grads_of(lambda *t: kernels.chunk_ssd_triton(*t[:5], 16, t[5]), inputs, dy, dstate)
+    y_ref, state_ref, grads_ref = grads_of(lambda *t: chunk_ssd(*t[:5], 16, t[5]), inputs, dy, dstate)
+    assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
+    for name, g, g_ref in zip(NAMES, grads, grads_ref):
+        assert rel_err(g, g_ref) < 1e-4, name

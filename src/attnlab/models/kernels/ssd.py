@@ -7,8 +7,9 @@ mixer): per head h, with a_t = dt_t * A_h and the group g = h // (heads / groups
 
 Tiling: time is cut into chunks of `chunk` tokens; s is the log decay summed from the chunk start
 (a chunk-local cumulative sum of dt * A, [b, H, T] fp32, computed in PyTorch). One program per
-(chunk, batch * head) holds the chunk's x [chunk, P], B, C [chunk, N] and the [chunk, chunk] decay
-exp(s_i - s_j) of its head (one matrix per head, not per state channel as through a GLA):
+(chunk, batch * head, block of 64 head dims) holds the chunk's x [chunk, 64], B, C [chunk, N] and
+the [chunk, chunk] decay exp(s_i - s_j) of its head (one matrix per head, not per state channel as
+through a GLA):
 
     1. `_chunk_outer_kernel`   each chunk's own state, sum_j exp(s_last - s_j) dt_j x_j^T B_j [P, N]
     2. `_state_pass_kernel`    the states carried across chunks, one sequential loop over chunks per
@@ -17,8 +18,9 @@ exp(s_i - s_j) of its head (one matrix per head, not per state channel as throug
 
 The backward runs 1 and 2 again (the states are not kept), then the same pair on (dy, C) backwards
 in time for the state gradients, then `_chunk_backward_kernel`, which rebuilds the chunk's
-[chunk, chunk] scores and writes dx, the x-part of d dt, per-head dB, dC (summed over each group's
-heads in PyTorch) and d s (turned into d(dt * A) by a reverse cumulative sum inside each chunk).
+[chunk, chunk] scores and writes dx, the x-part of d dt, per-head dB, dC and d s (each block of
+head dims its share of these sums over P; the shares, and the heads of each group for dB, dC, are
+added in PyTorch; d s becomes d(dt * A) by a reverse cumulative sum inside each chunk).
 What the autograd function keeps: x, dt, A, B, C and the initial state; no [b, H, T, chunk] tensor.
 
 Matmuls accumulate in fp32; fp32 inputs multiply in IEEE fp32, bf16 / fp16 inputs in TF32.
@@ -46,7 +48,7 @@ def _chunk_outer_kernel(v, dt, bc, s, out, T, Tp, NC, H: tl.constexpr, G: tl.con
     j = tl.arange(0, CHUNK)
     t = i_n * CHUNK + j
     m_t = t < T
-    p, n = tl.arange(0, BP), tl.arange(0, BN)
+    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     row = i_b.to(tl.int64) * T + t  # [CHUNK]
     vj = tl.load(v + (row * H + i_h)[:, None] * P + p[None, :], mask=m_t[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
     bcj = tl.load(bc + (row * G + i_g)[:, None] * N + n[None, :], mask=m_t[:, None] & (n < N)[None, :], other=0.0).to(tl.float32)
@@ -102,7 +104,7 @@ def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, H: tl.constexpr, 
     j = tl.arange(0, CHUNK)
     t = i_n * CHUNK + j
     m_t = t < T
-    p, n = tl.arange(0, BP), tl.arange(0, BN)
+    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     m_p, m_n = p < P, n < N
     row = i_b.to(tl.int64) * T + t
     x_off = (row * H + i_h)[:, None] * P + p[None, :]
@@ -146,7 +148,7 @@ def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC,
     j = tl.arange(0, CHUNK)
     t = i_n * CHUNK + j
     m_t = t < T
-    p, n = tl.arange(0, BP), tl.arange(0, BN)
+    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     m_p, m_n = p < P, n < N
     row = i_b.to(tl.int64) * T + t
     x_off = (row * H + i_h)[:, None] * P + p[None, :]
@@ -195,18 +197,28 @@ def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC,
     d_s += tl.where(j == CHUNK - 1, d_last, 0.0)
 
     tl.store(dx + x_off, (dxdt * dtj[:, None]).to(dx.dtype.element_ty), mask=m_xp)
-    tl.store(ddt + row * H + i_h, tl.sum(dxdt * xj, axis=1), mask=m_t)
-    hb_off = (row * H + i_h)[:, None] * N + n[None, :]
+    # ddt, dB, dC and d s sum over P: each block of P writes its own share (summed by the caller)
+    i_p = tl.program_id(2).to(tl.int64)
+    prow = (i_p * (tl.num_programs(1) // H) + i_b) * T + t  # [CHUNK]
+    tl.store(ddt + prow * H + i_h, tl.sum(dxdt * xj, axis=1), mask=m_t)
+    hb_off = (prow * H + i_h)[:, None] * N + n[None, :]
     tl.store(dB + hb_off, dBj, mask=m_bn)
     tl.store(dC + hb_off, dCj, mask=m_bn)
-    tl.store(ds + i_bh.to(tl.int64) * Tp + i_n * CHUNK + j, d_s)
+    tl.store(ds + (i_p * tl.num_programs(1) + i_bh) * Tp + i_n * CHUNK + j, d_s)
 
 
 _WARPS = 8  # the output and backward kernels hold several [chunk, P] and [P, N] fp32 tiles at once
+_BLOCK_P = 64  # head dims per program; the backward's sums over P are written per block and added after
 
 
 def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
+
+
+def _p_blocks(head_dim: int) -> tuple[int, int]:
+    """(block of head dims, number of blocks)."""
+    block = min(_BLOCK_P, _block(head_dim))
+    return block, triton.cdiv(head_dim, block)
 
 
 def _local_cumsum(dt: torch.Tensor, A: torch.Tensor, chunk: int, padded: int) -> torch.Tensor:
@@ -223,9 +235,10 @@ def _states(v, dt, bc, s, init, T, chunk, from_start, reverse, ieee):
     padded = s.shape[-1]
     num_chunks = padded // chunk
     states = v.new_empty(batch, heads, num_chunks, head_dim, state_size, dtype=torch.float32)
-    _chunk_outer_kernel[(num_chunks, batch * heads)](
+    block_p, p_blocks = _p_blocks(head_dim)
+    _chunk_outer_kernel[(num_chunks, batch * heads, p_blocks)](
         v, dt, bc, s, states, T, padded, num_chunks, H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk,
-        BP=_block(head_dim), BN=_block(state_size), FROM_START=from_start, IEEE=ieee)
+        BP=block_p, BN=_block(state_size), FROM_START=from_start, IEEE=ieee)
     final = v.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32)
     pn = head_dim * state_size
     block = min(1024, triton.next_power_of_2(pn))
@@ -247,9 +260,10 @@ class _SSD(torch.autograd.Function):
         s = _local_cumsum(dt, A, chunk, padded)
         states, final = _states(x, dt, B, s, h0, seq_len, chunk, False, False, ieee)
         y = torch.empty_like(x)
-        _chunk_output_kernel[(padded // chunk, batch * heads)](
+        block_p, p_blocks = _p_blocks(head_dim)
+        _chunk_output_kernel[(padded // chunk, batch * heads, p_blocks)](
             x, dt, B, C, s, states, y, seq_len, padded, padded // chunk, H=heads, G=B.shape[2], P=head_dim,
-            N=B.shape[3], CHUNK=chunk, BP=_block(head_dim), BN=_block(B.shape[3]), IEEE=ieee, num_warps=_WARPS)
+            N=B.shape[3], CHUNK=chunk, BP=block_p, BN=_block(B.shape[3]), IEEE=ieee, num_warps=_WARPS)
         ctx.save_for_backward(x, dt, A, B, C, h0)
         ctx.chunk, ctx.has_init = chunk, initial_state is not None
         ctx.init_dtype = None if initial_state is None else initial_state.dtype
@@ -269,15 +283,17 @@ class _SSD(torch.autograd.Function):
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         dstates, dh0 = _states(dy, dt, C, s, dfinal, seq_len, chunk, True, True, ieee)
         dx = torch.empty_like(x)
-        ddt = torch.empty_like(dt)
-        dB = x.new_empty(batch, seq_len, heads, state_size, dtype=torch.float32)
+        block_p, p_blocks = _p_blocks(head_dim)
+        ddt = dt.new_empty(p_blocks, *dt.shape)
+        dB = x.new_empty(p_blocks, batch, seq_len, heads, state_size, dtype=torch.float32)
         dC = torch.empty_like(dB)
-        ds = torch.empty_like(s)
-        _chunk_backward_kernel[(padded // chunk, batch * heads)](
+        ds = s.new_empty(p_blocks, *s.shape)
+        _chunk_backward_kernel[(padded // chunk, batch * heads, p_blocks)](
             x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, seq_len, padded, padded // chunk,
-            H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=_block(head_dim), BN=_block(state_size),
+            H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=block_p, BN=_block(state_size),
             IEEE=ieee, num_warps=_WARPS)
         del states, dstates
+        ddt, dB, dC, ds = ddt.sum(0), dB.sum(0), dC.sum(0), ds.sum(0)
         # d(dt * A) at t: every s at or after t in its chunk depends on it
         da = ds.view(batch, heads, padded // chunk, chunk).flip(-1).cumsum(-1).flip(-1)
         da = da.reshape(batch, heads, padded)[:, :, :seq_len].transpose(1, 2)  # [b, T, H]
