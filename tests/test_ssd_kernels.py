@@ -143,3 +143,22 @@ def test_chunked_ssd_kernels_with_the_head_dims_split_over_programs(monkeypatch)
     assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
     for name, g, g_ref in zip(NAMES, grads, grads_ref):
         assert rel_err(g, g_ref) < 1e-4, name
+
+
+def test_chunked_ssd_kernels_read_views_of_the_convolutions_output():
+    """x, B, C as the mixer has them: views of one [b, T, channels] tensor, with its time stride."""
+    from attnlab.models.kernels.ssd import chunk_ssd_triton
+
+    x, dt, A, B, C, h0 = ssd_inputs(2, 37, 4, 8, 8, 2, True, seed=11)
+    xBC = torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1).requires_grad_()
+    xs, Bs, Cs = xBC.split([32, 16, 16], dim=-1)
+    xs, Bs, Cs = xs.view(x.shape), Bs.view(B.shape), Cs.view(C.shape)
+    assert not xs.is_contiguous()
+    y, state = chunk_ssd_triton(xs, dt, A, Bs, Cs, 16, h0)
+    (y.square().sum() + state.sum()).backward()
+    ref = xBC.detach().clone().requires_grad_()
+    xr, Br, Cr = ref.split([32, 16, 16], dim=-1)
+    y_ref, state_ref = chunk_ssd(xr.view(x.shape), dt, A, Br.view(B.shape), Cr.view(C.shape), 16, h0)
+    (y_ref.square().sum() + state_ref.sum()).backward()
+    assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
+    assert rel_err(xBC.grad, ref.grad) < 1e-4

@@ -37,7 +37,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_outer_kernel(v, dt, bc, s, out, T, Tp, NC, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+def _chunk_outer_kernel(v, dt, bc, s, out, T, Tp, NC, sv_b, sv_t, sv_h, sbc_b, sbc_t, sbc_g, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                         N: tl.constexpr, CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                         FROM_START: tl.constexpr, IEEE: tl.constexpr):
     """out[b, h, n] = sum_j w_j v_j^T bc_j over chunk n: [P, N].
@@ -50,8 +50,10 @@ def _chunk_outer_kernel(v, dt, bc, s, out, T, Tp, NC, H: tl.constexpr, G: tl.con
     m_t = t < T
     p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     row = i_b.to(tl.int64) * T + t  # [CHUNK]
-    vj = tl.load(v + (row * H + i_h)[:, None] * P + p[None, :], mask=m_t[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
-    bcj = tl.load(bc + (row * G + i_g)[:, None] * N + n[None, :], mask=m_t[:, None] & (n < N)[None, :], other=0.0).to(tl.float32)
+    v_off = i_b.to(tl.int64) * sv_b + t.to(tl.int64) * sv_t + i_h * sv_h
+    bc_off = i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g
+    vj = tl.load(v + v_off[:, None] + p[None, :], mask=m_t[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
+    bcj = tl.load(bc + bc_off[:, None] + n[None, :], mask=m_t[:, None] & (n < N)[None, :], other=0.0).to(tl.float32)
     s_base = s + i_bh.to(tl.int64) * Tp + i_n * CHUNK
     sj = tl.load(s_base + j)
     if FROM_START:
@@ -96,7 +98,7 @@ def _state_pass_kernel(states, s, init, final, NC, Tp, PN, CHUNK: tl.constexpr, 
 
 
 @triton.jit
-def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                          N: tl.constexpr, CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -107,10 +109,12 @@ def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, H: tl.constexpr, 
     p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     m_p, m_n = p < P, n < N
     row = i_b.to(tl.int64) * T + t
-    x_off = (row * H + i_h)[:, None] * P + p[None, :]
+    y_off = (row * H + i_h)[:, None] * P + p[None, :]  # y is contiguous
+    x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
+    bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
     xj = tl.load(x + x_off, mask=m_t[:, None] & m_p[None, :], other=0.0).to(tl.float32)
-    Bj = tl.load(B + (row * G + i_g)[:, None] * N + n[None, :], mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-    Cj = tl.load(C + (row * G + i_g)[:, None] * N + n[None, :], mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+    Bj = tl.load(B + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+    Cj = tl.load(C + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
     dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
     sj = tl.load(s + i_bh.to(tl.int64) * Tp + t)
     S0 = tl.load(states + (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :],
@@ -125,7 +129,7 @@ def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, H: tl.constexpr, 
         acc = tl.dot(Cj, tl.trans(S0)) * tl.exp(sj)[:, None]
         scores = tl.dot(Cj, tl.trans(Bj)) * decay * dtj[None, :]
         acc += tl.dot(scores, xj)
-    tl.store(y + x_off, acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_p[None, :])
+    tl.store(y + y_off, acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_p[None, :])
 
 
 @triton.jit
@@ -138,6 +142,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, T, Tp, NC,
+                           sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
                            H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
                            BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     """One chunk of one head: S0 the state when it starts, dSe the gradient of the state when it ends.
@@ -151,12 +156,13 @@ def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC,
     p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     m_p, m_n = p < P, n < N
     row = i_b.to(tl.int64) * T + t
-    x_off = (row * H + i_h)[:, None] * P + p[None, :]
+    y_off = (row * H + i_h)[:, None] * P + p[None, :]  # dy, dx are contiguous
+    x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
     m_xp = m_t[:, None] & m_p[None, :]
     m_bn = m_t[:, None] & m_n[None, :]
-    bc_off = (row * G + i_g)[:, None] * N + n[None, :]
+    bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
     xj = tl.load(x + x_off, mask=m_xp, other=0.0).to(tl.float32)
-    dyj = tl.load(dy + x_off, mask=m_xp, other=0.0).to(tl.float32)
+    dyj = tl.load(dy + y_off, mask=m_xp, other=0.0).to(tl.float32)
     Bj = tl.load(B + bc_off, mask=m_bn, other=0.0).to(tl.float32)
     Cj = tl.load(C + bc_off, mask=m_bn, other=0.0).to(tl.float32)
     dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
@@ -196,7 +202,7 @@ def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC,
     d_last = tl.sum(q, axis=0) + tl.exp(s_last) * tl.sum(tl.sum(dSe * S0, axis=1), axis=0)
     d_s += tl.where(j == CHUNK - 1, d_last, 0.0)
 
-    tl.store(dx + x_off, (dxdt * dtj[:, None]).to(dx.dtype.element_ty), mask=m_xp)
+    tl.store(dx + y_off, (dxdt * dtj[:, None]).to(dx.dtype.element_ty), mask=m_xp)
     # ddt, dB, dC and d s sum over P: each block of P writes its own share (summed by the caller)
     i_p = tl.program_id(2).to(tl.int64)
     prow = (i_p * (tl.num_programs(1) // H) + i_b) * T + t  # [CHUNK]
@@ -221,6 +227,15 @@ def _p_blocks(head_dim: int) -> tuple[int, int]:
     return block, triton.cdiv(head_dim, block)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [b, T, heads, d] as the kernels read it: any batch and time strides, d contiguous, heads d apart."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def _same_strides(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (B, C) if B.stride() == C.stride() else (B.contiguous(), C.contiguous())
+
+
 def _local_cumsum(dt: torch.Tensor, A: torch.Tensor, chunk: int, padded: int) -> torch.Tensor:
     """s[b, h, t]: dt * A summed from the start of t's chunk through t, fp32, zero-padded to `padded` steps."""
     batch, seq_len, heads = dt.shape
@@ -237,7 +252,7 @@ def _states(v, dt, bc, s, init, T, chunk, from_start, reverse, ieee):
     states = v.new_empty(batch, heads, num_chunks, head_dim, state_size, dtype=torch.float32)
     block_p, p_blocks = _p_blocks(head_dim)
     _chunk_outer_kernel[(num_chunks, batch * heads, p_blocks)](
-        v, dt, bc, s, states, T, padded, num_chunks, H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk,
+        v, dt, bc, s, states, T, padded, num_chunks, *v.stride()[:3], *bc.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk,
         BP=block_p, BN=_block(state_size), FROM_START=from_start, IEEE=ieee)
     final = v.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32)
     pn = head_dim * state_size
@@ -252,17 +267,18 @@ class _SSD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, chunk_size, initial_state):
         batch, seq_len, heads, head_dim = x.shape
-        x, dt, B, C = x.contiguous(), dt.float().contiguous(), B.contiguous(), C.contiguous()
+        x, B, C = _rows(x), *_same_strides(_rows(B), _rows(C))  # views of the conv's output stay views
+        dt = dt.float().contiguous()
         h0 = None if initial_state is None else initial_state.float().contiguous()
         chunk = chunk_size
         padded = triton.cdiv(seq_len, chunk) * chunk
         ieee = x.dtype == torch.float32
         s = _local_cumsum(dt, A, chunk, padded)
         states, final = _states(x, dt, B, s, h0, seq_len, chunk, False, False, ieee)
-        y = torch.empty_like(x)
+        y = x.new_empty(x.shape)
         block_p, p_blocks = _p_blocks(head_dim)
         _chunk_output_kernel[(padded // chunk, batch * heads, p_blocks)](
-            x, dt, B, C, s, states, y, seq_len, padded, padded // chunk, H=heads, G=B.shape[2], P=head_dim,
+            x, dt, B, C, s, states, y, seq_len, padded, padded // chunk, *x.stride()[:3], *B.stride()[:3], H=heads, G=B.shape[2], P=head_dim,
             N=B.shape[3], CHUNK=chunk, BP=block_p, BN=_block(B.shape[3]), IEEE=ieee, num_warps=_WARPS)
         ctx.save_for_backward(x, dt, A, B, C, h0)
         ctx.chunk, ctx.has_init = chunk, initial_state is not None
@@ -282,7 +298,7 @@ class _SSD(torch.autograd.Function):
         dy = (torch.zeros_like(x) if dy is None else dy).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         dstates, dh0 = _states(dy, dt, C, s, dfinal, seq_len, chunk, True, True, ieee)
-        dx = torch.empty_like(x)
+        dx = x.new_empty(x.shape)
         block_p, p_blocks = _p_blocks(head_dim)
         ddt = dt.new_empty(p_blocks, *dt.shape)
         dB = x.new_empty(p_blocks, batch, seq_len, heads, state_size, dtype=torch.float32)
@@ -290,6 +306,7 @@ class _SSD(torch.autograd.Function):
         ds = s.new_empty(p_blocks, *s.shape)
         _chunk_backward_kernel[(padded // chunk, batch * heads, p_blocks)](
             x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, seq_len, padded, padded // chunk,
+            *x.stride()[:3], *B.stride()[:3],
             H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=block_p, BN=_block(state_size),
             IEEE=ieee, num_warps=_WARPS)
         del states, dstates
