@@ -130,10 +130,11 @@ def test_chunked_ssd_in_fp32_on_cuda_matches_the_reference():
 
 
 def test_chunked_ssd_kernels_with_the_head_dims_split_over_programs(monkeypatch):
-    """Head dims in blocks of 16 (64 on the GPU): the backward's sums over P add up across blocks."""
+    """Head dims in blocks of 16 (64 and 32 on the GPU): the backward's sums over P add up across blocks."""
     from attnlab.models.kernels import ssd as kernels
 
     monkeypatch.setattr(kernels, "_BLOCK_P", 16)
+    monkeypatch.setattr(kernels, "_BWD_BLOCK_P", 16)
     inputs = ssd_inputs(2, 37, 4, 40, 8, 2, True, seed=5)
     gen = torch.Generator().manual_seed(6)
     dy = torch.randn(2, 37, 4, 40, generator=gen)
@@ -162,3 +163,21 @@ def test_chunked_ssd_kernels_read_views_of_the_convolutions_output():
     (y_ref.square().sum() + state_ref.sum()).backward()
     assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
     assert rel_err(xBC.grad, ref.grad) < 1e-4
+
+
+def test_chunked_ssd_kernels_keep_bf16_inputs_in_bf16():
+    """y, dx, dB, dC come back in the inputs' dtype; what differs from the reference is their rounding."""
+    from attnlab.models.kernels.ssd import chunk_ssd_triton
+
+    x, dt, A, B, C, h0 = ssd_inputs(2, 40, 4, 16, 16, 2, True, seed=12)
+    low = [x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), h0]
+    high = [t.float() for t in low]
+    gen = torch.Generator().manual_seed(13)
+    dy, dstate = torch.randn(x.shape, generator=gen).bfloat16(), torch.randn(h0.shape, generator=gen)
+    y, state, grads = grads_of(lambda *t: chunk_ssd_triton(*t[:5], 16, t[5]), low, dy, dstate)
+    y_ref, state_ref, grads_ref = grads_of(lambda *t: chunk_ssd(*t[:5], 16, t[5]), high, dy.float(), dstate)
+    assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert rel_err(y, y_ref) < 1e-2 and rel_err(state, state_ref) < 1e-4
+    for name, g, g_ref, t in zip(NAMES, grads, grads_ref, low):
+        assert g.dtype == t.dtype, name
+        assert rel_err(g, g_ref) < 1e-2, name

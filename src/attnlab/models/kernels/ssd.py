@@ -6,22 +6,25 @@ mixer): per head h, with a_t = dt_t * A_h and the group g = h // (heads / groups
     S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t.
 
 Tiling: time is cut into chunks of `chunk` tokens; s is the log decay summed from the chunk start
-(a chunk-local cumulative sum of dt * A, [b, H, T] fp32, computed in PyTorch). One program per
-(chunk, batch * head, block of 64 head dims) holds the chunk's x [chunk, 64], B, C [chunk, N] and
-the [chunk, chunk] decay exp(s_i - s_j) of its head (one matrix per head, not per state channel as
-through a GLA):
+(a chunk-local cumulative sum of dt * A, [b, H, T] fp32, computed in PyTorch). A program holds one
+chunk's x [chunk, BP] for a block of BP head dims, its B, C [chunk, N] and the [chunk, chunk] decay
+exp(s_i - s_j) of a head (one matrix per head, not per state channel as through a GLA):
 
-    1. `_chunk_outer_kernel`   each chunk's own state, sum_j exp(s_last - s_j) dt_j x_j^T B_j [P, N]
+    1. `_chunk_outer_kernel`   each chunk's own state, sum_j exp(s_last - s_j) dt_j x_j^T B_j [P, N];
+                               one program per (chunk, batch * head, block of P)
     2. `_state_pass_kernel`    the states carried across chunks, one sequential loop over chunks per
                                (batch * head, block of P * N), in place over the chunk states
-    3. `_chunk_output_kernel`  y_i = exp(s_i) S_before C_i + sum_{j <= i} (C_i . B_j) exp(s_i - s_j) dt_j x_j
+    3. `_chunk_output_kernel`  y_i = exp(s_i) S_before C_i + sum_{j <= i} (C_i . B_j) exp(s_i - s_j) dt_j x_j;
+                               one program per (chunk, batch * group, block of P): B, C and C B^T are
+                               loaded and computed once, then the group's heads run in turn
 
 The backward runs 1 and 2 again (the states are not kept), then the same pair on (dy, C) backwards
-in time for the state gradients, then `_chunk_backward_kernel`, which rebuilds the chunk's
-[chunk, chunk] scores and writes dx, the x-part of d dt, per-head dB, dC and d s (each block of
-head dims its share of these sums over P; the shares, and the heads of each group for dB, dC, are
-added in PyTorch; d s becomes d(dt * A) by a reverse cumulative sum inside each chunk).
-What the autograd function keeps: x, dt, A, B, C and the initial state; no [b, H, T, chunk] tensor.
+in time for the state gradients, then `_chunk_backward_kernel` (programs as 3), which rebuilds the
+chunk's [chunk, chunk] scores per head and writes dx, the x-part of d dt and d s per head, and dB,
+dC summed over the group's heads in registers. The sums over P (d dt, d s, dB, dC) are written per
+block of P and added in PyTorch; d s becomes d(dt * A) by a reverse cumulative sum inside each chunk.
+What the autograd function keeps: x, dt, A, B, C (views are read through their strides, not copied)
+and the initial state; no [b, H, T, chunk] tensor and no per-head dB, dC.
 
 Matmuls accumulate in fp32; fp32 inputs multiply in IEEE fp32, bf16 / fp16 inputs in TF32.
 
@@ -98,41 +101,6 @@ def _state_pass_kernel(states, s, init, final, NC, Tp, PN, CHUNK: tl.constexpr, 
 
 
 @triton.jit
-def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                         N: tl.constexpr, CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // G)
-    j = tl.arange(0, CHUNK)
-    t = i_n * CHUNK + j
-    m_t = t < T
-    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
-    m_p, m_n = p < P, n < N
-    row = i_b.to(tl.int64) * T + t
-    y_off = (row * H + i_h)[:, None] * P + p[None, :]  # y is contiguous
-    x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
-    bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
-    xj = tl.load(x + x_off, mask=m_t[:, None] & m_p[None, :], other=0.0).to(tl.float32)
-    Bj = tl.load(B + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-    Cj = tl.load(C + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-    dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
-    sj = tl.load(s + i_bh.to(tl.int64) * Tp + t)
-    S0 = tl.load(states + (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :],
-                 mask=m_p[:, None] & m_n[None, :], other=0.0)
-    causal = j[:, None] >= j[None, :]
-    decay = tl.exp(tl.where(causal, sj[:, None] - sj[None, :], float("-inf")))  # [i, j]
-    if IEEE:
-        acc = tl.dot(Cj, tl.trans(S0), input_precision="ieee") * tl.exp(sj)[:, None]
-        scores = tl.dot(Cj, tl.trans(Bj), input_precision="ieee") * decay * dtj[None, :]
-        acc += tl.dot(scores, xj, input_precision="ieee")
-    else:
-        acc = tl.dot(Cj, tl.trans(S0)) * tl.exp(sj)[:, None]
-        scores = tl.dot(Cj, tl.trans(Bj)) * decay * dtj[None, :]
-        acc += tl.dot(scores, xj)
-    tl.store(y + y_off, acc.to(y.dtype.element_ty), mask=m_t[:, None] & m_p[None, :])
-
-
-@triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
@@ -141,89 +109,133 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, T, Tp, NC,
-                           sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
-                           H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
-                           BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """One chunk of one head: S0 the state when it starts, dSe the gradient of the state when it ends.
-    Writes dx, ddt = sum_p d(x dt) * x, per-head dB, dC and d s (the gradient of the chunk-local cumsum)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // G)
+def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
+                         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                         BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """One chunk of one group's heads: C B^T is computed once and serves each head in turn."""
+    i_n, i_bg = tl.program_id(0), tl.program_id(1)
+    i_b, i_g = i_bg // G, i_bg % G
     j = tl.arange(0, CHUNK)
     t = i_n * CHUNK + j
     m_t = t < T
     p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
     m_p, m_n = p < P, n < N
+    m_xp = m_t[:, None] & m_p[None, :]
     row = i_b.to(tl.int64) * T + t
-    y_off = (row * H + i_h)[:, None] * P + p[None, :]  # dy, dx are contiguous
-    x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
+    bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
+    Bj = tl.load(B + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+    Cj = tl.load(C + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+    CB = _dot(Cj, tl.trans(Bj), IEEE)  # [i, j]
+    causal = j[:, None] >= j[None, :]
+    for hh in range(H // G):
+        i_h = i_g * (H // G) + hh
+        i_bh = i_b * H + i_h
+        y_off = (row * H + i_h)[:, None] * P + p[None, :]  # y is contiguous
+        x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
+        xj = tl.load(x + x_off, mask=m_xp, other=0.0).to(tl.float32)
+        dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
+        sj = tl.load(s + i_bh.to(tl.int64) * Tp + t)
+        S0 = tl.load(states + (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :],
+                     mask=m_p[:, None] & m_n[None, :], other=0.0)
+        decay = tl.exp(tl.where(causal, sj[:, None] - sj[None, :], float("-inf")))  # [i, j]
+        acc = _dot(Cj, tl.trans(S0), IEEE) * tl.exp(sj)[:, None]
+        acc += _dot(CB * decay * dtj[None, :], xj, IEEE)
+        tl.store(y + y_off, acc.to(y.dtype.element_ty), mask=m_xp)
+
+
+@triton.jit
+def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, T, Tp, NC,
+                           sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
+                           H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                           BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """One chunk of one group's heads, in turn: S0 the state when the chunk starts, dSe the gradient of
+    the state when it ends. Writes dx, ddt = sum_p d(x dt) * x, d s (the gradient of the chunk-local
+    cumsum) per head, and dB, dC summed over the group's heads."""
+    i_n, i_bg = tl.program_id(0), tl.program_id(1)
+    i_b, i_g = i_bg // G, i_bg % G
+    j = tl.arange(0, CHUNK)
+    t = i_n * CHUNK + j
+    m_t = t < T
+    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
+    m_p, m_n = p < P, n < N
     m_xp = m_t[:, None] & m_p[None, :]
     m_bn = m_t[:, None] & m_n[None, :]
+    m_pn = m_p[:, None] & m_n[None, :]
+    row = i_b.to(tl.int64) * T + t
     bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
-    xj = tl.load(x + x_off, mask=m_xp, other=0.0).to(tl.float32)
-    dyj = tl.load(dy + y_off, mask=m_xp, other=0.0).to(tl.float32)
     Bj = tl.load(B + bc_off, mask=m_bn, other=0.0).to(tl.float32)
     Cj = tl.load(C + bc_off, mask=m_bn, other=0.0).to(tl.float32)
-    dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
-    s_base = s + i_bh.to(tl.int64) * Tp + i_n * CHUNK
-    sj = tl.load(s_base + j)
-    s_last = tl.load(s_base + CHUNK - 1)
-    st_off = (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :]
-    m_pn = m_p[:, None] & m_n[None, :]
-    S0 = tl.load(states + st_off, mask=m_pn, other=0.0)
-    dSe = tl.load(dstates + st_off, mask=m_pn, other=0.0)
-
-    xdt = xj * dtj[:, None]
-    from_start = tl.where(m_t, tl.exp(sj), 0.0)
-    to_end = tl.where(m_t, tl.exp(s_last - sj), 0.0)
+    CB = _dot(Cj, tl.trans(Bj), IEEE)  # [i, j]
     causal = j[:, None] >= j[None, :]
-    decay = tl.exp(tl.where(causal, sj[:, None] - sj[None, :], float("-inf")))  # [i, j]
-
-    # y_i = exp(s_i) S0 C_i: gradients of C and s
-    dyS0 = _dot(dyj, S0, IEEE)  # [c, N]
-    d_s = from_start * tl.sum(dyS0 * Cj, axis=1)
-    dCj = dyS0 * from_start[:, None]
-    # y_i += sum_j M_ij xdt_j with M_ij = (C_i . B_j) exp(s_i - s_j)
-    M = _dot(Cj, tl.trans(Bj), IEEE) * decay
-    dyx = _dot(dyj, tl.trans(xdt), IEEE)  # [i, j] dy_i . xdt_j
-    dM = dyx * decay
-    W = M * dyx
-    d_s += tl.sum(W, axis=1) - tl.sum(W, axis=0)
-    dCj += _dot(dM, Bj, IEEE)
-    dBj = _dot(tl.trans(dM), Cj, IEEE)
-    dxdt = _dot(tl.trans(M), dyj, IEEE)  # [c, P]
-    # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) xdt_j^T B_j
-    BdS = _dot(Bj, tl.trans(dSe), IEEE)  # [c, P]
-    dxdt += BdS * to_end[:, None]
-    dBj += _dot(xdt, dSe, IEEE) * to_end[:, None]
-    q = to_end * tl.sum(xdt * BdS, axis=1)
-    d_s -= q
-    d_last = tl.sum(q, axis=0) + tl.exp(s_last) * tl.sum(tl.sum(dSe * S0, axis=1), axis=0)
-    d_s += tl.where(j == CHUNK - 1, d_last, 0.0)
-
-    tl.store(dx + y_off, (dxdt * dtj[:, None]).to(dx.dtype.element_ty), mask=m_xp)
     # ddt, dB, dC and d s sum over P: each block of P writes its own share (summed by the caller)
     i_p = tl.program_id(2).to(tl.int64)
-    prow = (i_p * (tl.num_programs(1) // H) + i_b) * T + t  # [CHUNK]
-    tl.store(ddt + prow * H + i_h, tl.sum(dxdt * xj, axis=1), mask=m_t)
-    hb_off = (prow * H + i_h)[:, None] * N + n[None, :]
+    prow = (i_p * (tl.num_programs(1) // G) + i_b) * T + t  # [CHUNK]
+    dBj = tl.zeros([CHUNK, BN], dtype=tl.float32)
+    dCj = tl.zeros([CHUNK, BN], dtype=tl.float32)
+    for hh in range(H // G):
+        i_h = i_g * (H // G) + hh
+        i_bh = i_b * H + i_h
+        y_off = (row * H + i_h)[:, None] * P + p[None, :]  # dy, dx are contiguous
+        x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
+        xj = tl.load(x + x_off, mask=m_xp, other=0.0).to(tl.float32)
+        dyj = tl.load(dy + y_off, mask=m_xp, other=0.0).to(tl.float32)
+        dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
+        s_base = s + i_bh.to(tl.int64) * Tp + i_n * CHUNK
+        sj = tl.load(s_base + j)
+        s_last = tl.load(s_base + CHUNK - 1)
+        st_off = (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :]
+        S0 = tl.load(states + st_off, mask=m_pn, other=0.0)
+        dSe = tl.load(dstates + st_off, mask=m_pn, other=0.0)
+
+        xdt = xj * dtj[:, None]
+        from_start = tl.where(m_t, tl.exp(sj), 0.0)
+        to_end = tl.where(m_t, tl.exp(s_last - sj), 0.0)
+        decay = tl.exp(tl.where(causal, sj[:, None] - sj[None, :], float("-inf")))  # [i, j]
+
+        # y_i = exp(s_i) S0 C_i: gradients of C and s
+        dyS0 = _dot(dyj, S0, IEEE)  # [c, N]
+        d_s = from_start * tl.sum(dyS0 * Cj, axis=1)
+        dCj += dyS0 * from_start[:, None]
+        # y_i += sum_j M_ij xdt_j with M_ij = (C_i . B_j) exp(s_i - s_j)
+        M = CB * decay
+        dyx = _dot(dyj, tl.trans(xdt), IEEE)  # [i, j] dy_i . xdt_j
+        dM = dyx * decay
+        W = M * dyx
+        d_s += tl.sum(W, axis=1) - tl.sum(W, axis=0)
+        dCj += _dot(dM, Bj, IEEE)
+        dBj += _dot(tl.trans(dM), Cj, IEEE)
+        dxdt = _dot(tl.trans(M), dyj, IEEE)  # [c, P]
+        # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) xdt_j^T B_j
+        BdS = _dot(Bj, tl.trans(dSe), IEEE)  # [c, P]
+        dxdt += BdS * to_end[:, None]
+        dBj += _dot(xdt, dSe, IEEE) * to_end[:, None]
+        q = to_end * tl.sum(xdt * BdS, axis=1)
+        d_s -= q
+        d_last = tl.sum(q, axis=0) + tl.exp(s_last) * tl.sum(tl.sum(dSe * S0, axis=1), axis=0)
+        d_s += tl.where(j == CHUNK - 1, d_last, 0.0)
+
+        tl.store(dx + y_off, (dxdt * dtj[:, None]).to(dx.dtype.element_ty), mask=m_xp)
+        tl.store(ddt + prow * H + i_h, tl.sum(dxdt * xj, axis=1), mask=m_t)
+        tl.store(ds + (i_p * (tl.num_programs(1) // G) * H + i_bh) * Tp + i_n * CHUNK + j, d_s)
+    hb_off = (prow * G + i_g)[:, None] * N + n[None, :]
     tl.store(dB + hb_off, dBj, mask=m_bn)
     tl.store(dC + hb_off, dCj, mask=m_bn)
-    tl.store(ds + (i_p * tl.num_programs(1) + i_bh) * Tp + i_n * CHUNK + j, d_s)
 
 
 _WARPS = 8  # the output and backward kernels hold several [chunk, P] and [P, N] fp32 tiles at once
-_BLOCK_P = 64  # head dims per program; the backward's sums over P are written per block and added after
+# head dims per program (forward, backward): fewer fp32 tiles live per program (ptxas at P = 128, N = 64,
+# chunk 64, bf16, sm_90: no spills forward, about 1.5 KB per thread backward at 32); the backward's
+# sums over P are written per block and added after
+_BLOCK_P, _BWD_BLOCK_P = 64, 32
 
 
 def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _p_blocks(head_dim: int) -> tuple[int, int]:
+def _p_blocks(head_dim: int, most: int) -> tuple[int, int]:
     """(block of head dims, number of blocks)."""
-    block = min(_BLOCK_P, _block(head_dim))
+    block = min(most, _block(head_dim))
     return block, triton.cdiv(head_dim, block)
 
 
@@ -250,7 +262,7 @@ def _states(v, dt, bc, s, init, T, chunk, from_start, reverse, ieee):
     padded = s.shape[-1]
     num_chunks = padded // chunk
     states = v.new_empty(batch, heads, num_chunks, head_dim, state_size, dtype=torch.float32)
-    block_p, p_blocks = _p_blocks(head_dim)
+    block_p, p_blocks = _p_blocks(head_dim, _BLOCK_P)
     _chunk_outer_kernel[(num_chunks, batch * heads, p_blocks)](
         v, dt, bc, s, states, T, padded, num_chunks, *v.stride()[:3], *bc.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk,
         BP=block_p, BN=_block(state_size), FROM_START=from_start, IEEE=ieee)
@@ -276,8 +288,8 @@ class _SSD(torch.autograd.Function):
         s = _local_cumsum(dt, A, chunk, padded)
         states, final = _states(x, dt, B, s, h0, seq_len, chunk, False, False, ieee)
         y = x.new_empty(x.shape)
-        block_p, p_blocks = _p_blocks(head_dim)
-        _chunk_output_kernel[(padded // chunk, batch * heads, p_blocks)](
+        block_p, p_blocks = _p_blocks(head_dim, _BLOCK_P)
+        _chunk_output_kernel[(padded // chunk, batch * B.shape[2], p_blocks)](
             x, dt, B, C, s, states, y, seq_len, padded, padded // chunk, *x.stride()[:3], *B.stride()[:3], H=heads, G=B.shape[2], P=head_dim,
             N=B.shape[3], CHUNK=chunk, BP=block_p, BN=_block(B.shape[3]), IEEE=ieee, num_warps=_WARPS)
         ctx.save_for_backward(x, dt, A, B, C, h0)
@@ -299,12 +311,12 @@ class _SSD(torch.autograd.Function):
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         dstates, dh0 = _states(dy, dt, C, s, dfinal, seq_len, chunk, True, True, ieee)
         dx = x.new_empty(x.shape)
-        block_p, p_blocks = _p_blocks(head_dim)
+        block_p, p_blocks = _p_blocks(head_dim, _BWD_BLOCK_P)
         ddt = dt.new_empty(p_blocks, *dt.shape)
-        dB = x.new_empty(p_blocks, batch, seq_len, heads, state_size, dtype=torch.float32)
+        dB = x.new_empty(p_blocks, batch, seq_len, groups, state_size, dtype=torch.float32)
         dC = torch.empty_like(dB)
         ds = s.new_empty(p_blocks, *s.shape)
-        _chunk_backward_kernel[(padded // chunk, batch * heads, p_blocks)](
+        _chunk_backward_kernel[(padded // chunk, batch * groups, p_blocks)](
             x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, seq_len, padded, padded // chunk,
             *x.stride()[:3], *B.stride()[:3],
             H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=block_p, BN=_block(state_size),
@@ -317,11 +329,8 @@ class _SSD(torch.autograd.Function):
         ddt = ddt + da * A.float()
         dA = (da * dt).sum((0, 1)).to(A.dtype)
 
-        def per_group(d, like):  # the heads of a group summed
-            return d.view(batch, seq_len, groups, heads // groups, state_size).sum(3).to(like.dtype)
-
         dh0 = dh0.to(ctx.init_dtype) if ctx.has_init else None
-        return dx, ddt, dA, per_group(dB, B), per_group(dC, C), None, dh0
+        return dx, ddt, dA, dB.to(B.dtype), dC.to(C.dtype), None, dh0
 
 
 def chunk_ssd_triton(
