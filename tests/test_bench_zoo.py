@@ -70,6 +70,23 @@ def test_missing_peer_is_an_error_row_and_the_run_goes_on(tmp_path, no_fla, caps
     assert "n/a" in capsys.readouterr().out  # in the table
 
 
+def test_a_stats_row_steps_the_model_with_its_health_statistics_recorded(tmp_path, monkeypatch):
+    """`nsa-stats` is `nsa` stepped as `attnlab train` steps it, statistics recorded; a mixer without any is an error row."""
+    from attnlab.models.modeling import AttnLabForCausalLM
+
+    recorded = []
+    enable = AttnLabForCausalLM.enable_health_stats
+    monkeypatch.setattr(AttnLabForCausalLM, "enable_health_stats", lambda self, on=True: (recorded.append(on), enable(self, on)))
+    out = tmp_path / "zoo.json"
+    assert run_cli("bench", "zoo", *TINY, "--skip-ops", "--model", "nsa", "--model", "nsa-stats", "--model", "softmax-stats",
+                   "--mixer-option", "nsa.block_size=8", "--mixer-option", "nsa.block_counts=3", "--mixer-option", "nsa.window_size=8",
+                   "--out", str(out)) == 0
+    train = json.loads(out.read_text())["train"]
+    assert train["attnlab-nsa@2x32"]["tokens_per_s"] > 0 and train["attnlab-nsa-stats@2x32"]["tokens_per_s"] > 0
+    assert recorded == [True]  # the -stats row only
+    assert "records no training-health statistics" in train["attnlab-softmax-stats@2x32"]["error"]
+
+
 @pytest.mark.parametrize("option, name", [("--model", "softmx"), ("--op-model", "softmax")])
 def test_unknown_model_exits_with_one_message_naming_the_valid_ones(option, name, capsys):
     assert run_cli("bench", "zoo", *TINY, option, name) == 1

@@ -441,13 +441,14 @@ def bench_train_cmd(
         console.print(f"wrote {out} and {plot_train(rows, out.with_suffix('.png'), torch.cuda.get_device_name())}")
 
 
-from attnlab.bench.zoo import OP_PEERS, OP_PRESETS, PRESETS, TRAIN_PEERS  # noqa: E402
+from attnlab.bench.zoo import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS  # noqa: E402
 
 
 @bench_app.command("zoo")
 def bench_zoo_cmd(
     models: Optional[list[str]] = typer.Option(None, "--model", "-m", show_default=False, help=(
-        f"Model to train (repeatable): any registered mixer or preset (softmax or attnlab-softmax), {', '.join(TRAIN_PEERS)}. "
+        f"Model to train (repeatable): any registered mixer or preset (softmax or attnlab-softmax), {', '.join(TRAIN_PEERS)}; "
+        f"a mixer with {STATS_SUFFIX} (nsa{STATS_SUFFIX}) records its training-health statistics each step, as `attnlab train` does. "
         f"Default: {', '.join(PRESETS)} and every peer.")),
     op_models: Optional[list[str]] = typer.Option(None, "--op-model", show_default=False, help=(
         f"Token-mixing op to time alone, forward and backward (repeatable): an attention-family preset (its mixing function), "

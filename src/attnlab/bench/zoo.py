@@ -40,6 +40,9 @@ PRESETS = ("softmax", "gla", "mamba2", "nsa", "2mamba", "2mamba-e", "gated_softm
 TRAIN_PEERS = ("hf-llama", *FLA_MODELS)
 OP_PRESETS = ("2mamba", "2mamba-e", "gated_softmax", "softmax_divs", "softmax_taylor_80terms", "linear_elu", "linear__output_norm")
 OP_PEERS = ("sdpa", "fla-parallel_forgetting_attn", "fla-chunk_gla")
+# `attnlab-<mixer>-stats`: the model stepped with its training-health statistics recorded, as
+# `attnlab train` steps it (NSA's gate and selection statistics); beside `attnlab-<mixer>`, their cost
+STATS_SUFFIX = "-stats"
 
 
 def _bench_names(names: list[str], peers: tuple[str, ...], valid: list[str], option: str, what: str) -> list[str]:
@@ -48,7 +51,7 @@ def _bench_names(names: list[str], peers: tuple[str, ...], valid: list[str], opt
     out = []
     for name in names:
         bare = name.removeprefix("attnlab-")
-        if name not in peers and bare not in valid:
+        if name not in peers and bare.removesuffix(STATS_SUFFIX) not in valid:
             raise PreflightError(f"unknown {option} {name!r}; choose a peer ({', '.join(peers)}) or {what}, "
                                  f"with or without the attnlab- prefix: {', '.join(sorted(valid))}")
         out.append(name if name in peers else f"attnlab-{bare}")
@@ -142,7 +145,11 @@ def train_row(name: str, size: dict, batch: int, seq_len: int, steps: int, warmu
         raise RuntimeError("fla's kernels need CUDA")
     torch.manual_seed(0)
     with device:  # weights initialised where they train (a few seconds less per row than on the host)
-        model = build(name, **size).train()
+        model = build(name.removesuffix(STATS_SUFFIX), **size).train()
+    if name.endswith(STATS_SUFFIX):
+        if not any(hasattr(m, "collect_stats") for m in model.modules()):
+            raise ValueError(f"{name}: this model records no training-health statistics")
+        model.enable_health_stats(True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     x = torch.randint(0, size["vocab"], (batch, seq_len), device=device)
 
