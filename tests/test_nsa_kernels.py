@@ -140,6 +140,37 @@ def test_nsa_kernels_in_bf16_match_the_fp32_reference_on_cuda(case):
         assert grad.isfinite().all() and rel_err(grad, ref_grad) < 2e-2, name
 
 
+def stats_case(batch, seq_len, heads, kv_heads, slots, cap, seed=0):
+    """Gates (one head collapsed onto its window branch), positions with left padding in row 1, and
+    selected blocks with unused slots (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.rand(batch, seq_len, heads, 3, generator=gen)
+    g[:, :, 0] = torch.tensor([0.001, 0.002, 0.995])
+    pos = torch.arange(seq_len).repeat(batch, 1)
+    pos[1, :5] = -1
+    idx = torch.randint(0, 50, (batch, seq_len, kv_heads, slots), generator=gen)
+    idx[torch.rand(idx.shape, generator=gen) < 0.3] = -1
+    idx[0, :7] = torch.arange(slots)  # some pairs at the cap
+    return g, pos, idx, cap
+
+
+@pytest.mark.parametrize("heads, kv_heads, slots, cap", [(4, 1, 5, 5), (6, 3, 4, 4), (16, 2, 16, 16)])
+def test_the_statistics_kernels_match_the_pytorch_statistics(heads, kv_heads, slots, cap):
+    from attnlab.models.kernels.nsa_stats import record_stats
+    from attnlab.models.mixers.nsa import stats_values
+
+    g, pos, idx, cap = stats_case(2, 70, heads, kv_heads, slots, cap)
+    expected, tokens = stats_values(g, idx, pos, cap)
+    out = torch.full((8,), 7.0)
+    record_stats(out, g, pos, idx, cap)
+    assert tokens == 135
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6), (out, expected)
+    assert expected[2] == 1 / heads  # the collapsed head
+    pos[:] = -1  # no real token: the previous values stay
+    record_stats(out, g, pos, idx, cap)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_nsa_mixer_on_cuda_matches_the_reference_mixer_end_to_end():
@@ -152,13 +183,18 @@ def test_nsa_mixer_on_cuda_matches_the_reference_mixer_end_to_end():
     tokens = torch.randint(0, 256, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     mask = torch.ones_like(tokens)
     mask[1, :37] = 0  # left padding
-    outputs = []
+    outputs, stats = [], []
     for model in (reference, fast):
+        model.enable_health_stats(True)  # the fast model's on the statistics kernels
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(tokens, attention_mask=mask, labels=tokens)
         out.loss.backward()
         outputs.append((out.logits.float(), {n: p.grad for n, p in model.named_parameters()}))
+        stats.append(model.health_stats())
     (ref_logits, ref_grads), (logits, grads) = outputs
+    assert stats[0].keys() == stats[1].keys() and len(stats[0]) == 9
+    for key, value in stats[0].items():  # the selection may differ where bf16 scores tie
+        assert abs(stats[1][key] - value) <= 1e-2 * max(1.0, abs(value)), key
     real = mask.bool()
     assert rel_err(logits[real], ref_logits[real]) < 2e-2
     for name, ref_grad in ref_grads.items():

@@ -44,6 +44,28 @@ from attnlab.models.ops.nsa import check_selection_counts, mean_pool_blocks, nsa
 
 COMPRESSIONS = ("mean", "mlp")
 BRANCHES = ("cmp", "slc", "swa")
+STAT_NAMES = [f"nsa_{name}" for name in ("gate_entropy_mean", "max_gate_mean", "collapse_fraction",
+                                         *(f"branch_share_{b}" for b in BRANCHES), "k_mean", "pct_at_k_max")]
+
+
+def stats_values(g: torch.Tensor, block_indices: torch.Tensor, pos: torch.Tensor, block_counts: int):
+    """The statistics of `NSA._record_stats` in PyTorch: (values [8] fp32 in `STAT_NAMES` order, real
+    tokens as a 0-d tensor). g [B, T, H, 3]; block_indices [B, T, Hkv, S]; pos [B, T] (< 0: padding)."""
+    heads, kv_heads = g.shape[2], block_indices.shape[2]
+    real = (pos >= 0).float()[..., None]  # [B, T, 1]
+    tokens = real.sum()
+    count = tokens.clamp_min(1)
+    gates = g.float()  # [B, T, H, 3]
+    share = gates / gates.sum(-1, keepdim=True)
+    entropy = (-(share * share.clamp_min(1e-12).log()).sum(-1) * real).sum() / (count * heads)
+    max_gate = (gates.max(-1).values * real).sum() / (count * heads)
+    head_means = (gates * real[..., None]).sum((0, 1)) / count  # [H, 3]
+    collapse = (head_means.max(-1).values > 0.99).float().mean()
+    branch_share = (share * real[..., None]).sum((0, 1, 2)) / (count * heads)  # [3]
+    k_selected = (block_indices >= 0).sum(-1).float()  # [B, T, Hkv]
+    k_mean = (k_selected * real).sum() / (count * kv_heads)
+    at_max = ((k_selected == block_counts).float() * real).sum() / (count * kv_heads) * 100
+    return torch.stack((entropy, max_gate, collapse, *branch_share, k_mean, at_max)), tokens
 
 
 class BlockCompressor(nn.Module):
@@ -241,28 +263,16 @@ class NativeSparseAttention(Mixer):
 
         A forward without real tokens keeps the previous values.
         """
-        real = (pos >= 0).float()[..., None]  # [B, T, 1]
-        tokens = real.sum()
-        count = tokens.clamp_min(1)
-        gates = g.detach().float()  # [B, T, H, 3]
-        share = gates / gates.sum(-1, keepdim=True)
-        entropy = (-(share * share.clamp_min(1e-12).log()).sum(-1) * real).sum() / (count * self.num_heads)
-        max_gate = (gates.max(-1).values * real).sum() / (count * self.num_heads)
-        head_means = (gates * real[..., None]).sum((0, 1)) / count  # [H, 3]
-        collapse = (head_means.max(-1).values > 0.99).float().mean()
-        branch_share = (share * real[..., None]).sum((0, 1, 2)) / (count * self.num_heads)  # [3]
-        k_selected = (block_indices >= 0).sum(-1).float()  # [B, T, Hkv]
-        k_mean = (k_selected * real).sum() / (count * self.num_kv_heads)
-        at_max = ((k_selected == self.block_counts).float() * real).sum() / (count * self.num_kv_heads) * 100
-        values = torch.stack((entropy, max_gate, collapse, *branch_share, k_mean, at_max))
-        names = ["gate_entropy_mean", "max_gate_mean", "collapse_fraction"]
-        names += [f"branch_share_{b}" for b in BRANCHES] + ["k_mean", "pct_at_k_max"]
-        names = [f"nsa_{name}" for name in names]
         buffer = self._stats_buffer
-        if buffer is None or buffer.device != values.device or not self.last_stats:
-            buffer = self._stats_buffer = torch.zeros_like(values)
-            self.last_stats = dict(zip(names, buffer.unbind()))  # views of the buffer
+        if buffer is None or buffer.device != g.device or not self.last_stats:
+            buffer = self._stats_buffer = torch.zeros(len(STAT_NAMES), dtype=torch.float32, device=g.device)
+            self.last_stats = dict(zip(STAT_NAMES, buffer.unbind()))  # views of the buffer
             self.last_stats["nsa_k_max"] = float(self.block_counts)
-            buffer.copy_(values)
-        else:  # in place: a forward captured in a CUDA graph updates the statistics on every replay
-            buffer.copy_(torch.where(tokens > 0, values, buffer))
+        # in place: a forward captured in a CUDA graph updates the statistics on every replay
+        if kernels.use_triton(self.kernels, g):  # two launches (kernels/nsa_stats.py)
+            from attnlab.models.kernels.nsa_stats import record_stats
+
+            record_stats(buffer, g.detach(), pos, block_indices, self.block_counts)
+            return
+        values, tokens = stats_values(g.detach(), block_indices, pos, self.block_counts)
+        buffer.copy_(torch.where(tokens > 0, values, buffer))
