@@ -1,4 +1,50 @@
-"""DOCSTRING"""
+"""Mamba-2's SSD with one scalar decay per head, as chunked Triton kernels of attnlab's own.
+
+Computes `attnlab.models.ops.mamba2.chunk_ssd` and, through `ssd`, the D skip too: per head h, with
+a_t = dt_t * A_h and the group g = h // (heads / groups) it reads B, C from,
+
+    S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t + D_h x_t.
+
+Time is cut into chunks of `chunk` tokens. Every kernel that needs them rebuilds a chunk's log
+decays s (dt * A summed from the chunk start: a cumsum of `chunk` values) from dt and A, so no
+[b, H, T] tensor of them is kept or read. Forward:
+
+    1. `_chunk_states_kernel`  one program per (batch * head, block of P, block of N) walks through
+                               the chunks: it stores the state when chunk n starts (fp32, [b, H, n, P, N])
+                               and moves on, S <- exp(s_last) S + sum_j exp(s_last - s_j) dt_j x_j^T B_j.
+                               Blocks of P, then of N, are halved until 256 programs run (batch 1 too).
+    2. `_chunk_output_kernel`  one program per (chunk, batch * head): the [chunk, chunk] matrix
+                               (C_i . B_j) exp(s_i - s_j) dt_j is made once, then for each block of P
+                               y_i = exp(s_i) S0 C_i + sum_{j <= i} M_ij x_j + D x_i (the skip in fp32).
+
+The autograd function keeps x, dt, A, B, C, D (views are read through their strides, not copied) and
+the initial state; no states, no [b, H, T, chunk] tensor. Backward:
+
+    3. `_chunk_states_kernel` again for the states, and in reverse (from the last chunk, with (dy, C)
+       and weights exp(s_j)) for the gradient of the state when each chunk ends, starting from the
+       final state's gradient; the last one is the initial state's gradient.
+    4. `_chunk_backward_bc_kernel`  per (chunk, batch * head), summing over P in blocks:
+       dy_i . dt_j x_j, dy S0 and dt x dSe; then writes dB, dC of the head (fp32 [b, T, H, N], a
+       group's heads summed in PyTorch), the gradient of s except its part through x, and dD's share.
+    5. `_chunk_backward_x_kernel`   per (chunk, batch * head): dx (the skip's D dy included), d dt,
+       and dA's share, after turning d s into d(dt * A) by a reverse cumsum over the chunk.
+
+Matmuls accumulate in fp32. fp32 inputs multiply in IEEE fp32. bf16 / fp16 inputs multiply on
+their dtype (the [chunk, chunk] matrices and the states are rounded to it as matmul operands), except in
+the state kernel, which multiplies in TF32 so that the carried state and the final state keep fp32
+accuracy. In Triton's interpreter (CPU tensors, tests) operands are rounded the same way and
+multiplied in fp32.
+
+Blocks were chosen with ptxas's report for sm_90 at H 16, P 128, N 64, chunk 64, bf16 (Triton 3.6;
+registers per thread, no spills anywhere; see `_BLOCK_P` and below): output 128 (4 warps),
+backward 254 and 182 (4 warps, blocks of 32 head dims), states 217 / 168 / 168 / 123 for blocks of
+(P, N) = (64, 64) / (32, 64) / (16, 64) / (16, 32) (4 warps). Grids at (batch, T) = 16x1024, 4x4096,
+1x16384: states (256, 2, 1), (64, 4, 1), (16, 8, 2); output and backward (16, 256), (64, 64), (256, 16).
+
+Timing against the fla path (`kernels/mamba2.py`), on a GPU, forward and backward of one layer's SSD:
+    # python -c "import torch, triton; from attnlab.models.kernels import ssd as s, mamba2 as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); f=lambda mod: mod.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0].sum().backward(); [print(mod.__name__, triton.testing.do_bench(lambda: f(mod)), 'ms fwd+bwd') for mod in (m, s)]"
+"""
+
 from __future__ import annotations
 
 import warnings
@@ -100,7 +146,7 @@ def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, 
     y_bh = y + i_b.to(tl.int64) * T * H * P + i_h * P  # y is contiguous
     bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
     st = states + (i_bh.to(tl.int64) * NC + i_n) * P * N
-    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    dtj, s, _ = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
     Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
     Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
@@ -320,8 +366,8 @@ class _SSD(torch.autograd.Function):
         dA = x.new_empty(batch, heads, num_chunks, dtype=torch.float32)  # per chunk
         dD = torch.empty_like(dA) if D is not None else dA
         ds = x.new_empty(batch * heads, num_chunks * chunk, dtype=torch.float32)  # d s but the part through x
-        meta = dict(H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=min(_BWD_BLOCK_P, _block(head_dim)),
-                    BN=_block(state_size), HAS_D=D is not None, IEEE=ieee, UPCAST=not x.is_cuda, num_warps=_BWD_WARPS)
+        meta = {"H": heads, "G": groups, "P": head_dim, "N": state_size, "CHUNK": chunk, "BP": min(_BWD_BLOCK_P, _block(head_dim)),
+                "BN": _block(state_size), "HAS_D": D is not None, "IEEE": ieee, "UPCAST": not x.is_cuda, "num_warps": _BWD_WARPS}
         _chunk_backward_bc_kernel[(num_chunks, batch * heads)](
             x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, seq_len, num_chunks, *x.stride()[:3], *B.stride()[:3],
             **meta)
