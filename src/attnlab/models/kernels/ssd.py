@@ -24,8 +24,8 @@ the initial state; no states, no [b, H, T, chunk] tensor. Backward:
        and weights exp(s_j)) for the gradient of the state when each chunk ends, starting from the
        final state's gradient; the last one is the initial state's gradient.
     4. `_chunk_backward_bc_kernel`  per (chunk, batch * head), summing over P in blocks:
-       dy_i . dt_j x_j, dy S0 and dt x dSe; then writes dB, dC of the head (fp32 [b, T, H, N], a
-       group's heads summed in PyTorch), the gradient of s except its part through x, and dD's share.
+       dy_i . dt_j x_j, dy S0 and dt x dSe; then writes dB, dC of the head ([b, T, H, N] in x's
+       dtype, as fla's per-head dq, dk; a group's heads are summed in fp32 in PyTorch), the gradient of s except its part through x, and dD's share.
     5. `_chunk_backward_x_kernel`   per (chunk, batch * head): dx (the skip's D dy included), d dt,
        and dA's share, after turning d s into d(dt * A) by a reverse cumsum over the chunk.
 
@@ -37,9 +37,10 @@ multiplied in fp32.
 
 Blocks were chosen with ptxas's report for sm_90 at H 16, P 128, N 64, chunk 64, bf16 (Triton 3.6;
 registers per thread, no spills anywhere; see `_BLOCK_P` and below): output 128 (4 warps),
-backward 254 and 182 (4 warps, blocks of 32 head dims), states 217 / 168 / 168 / 123 for blocks of
+backward 247 and 182 (4 warps, blocks of 32 head dims), states 217 / 168 / 168 / 123 for blocks of
 (P, N) = (64, 64) / (32, 64) / (16, 64) / (16, 32) (4 warps). Grids at (batch, T) = 16x1024, 4x4096,
 1x16384: states (256, 2, 1), (64, 4, 1), (16, 8, 2); output and backward (16, 256), (64, 64), (256, 16).
+fp32 inputs are for accuracy, not speed: in IEEE fp32 the output and backward kernels spill (1 to 5 KB).
 
 Timing against the fla path (`kernels/mamba2.py`), on a GPU, forward and backward of one layer's SSD:
     # python -c "import torch, triton; from attnlab.models.kernels import ssd as s, mamba2 as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); f=lambda mod: mod.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0].sum().backward(); [print(mod.__name__, triton.testing.do_bench(lambda: f(mod)), 'ms fwd+bwd') for mod in (m, s)]"
@@ -211,14 +212,14 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     d_s = tl.sum(W, axis=1) - tl.sum(W, axis=0)
     dM = (dyx * decay).to(DT)
     from_start = tl.where(m_t, tl.exp(s), 0.0)
-    hb = i_b.to(tl.int64) * T * H * N + i_h * N  # dB, dC per head: [b, T, H, N] fp32
+    hb = i_b.to(tl.int64) * T * H * N + i_h * N  # dB, dC per head: [b, T, H, N] in x's dtype
     dCj = _dot(dM, Bj, IEEE, UPCAST) + dyS0 * from_start[:, None]
     d_s += tl.sum(dyS0 * Cj.to(tl.float32), axis=1) * from_start
-    tl.store(_tile(dC + hb, T, H * N, N, i_n, 0, CHUNK, BN), dCj, boundary_check=(0, 1))
+    tl.store(_tile(dC + hb, T, H * N, N, i_n, 0, CHUNK, BN), dCj.to(dC.dtype.element_ty), boundary_check=(0, 1))
     # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) dt_j x_j^T B_j
     to_end = tl.where(m_t, tl.exp(s_last - s), 0.0)
     dBj = _dot(tl.trans(dM), Cj, IEEE, UPCAST) + xdS * to_end[:, None]
-    tl.store(_tile(dB + hb, T, H * N, N, i_n, 0, CHUNK, BN), dBj, boundary_check=(0, 1))
+    tl.store(_tile(dB + hb, T, H * N, N, i_n, 0, CHUNK, BN), dBj.to(dB.dtype.element_ty), boundary_check=(0, 1))
     d_s += tl.where(j == CHUNK - 1, tl.exp(s_last) * tl.sum(dSS, axis=0), 0.0)
     tl.store(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j, d_s)
     if HAS_D:
@@ -276,7 +277,7 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
 
 
 # Blocks and warps, from ptxas's report for sm_90 at P = 128, N = 64, chunk 64, bf16 (registers per
-# thread: output 128, backward 254 and 182, states 123 to 217 by block): no spills, two programs or
+# thread: output 128, backward 247 and 182, states 123 to 217 by block): no spills, two programs or
 # more per SM. The output and backward kernels loop over P in blocks of these many head dims.
 _BLOCK_P, _BWD_BLOCK_P = 64, 32
 _WARPS, _BWD_WARPS, _STATE_WARPS = 4, 4, 4
@@ -361,7 +362,7 @@ class _SSD(torch.autograd.Function):
         dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee)
         dx = x.new_empty(x.shape)
         ddt = x.new_empty(batch, seq_len, heads, dtype=torch.float32)
-        dB = x.new_empty(batch, seq_len, heads, state_size, dtype=torch.float32)  # per head
+        dB = x.new_empty(batch, seq_len, heads, state_size)  # per head, in x's dtype (as fla's per-head dq, dk)
         dC = torch.empty_like(dB)
         dA = x.new_empty(batch, heads, num_chunks, dtype=torch.float32)  # per chunk
         dD = torch.empty_like(dA) if D is not None else dA
@@ -377,8 +378,8 @@ class _SSD(torch.autograd.Function):
         del states, dstates
         dt_dtype, init_dtype = ctx.dtypes
         per_group = (batch, seq_len, groups, heads // groups, state_size)  # a group's heads summed
-        dB = dB.view(per_group).sum(3).to(B.dtype)
-        dC = dC.view(per_group).sum(3).to(C.dtype)
+        dB = dB.view(per_group).sum(3, dtype=torch.float32).to(B.dtype)
+        dC = dC.view(per_group).sum(3, dtype=torch.float32).to(C.dtype)
         dA = dA.sum((0, 2)).to(A.dtype)
         dD = dD.sum((0, 2)).to(D.dtype) if D is not None else None
         dh0 = dh0.to(init_dtype) if init_dtype is not None else None
