@@ -24,8 +24,8 @@ the initial state; no states, no [b, H, T, chunk] tensor. Backward:
        and weights exp(s_j)) for the gradient of the state when each chunk ends, starting from the
        final state's gradient; the last one is the initial state's gradient.
     4. `_chunk_backward_bc_kernel`  per (chunk, batch * head), summing over P in blocks:
-       dy_i . dt_j x_j, dy S0 and dt x dSe; then writes dB, dC of the head ([b, T, H, N] in x's
-       dtype, as fla's per-head dq, dk; a group's heads are summed in fp32 in PyTorch), the gradient of s except its part through x, and dD's share.
+       dy_i . dt_j x_j, dy S0 and dt x dSe; then writes dB, dC of the head (fp32 [b, T, H, N]; a
+       group's heads are summed in PyTorch, and rounded once), the gradient of s except its part through x, and dD's share.
     5. `_chunk_backward_x_kernel`   per (chunk, batch * head): dx (the skip's D dy included), d dt,
        and dA's share, after turning d s into d(dt * A) by a reverse cumsum over the chunk.
 
@@ -212,14 +212,14 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     d_s = tl.sum(W, axis=1) - tl.sum(W, axis=0)
     dM = (dyx * decay).to(DT)
     from_start = tl.where(m_t, tl.exp(s), 0.0)
-    hb = i_b.to(tl.int64) * T * H * N + i_h * N  # dB, dC per head: [b, T, H, N] in x's dtype
+    hb = i_b.to(tl.int64) * T * H * N + i_h * N  # dB, dC per head: [b, T, H, N] fp32
     dCj = _dot(dM, Bj, IEEE, UPCAST) + dyS0 * from_start[:, None]
     d_s += tl.sum(dyS0 * Cj.to(tl.float32), axis=1) * from_start
-    tl.store(_tile(dC + hb, T, H * N, N, i_n, 0, CHUNK, BN), dCj.to(dC.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tile(dC + hb, T, H * N, N, i_n, 0, CHUNK, BN), dCj, boundary_check=(0, 1))
     # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) dt_j x_j^T B_j
     to_end = tl.where(m_t, tl.exp(s_last - s), 0.0)
     dBj = _dot(tl.trans(dM), Cj, IEEE, UPCAST) + xdS * to_end[:, None]
-    tl.store(_tile(dB + hb, T, H * N, N, i_n, 0, CHUNK, BN), dBj.to(dB.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(_tile(dB + hb, T, H * N, N, i_n, 0, CHUNK, BN), dBj, boundary_check=(0, 1))
     d_s += tl.where(j == CHUNK - 1, tl.exp(s_last) * tl.sum(dSS, axis=0), 0.0)
     tl.store(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j, d_s)
     if HAS_D:
@@ -362,7 +362,7 @@ class _SSD(torch.autograd.Function):
         dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee)
         dx = x.new_empty(x.shape)
         ddt = x.new_empty(batch, seq_len, heads, dtype=torch.float32)
-        dB = x.new_empty(batch, seq_len, heads, state_size)  # per head, in x's dtype (as fla's per-head dq, dk)
+        dB = x.new_empty(batch, seq_len, heads, state_size, dtype=torch.float32)  # per head, fp32: rounded once, after the sum
         dC = torch.empty_like(dB)
         dA = x.new_empty(batch, heads, num_chunks, dtype=torch.float32)  # per chunk
         dD = torch.empty_like(dA) if D is not None else dA
@@ -378,8 +378,8 @@ class _SSD(torch.autograd.Function):
         del states, dstates
         dt_dtype, init_dtype = ctx.dtypes
         per_group = (batch, seq_len, groups, heads // groups, state_size)  # a group's heads summed
-        dB = dB.view(per_group).sum(3, dtype=torch.float32).to(B.dtype)
-        dC = dC.view(per_group).sum(3, dtype=torch.float32).to(C.dtype)
+        dB = dB.view(per_group).sum(3).to(B.dtype)
+        dC = dC.view(per_group).sum(3).to(C.dtype)
         dA = dA.sum((0, 2)).to(A.dtype)
         dD = dD.sum((0, 2)).to(D.dtype) if D is not None else None
         dh0 = dh0.to(init_dtype) if init_dtype is not None else None
