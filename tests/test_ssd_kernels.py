@@ -113,6 +113,7 @@ def test_the_kernels_add_the_skip_and_give_its_gradient(seq_len, groups, with_st
 
 
 def test_the_mixer_entry_on_the_kernels_runs_other_chunk_sizes_at_64_and_says_so_once(monkeypatch):
+    """Not a power of two, or above 128: the kernels run at 64, with one warning per chunk size."""
     from attnlab.models.kernels import ssd as kernels
 
     monkeypatch.setattr(kernels, "use_triton_ssd", lambda choice, x: True)  # the kernels, through the interpreter
@@ -127,6 +128,11 @@ def test_the_mixer_entry_on_the_kernels_runs_other_chunk_sizes_at_64_and_says_so
         warnings.simplefilter("always")
         assert kernels.ssd(x, dt, A, B, C, D, 24, h0, False, "auto")[1] is None
     assert not [w for w in caught if "chunk_size" in str(w.message)]
+    with pytest.warns(UserWarning, match="chunk_size 256 runs at 64"):  # [256, 256] tiles would not fit
+        y, _ = kernels.ssd(x, dt, A, B, C, D, 256, h0, False, "auto")
+    assert rel_err(y, y_ref + x * D[:, None]) < 1e-4
+    with pytest.raises(ValueError, match="from 16 to 128"):
+        kernels.chunk_ssd_triton(x, dt, A, B, C, 256, h0)
 
 
 def test_the_state_kernels_split_the_state_over_programs(monkeypatch):

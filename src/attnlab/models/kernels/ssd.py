@@ -5,9 +5,10 @@ a_t = dt_t * A_h and the group g = h // (heads / groups) it reads B, C from,
 
     S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t + D_h x_t.
 
-Time is cut into chunks of `chunk` tokens. Every kernel that needs them rebuilds a chunk's log
-decays s (dt * A summed from the chunk start: a cumsum of `chunk` values) from dt and A, so no
-[b, H, T] tensor of them is kept or read. Forward:
+Time is cut into chunks of `chunk` tokens (a power of two from 16 to 128: the [chunk, chunk] tiles
+of the output and backward kernels must fit registers and shared memory). Every kernel that needs
+them rebuilds a chunk's log decays s (dt * A summed from the chunk start: a cumsum of `chunk`
+values) from dt and A, so no [b, H, T] tensor of them is kept or read. Forward:
 
     1. `_chunk_states_kernel`  one program per (batch * head, block of P, block of N) walks through
                                the chunks: it stores the state when chunk n starts (fp32, [b, H, n, P, N])
@@ -386,9 +387,15 @@ class _SSD(torch.autograd.Function):
         return dx, ddt.to(dt_dtype), dA, dB, dC, dD, None, dh0
 
 
+def _chunk_ok(chunk_size: int) -> bool:
+    """A power of two from 16 (the smallest matmul tile) to 128 (the [chunk, chunk] tiles fit registers
+    and shared memory)."""
+    return 16 <= chunk_size <= 128 and not chunk_size & (chunk_size - 1)
+
+
 def _check(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> None:
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
+    if not _chunk_ok(chunk_size):
+        raise ValueError(f"chunk_size must be a power of two from 16 to 128, got {chunk_size}")
     if x.shape[2] % B.shape[2]:
         raise ValueError(f"{x.shape[2]} heads do not split into {B.shape[2]} groups")
 
@@ -398,7 +405,7 @@ def chunk_ssd_triton(
     chunk_size: int = 64, initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.mamba2.chunk_ssd` on attnlab's Triton kernels: (y [b, T, H, P] in x's dtype, final state
-    [b, H, P, N] fp32). chunk_size: a power of two, at least 16 (the tile of the [chunk, chunk] scores)."""
+    [b, H, P, N] fp32). chunk_size: a power of two from 16 to 128 (the tile of the [chunk, chunk] scores)."""
     _check(x, B, chunk_size)
     return _SSD.apply(x, dt, A, B, C, None, chunk_size, initial_state)
 
@@ -420,14 +427,15 @@ def ssd(
     """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, with the signature
     of `kernels.mamba2.ssd`: these kernels for CUDA tensors (y in x's dtype, the skip added in fp32
     inside the output kernel), else the PyTorch reference (y fp32). A chunk size that is not a power
-    of two >= 16 runs at 64 on the kernels (with a warning, once): that changes nothing but rounding."""
+    of two from 16 to 128 runs at 64 on the kernels (with a warning, once): that changes nothing but
+    rounding."""
     if use_triton_ssd(choice, x):
         chunk = chunk_size
-        if chunk < 16 or chunk & (chunk - 1):
+        if not _chunk_ok(chunk):
             if chunk not in _warned_chunks:
                 _warned_chunks.add(chunk)
-                warnings.warn(f"the SSD kernels need a power-of-two chunk size >= 16; chunk_size {chunk} runs at 64",
-                              stacklevel=2)
+                warnings.warn(f"the SSD kernels take a power-of-two chunk size from 16 to 128; chunk_size {chunk} "
+                              "runs at 64", stacklevel=2)
             chunk = 64
         _check(x, B, chunk)
         y, state = _SSD.apply(x, dt, A, B, C, D, chunk, initial_state)
