@@ -335,6 +335,7 @@ class _SSD(torch.autograd.Function):
         groups, state_size = B.shape[2], B.shape[3]
         x, B, C = _rows(x), *_same_strides(_rows(B), _rows(C))  # views of the conv's output stay views
         dt_c, A_c = dt.contiguous(), A.contiguous()
+        D = None if D is None else D.contiguous()
         h0 = None if initial_state is None else initial_state.float().contiguous()
         ieee = x.dtype == torch.float32
         states, final = _states(x, dt_c, A_c, B, h0, chunk, False, ieee)
