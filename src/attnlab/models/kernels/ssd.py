@@ -36,10 +36,12 @@ the state kernel, which multiplies in TF32 so that the carried state and the fin
 accuracy. In Triton's interpreter (CPU tensors, tests) operands are rounded the same way and
 multiplied in fp32.
 
-Blocks were chosen with ptxas's report for sm_90 at H 16, P 128, N 64, chunk 64, bf16 (Triton 3.6;
-registers per thread, no spills anywhere; see `_BLOCK_P` and below): output 128 (4 warps),
-backward 247 and 182 (4 warps, blocks of 32 head dims), states 217 / 168 / 168 / 123 for blocks of
-(P, N) = (64, 64) / (32, 64) / (16, 64) / (16, 32) (4 warps). Grids at (batch, T) = 16x1024, 4x4096,
+Blocks were chosen with ptxas's report for sm_90 at H 16, P 128, N 64, chunk 64, bf16 (Triton 3.6,
+pointers and strides 16-aligned as the launcher specializes them; registers per thread, no spills
+anywhere; see `_BLOCK_P` and below): output 128 (4 warps), backward 254 and 182 (4 warps, blocks
+of 32 head dims), states 217 / 168 / 168 / 123 for blocks of (P, N) = (64, 64) / (32, 64) /
+(16, 64) / (16, 32) (4 warps): two programs or more per SM. Shared memory: at most 57 KB (86 KB at
+chunk 128). Grids at (batch, T) = 16x1024, 4x4096,
 1x16384: states (256, 2, 1), (64, 4, 1), (16, 8, 2); output and backward (16, 256), (64, 64), (256, 16).
 fp32 inputs are for accuracy, not speed: in IEEE fp32 the output and backward kernels spill (1 to 5 KB).
 
@@ -278,7 +280,7 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
 
 
 # Blocks and warps, from ptxas's report for sm_90 at P = 128, N = 64, chunk 64, bf16 (registers per
-# thread: output 128, backward 247 and 182, states 123 to 217 by block): no spills, two programs or
+# thread: output 128, backward 254 and 182, states 123 to 217 by block): no spills, two programs or
 # more per SM. The output and backward kernels loop over P in blocks of these many head dims.
 _BLOCK_P, _BWD_BLOCK_P = 64, 32
 _WARPS, _BWD_WARPS, _STATE_WARPS = 4, 4, 4
