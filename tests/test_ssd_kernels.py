@@ -1,6 +1,8 @@
 """attnlab's chunked SSD kernels (`kernels/ssd.py`) against the PyTorch reference `ops.mamba2`:
 on CPU through Triton's interpreter at tiny shapes, and in bf16 on CUDA at the benchmarked layer's."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -85,6 +87,68 @@ def test_the_mixer_entry_adds_the_skip_and_falls_back_on_cpu():
     assert rel_err(y, y_ref + x * D[:, None]) < 1e-6 and rel_err(state, state_ref) < 1e-6
 
 
+@pytest.mark.parametrize("seq_len, groups, with_state", [(37, 2, True), (20, 1, False)])
+def test_the_kernels_add_the_skip_and_give_its_gradient(seq_len, groups, with_state):
+    """y = SSD + x * D from the output kernel; dD and the skip's share of dx from the backward kernels."""
+    from attnlab.models.kernels.ssd import _SSD
+
+    x, dt, A, B, C, h0 = ssd_inputs(2, seq_len, 4, 16, 8, groups, with_state, seed=14)
+    D = torch.randn(4, generator=torch.Generator().manual_seed(15))
+    inputs = [x, dt, A, B, C, D, h0]
+    gen = torch.Generator().manual_seed(16)
+    dy, dstate = torch.randn(x.shape, generator=gen), torch.randn(2, 4, 16, 8, generator=gen)
+
+    def reference(x, dt, A, B, C, D, h0):
+        y, state = chunk_ssd(x, dt, A, B, C, 16, h0)
+        return y + x * D[:, None], state
+
+    y, state, grads = grads_of(lambda *t: _SSD.apply(*t[:6], 16, t[6]), inputs, dy, dstate)
+    y_ref, state_ref, grads_ref = grads_of(reference, inputs, dy, dstate)
+    assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
+    for name, g, g_ref in zip(["dx", "ddt", "dA", "dB", "dC", "dD", "dh0"], grads, grads_ref):
+        if g_ref is None:
+            assert g is None, name
+            continue
+        assert rel_err(g, g_ref) < 1e-4, name
+
+
+def test_the_mixer_entry_on_the_kernels_runs_other_chunk_sizes_at_64_and_says_so_once(monkeypatch):
+    """Not a power of two, or above 128: the kernels run at 64, with one warning per chunk size."""
+    from attnlab.models.kernels import ssd as kernels
+
+    monkeypatch.setattr(kernels, "use_triton_ssd", lambda choice, x: True)  # the kernels, through the interpreter
+    monkeypatch.setattr(kernels, "_warned_chunks", set())
+    x, dt, A, B, C, h0 = ssd_inputs(1, 70, 2, 8, 8, 1, True, seed=17)
+    D = torch.randn(2)
+    with pytest.warns(UserWarning, match="chunk_size 24 runs at 64"):
+        y, state = kernels.ssd(x, dt, A, B, C, D, 24, h0, True, "auto")
+    y_ref, state_ref = chunk_ssd(x, dt, A, B, C, 24, h0)
+    assert rel_err(y, y_ref + x * D[:, None]) < 1e-4 and rel_err(state, state_ref) < 1e-4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.ssd(x, dt, A, B, C, D, 24, h0, False, "auto")[1] is None
+    assert not [w for w in caught if "chunk_size" in str(w.message)]
+    with pytest.warns(UserWarning, match="chunk_size 256 runs at 64"):  # [256, 256] tiles would not fit
+        y, _ = kernels.ssd(x, dt, A, B, C, D, 256, h0, False, "auto")
+    assert rel_err(y, y_ref + x * D[:, None]) < 1e-4
+    with pytest.raises(ValueError, match="from 16 to 128"):
+        kernels.chunk_ssd_triton(x, dt, A, B, C, 256, h0)
+
+
+def test_the_state_kernels_split_the_state_over_programs(monkeypatch):
+    """Few (batch * head)s: blocks of 16 head dims and of 32 state channels, the last ones partly masked."""
+    from attnlab.models.kernels import ssd as kernels
+
+    monkeypatch.setattr(kernels, "_STATE_PROGRAMS", 10**6)
+    assert kernels._state_blocks(2, 40, 40) == (16, 32)
+    inputs = ssd_inputs(1, 37, 2, 40, 40, 1, True, seed=18)
+    gen = torch.Generator().manual_seed(19)
+    dy, dstate = torch.randn(inputs[0].shape, generator=gen), torch.randn(1, 2, 40, 40, generator=gen)
+    y, state, grads = grads_of(lambda *t: kernels.chunk_ssd_triton(*t[:5], 16, t[5]), inputs, dy, dstate)
+    y_ref, state_ref, grads_ref = grads_of(lambda *t: chunk_ssd(*t[:5], 16, t[5]), inputs, dy, dstate)
+    assert rel_err(y, y_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
+    for name, g, g_ref in zip(NAMES, grads, grads_ref):
+        assert rel_err(g, g_ref) < 1e-4, name
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -130,7 +194,8 @@ def test_chunked_ssd_in_fp32_on_cuda_matches_the_reference():
 
 
 def test_chunked_ssd_kernels_with_the_head_dims_split_over_programs(monkeypatch):
-    """Head dims in blocks of 16 (64 and 32 on the GPU): the backward's sums over P add up across blocks."""
+    """The output and backward kernels loop over head dims in blocks of 16 (64 and 32 on the GPU), the
+    last one partly masked: the sums over P add up across blocks."""
     from attnlab.models.kernels import ssd as kernels
 
     monkeypatch.setattr(kernels, "_BLOCK_P", 16)
@@ -181,3 +246,30 @@ def test_chunked_ssd_kernels_keep_bf16_inputs_in_bf16():
     for name, g, g_ref, t in zip(NAMES, grads, grads_ref, low):
         assert g.dtype == t.dtype, name
         assert rel_err(g, g_ref) < 1e-2, name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_mixer_entry_in_bf16_with_the_skip_matches_the_fp32_reference():
+    """`ssd` as the mixer calls it: x, B, C views of one bf16 tensor, D, the final state asked for."""
+    from attnlab.models.kernels.ssd import ssd
+
+    x, dt, A, B, C, h0 = ssd_inputs(2, 1000, 16, 128, 64, 1, True, device="cuda", seed=20)
+    D = torch.randn(16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(21))
+    xBC = torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1).bfloat16()
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    dy = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+    dstate = torch.randn(h0.shape, device="cuda", generator=gen)
+
+    def run(xBC, dt, D, h0, fn):
+        xs, Bs, Cs = xBC.split([16 * 128, 64, 64], dim=-1)
+        return fn(xs.view(x.shape), dt, A, Bs.view(B.shape), Cs.view(C.shape), D, h0)
+
+    fast = lambda *t: run(*t, lambda *a: ssd(*a[:6], 64, a[6], True, "auto"))
+    reference = lambda *t: run(*t, lambda *a: ssd(*a[:6], 64, a[6], True, "torch"))
+    y, state, grads = grads_of(fast, [xBC, dt, D, h0], dy, dstate)
+    y_ref, state_ref, grads_ref = grads_of(reference, [xBC.float(), dt, D, h0], dy.float(), dstate)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, y_ref) < 2e-2 and rel_err(state, state_ref) < 2e-2
+    for name, g, g_ref in zip(["dxBC", "ddt", "dD", "dh0"], grads, grads_ref):
+        assert rel_err(g, g_ref) < 2e-2, name

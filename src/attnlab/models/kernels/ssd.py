@@ -1,38 +1,57 @@
 """Mamba-2's SSD with one scalar decay per head, as chunked Triton kernels of attnlab's own.
 
-Computes exactly `attnlab.models.ops.mamba2.chunk_ssd` (the D skip and the gated norm stay with the
-mixer): per head h, with a_t = dt_t * A_h and the group g = h // (heads / groups) it reads B, C from,
+Computes `attnlab.models.ops.mamba2.chunk_ssd` and, through `ssd`, the D skip too: per head h, with
+a_t = dt_t * A_h and the group g = h // (heads / groups) it reads B, C from,
 
-    S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t.
+    S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t + D_h x_t.
 
-Tiling: time is cut into chunks of `chunk` tokens; s is the log decay summed from the chunk start
-(a chunk-local cumulative sum of dt * A, [b, H, T] fp32, computed in PyTorch). A program holds one
-chunk's x [chunk, BP] for a block of BP head dims, its B, C [chunk, N] and the [chunk, chunk] decay
-exp(s_i - s_j) of a head (one matrix per head, not per state channel as through a GLA):
+Time is cut into chunks of `chunk` tokens (a power of two from 16 to 128: the [chunk, chunk] tiles
+of the output and backward kernels must fit registers and shared memory). Every kernel that needs
+them rebuilds a chunk's log decays s (dt * A summed from the chunk start: a cumsum of `chunk`
+values) from dt and A, so no [b, H, T] tensor of them is kept or read. Forward:
 
-    1. `_chunk_outer_kernel`   each chunk's own state, sum_j exp(s_last - s_j) dt_j x_j^T B_j [P, N];
-                               one program per (chunk, batch * head, block of P)
-    2. `_state_pass_kernel`    the states carried across chunks, one sequential loop over chunks per
-                               (batch * head, block of P * N), in place over the chunk states
-    3. `_chunk_output_kernel`  y_i = exp(s_i) S_before C_i + sum_{j <= i} (C_i . B_j) exp(s_i - s_j) dt_j x_j;
-                               one program per (chunk, batch * group, block of P): B, C and C B^T are
-                               loaded and computed once, then the group's heads run in turn
+    1. `_chunk_states_kernel`  one program per (batch * head, block of P, block of N) walks through
+                               the chunks: it stores the state when chunk n starts (fp32, [b, H, n, P, N])
+                               and moves on, S <- exp(s_last) S + sum_j exp(s_last - s_j) dt_j x_j^T B_j.
+                               Blocks of P, then of N, are halved until 256 programs run (batch 1 too).
+    2. `_chunk_output_kernel`  one program per (chunk, batch * head): the [chunk, chunk] matrix
+                               (C_i . B_j) exp(s_i - s_j) dt_j is made once, then for each block of P
+                               y_i = exp(s_i) S0 C_i + sum_{j <= i} M_ij x_j + D x_i (the skip in fp32).
 
-The backward runs 1 and 2 again (the states are not kept), then the same pair on (dy, C) backwards
-in time for the state gradients, then `_chunk_backward_kernel` (programs as 3), which rebuilds the
-chunk's [chunk, chunk] scores per head and writes dx, the x-part of d dt and d s per head, and dB,
-dC summed over the group's heads in registers. The sums over P (d dt, d s, dB, dC) are written per
-block of P and added in PyTorch; d s becomes d(dt * A) by a reverse cumulative sum inside each chunk.
-What the autograd function keeps: x, dt, A, B, C (views are read through their strides, not copied)
-and the initial state; no [b, H, T, chunk] tensor and no per-head dB, dC.
+The autograd function keeps x, dt, A, B, C, D (views are read through their strides, not copied) and
+the initial state; no states, no [b, H, T, chunk] tensor. Backward:
 
-Matmuls accumulate in fp32; fp32 inputs multiply in IEEE fp32, bf16 / fp16 inputs in TF32.
+    3. `_chunk_states_kernel` again for the states, and in reverse (from the last chunk, with (dy, C)
+       and weights exp(s_j)) for the gradient of the state when each chunk ends, starting from the
+       final state's gradient; the last one is the initial state's gradient.
+    4. `_chunk_backward_bc_kernel`  per (chunk, batch * head), summing over P in blocks:
+       dy_i . dt_j x_j, dy S0 and dt x dSe; then writes dB, dC of the head (fp32 [b, T, H, N]; a
+       group's heads are summed in PyTorch, and rounded once), the gradient of s except its part through x, and dD's share.
+    5. `_chunk_backward_x_kernel`   per (chunk, batch * head): dx (the skip's D dy included), d dt,
+       and dA's share, after turning d s into d(dt * A) by a reverse cumsum over the chunk.
 
-Timing against the fla path (`kernels/mamba2.py`), on a GPU, at the benchmarked layer's shapes:
-    # python -c "import torch, triton; from attnlab.models.kernels import ssd as s, mamba2 as m; b,T,H,P,N=8,2048,16,128,64; x=torch.randn(b,T,H,P,device='cuda',dtype=torch.bfloat16,requires_grad=True); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); B,C=(torch.randn(b,T,1,N,device='cuda',dtype=torch.bfloat16,requires_grad=True) for _ in 'BC'); D=torch.ones(H,device='cuda'); f=lambda mod: mod.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0].sum().backward(); [print(mod.__name__, triton.testing.do_bench(lambda: f(mod)), 'ms fwd+bwd') for mod in (m, s)]"
+Matmuls accumulate in fp32. fp32 inputs multiply in IEEE fp32. bf16 / fp16 inputs multiply on
+their dtype (the [chunk, chunk] matrices and the states are rounded to it as matmul operands), except in
+the state kernel, which multiplies in TF32 so that the carried state and the final state keep fp32
+accuracy. In Triton's interpreter (CPU tensors, tests) operands are rounded the same way and
+multiplied in fp32.
+
+Blocks were chosen with ptxas's report for sm_90 at H 16, P 128, N 64, chunk 64, bf16 (Triton 3.6,
+pointers and strides 16-aligned as the launcher specializes them; registers per thread, no spills
+anywhere; see `_BLOCK_P` and below): output 128 (4 warps), backward 254 and 182 (4 warps, blocks
+of 32 head dims), states 217 / 168 / 168 / 123 for blocks of (P, N) = (64, 64) / (32, 64) /
+(16, 64) / (16, 32) (4 warps): two programs or more per SM. Shared memory: at most 57 KB (86 KB at
+chunk 128). Grids at (batch, T) = 16x1024, 4x4096,
+1x16384: states (256, 2, 1), (64, 4, 1), (16, 8, 2); output and backward (16, 256), (64, 64), (256, 16).
+fp32 inputs are for accuracy, not speed: in IEEE fp32 the output and backward kernels spill (1 to 5 KB).
+
+Timing against the fla path (`kernels/mamba2.py`), on a GPU, forward and backward of one layer's SSD:
+    # python -c "import torch, triton; from attnlab.models.kernels import ssd as s, mamba2 as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); f=lambda mod: mod.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0].sum().backward(); [print(mod.__name__, triton.testing.do_bench(lambda: f(mod)), 'ms fwd+bwd') for mod in (m, s)]"
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
@@ -40,203 +59,251 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_outer_kernel(v, dt, bc, s, out, T, Tp, NC, sv_b, sv_t, sv_h, sbc_b, sbc_t, sbc_g, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                        N: tl.constexpr, CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                        FROM_START: tl.constexpr, IEEE: tl.constexpr):
-    """out[b, h, n] = sum_j w_j v_j^T bc_j over chunk n: [P, N].
-    FROM_START: w_j = exp(s_j) (the backward's (dy, C)); else w_j = exp(s_last - s_j) dt_j (x, B)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // G)
-    j = tl.arange(0, CHUNK)
-    t = i_n * CHUNK + j
-    m_t = t < T
-    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
-    row = i_b.to(tl.int64) * T + t  # [CHUNK]
-    v_off = i_b.to(tl.int64) * sv_b + t.to(tl.int64) * sv_t + i_h * sv_h
-    bc_off = i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g
-    vj = tl.load(v + v_off[:, None] + p[None, :], mask=m_t[:, None] & (p < P)[None, :], other=0.0).to(tl.float32)
-    bcj = tl.load(bc + bc_off[:, None] + n[None, :], mask=m_t[:, None] & (n < N)[None, :], other=0.0).to(tl.float32)
-    s_base = s + i_bh.to(tl.int64) * Tp + i_n * CHUNK
-    sj = tl.load(s_base + j)
-    if FROM_START:
-        w = tl.exp(sj)
-    else:
-        s_last = tl.load(s_base + CHUNK - 1)
-        dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
-        w = tl.exp(s_last - sj) * dtj
-    w = tl.where(m_t, w, 0.0)
-    if IEEE:
-        acc = tl.dot(tl.trans(vj * w[:, None]), bcj, input_precision="ieee")
-    else:
-        acc = tl.dot(tl.trans(vj * w[:, None]), bcj)
-    o = out + (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :]
-    tl.store(o, acc, mask=(p < P)[:, None] & (n < N)[None, :])
-
-
-@triton.jit
-def _state_pass_kernel(states, s, init, final, NC, Tp, PN, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_INIT: tl.constexpr, REVERSE: tl.constexpr):
-    """In place over states[b, h, n] (the chunks' own terms u_n): state_n <- the carried state when
-    chunk n starts (REVERSE: its gradient when chunk n ends), S <- exp(total decay of chunk n) S + u_n.
-    The last S goes to final."""
-    i_bh, i_blk = tl.program_id(0), tl.program_id(1)
-    off = i_blk * BLOCK + tl.arange(0, BLOCK)
-    m = off < PN
-    base = states + i_bh.to(tl.int64) * NC * PN
-    if HAS_INIT:
-        S = tl.load(init + i_bh.to(tl.int64) * PN + off, mask=m, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(NC):
-        if REVERSE:
-            i_n = NC - 1 - k
-        else:
-            i_n = k
-        u = tl.load(base + i_n * PN + off, mask=m, other=0.0)
-        tl.store(base + i_n * PN + off, S, mask=m)
-        total = tl.load(s + i_bh.to(tl.int64) * Tp + i_n * CHUNK + CHUNK - 1)
-        S = tl.exp(total) * S + u
-    tl.store(final + i_bh.to(tl.int64) * PN + off, S, mask=m)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32: in IEEE fp32 (IEEE), else on a and b's dtype (TF32 for fp32, bf16 for
+    bf16). UPCAST: a and b (already rounded to their dtype) multiply in fp32, for Triton's interpreter,
+    whose bf16 dot is wrong (Triton 3.6)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
 
 
 @triton.jit
-def _chunk_output_kernel(x, dt, B, C, s, states, y, T, Tp, NC, sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
-                         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
-                         BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """One chunk of one group's heads: C B^T is computed once and serves each head in turn."""
-    i_n, i_bg = tl.program_id(0), tl.program_id(1)
-    i_b, i_g = i_bg // G, i_bg % G
-    j = tl.arange(0, CHUNK)
-    t = i_n * CHUNK + j
-    m_t = t < T
-    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
-    m_p, m_n = p < P, n < N
-    m_xp = m_t[:, None] & m_p[None, :]
-    row = i_b.to(tl.int64) * T + t
-    bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
-    Bj = tl.load(B + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-    Cj = tl.load(C + bc_off, mask=m_t[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-    CB = _dot(Cj, tl.trans(Bj), IEEE)  # [i, j]
-    causal = j[:, None] >= j[None, :]
-    for hh in range(H // G):
-        i_h = i_g * (H // G) + hh
-        i_bh = i_b * H + i_h
-        y_off = (row * H + i_h)[:, None] * P + p[None, :]  # y is contiguous
-        x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
-        xj = tl.load(x + x_off, mask=m_xp, other=0.0).to(tl.float32)
-        dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
-        sj = tl.load(s + i_bh.to(tl.int64) * Tp + t)
-        S0 = tl.load(states + (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :],
-                     mask=m_p[:, None] & m_n[None, :], other=0.0)
-        decay = tl.exp(tl.where(causal, sj[:, None] - sj[None, :], float("-inf")))  # [i, j]
-        acc = _dot(Cj, tl.trans(S0), IEEE) * tl.exp(sj)[:, None]
-        acc += _dot(CB * decay * dtj[None, :], xj, IEEE)
-        tl.store(y + y_off, acc.to(y.dtype.element_ty), mask=m_xp)
+def _tile(base, T, stride_t, d, i_n, i_d, CHUNK: tl.constexpr, BD: tl.constexpr):
+    """The block pointer to rows i_n * CHUNK.. (time) and columns i_d * BD.. of a [T, d] matrix."""
+    return tl.make_block_ptr(base, (T, d), (stride_t, 1), (i_n * CHUNK, i_d * BD), (CHUNK, BD), (1, 0))
 
 
 @triton.jit
-def _chunk_backward_kernel(x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, T, Tp, NC,
-                           sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
-                           H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
-                           BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """One chunk of one group's heads, in turn: S0 the state when the chunk starts, dSe the gradient of
-    the state when it ends. Writes dx, ddt = sum_p d(x dt) * x, d s (the gradient of the chunk-local
-    cumsum) per head, and dB, dC summed over the group's heads."""
-    i_n, i_bg = tl.program_id(0), tl.program_id(1)
-    i_b, i_g = i_bg // G, i_bg % G
+def _state_tile(base, P: tl.constexpr, N: tl.constexpr, i_p, i_nb, BP: tl.constexpr, BN: tl.constexpr):
+    """The block pointer to a [BP, BN] tile of a [P, N] state."""
+    return tl.make_block_ptr(base, (P, N), (N, 1), (i_p * BP, i_nb * BN), (BP, BN), (1, 0))
+
+
+@triton.jit
+def _local_decay(dt_bh, A, i_h, i_n, T, H: tl.constexpr, CHUNK: tl.constexpr):
+    """A chunk's dt [chunk] (0 past T; dt_bh points at dt[b, 0, h]), its log decays s [chunk] summed
+    from the chunk start, and their total s_last (the same number as s[chunk - 1])."""
+    p_dt = tl.make_block_ptr(dt_bh, (T,), (H,), (i_n * CHUNK,), (CHUNK,), (0,))
+    dtj = tl.load(p_dt, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    s = tl.cumsum(dtj * tl.load(A + i_h).to(tl.float32), axis=0)
+    s_last = tl.sum(tl.where(tl.arange(0, CHUNK) == CHUNK - 1, s, 0.0), axis=0)
+    return dtj, s, s_last
+
+
+@triton.jit
+def _chunk_states_kernel(v, dt, A, bc, states, init, final, T, NC, sv_b, sv_t, sv_h, sbc_b, sbc_t, sbc_g,
+                         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                         BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One (batch * head, block of P, block of N) through every chunk in turn: states[b, h, n] <- S, the
+    state when chunk n starts, then S <- exp(s_last) S + sum_j exp(s_last - s_j) dt_j v_j^T bc_j; the
+    last S goes to final. REVERSE (v = dy, bc = C): from the last chunk back, states[b, h, n] <- the
+    gradient of the state when chunk n ends, S <- exp(s_last) S + sum_j exp(s_j) dy_j^T C_j."""
+    i_bh, i_p, i_nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // G)
+    v_bh = v + i_b.to(tl.int64) * sv_b + i_h * sv_h
+    bc_bg = bc + i_b.to(tl.int64) * sbc_b + i_g * sbc_g
+    dt_bh = dt + i_b.to(tl.int64) * T * H + i_h
+    st_bh = states + i_bh.to(tl.int64) * NC * P * N
+    if HAS_INIT:
+        S = tl.load(_state_tile(init + i_bh.to(tl.int64) * P * N, P, N, i_p, i_nb, BP, BN),
+                    boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    else:
+        S = tl.zeros([BP, BN], dtype=tl.float32)
+    for k in range(NC):
+        if REVERSE:
+            i_n = NC - 1 - k
+        else:
+            i_n = k
+        tl.store(_state_tile(st_bh + i_n * (P * N), P, N, i_p, i_nb, BP, BN), S, boundary_check=(0, 1))
+        dtj, s, s_last = _local_decay(dt_bh, A, i_h, i_n, T, H, CHUNK)
+        vj = tl.load(_tile(v_bh, T, sv_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
+        bcj = tl.load(_tile(bc_bg, T, sbc_t, N, i_n, i_nb, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+        if REVERSE:
+            w = tl.exp(s)
+        else:
+            w = tl.exp(s_last - s) * dtj
+        # in fp32 (TF32 for bf16 inputs): the states carry every earlier chunk, and the last is an output
+        S = tl.exp(s_last) * S + _dot(tl.trans(vj.to(tl.float32) * w[:, None]), bcj.to(tl.float32), IEEE, UPCAST)
+    tl.store(_state_tile(final + i_bh.to(tl.int64) * P * N, P, N, i_p, i_nb, BP, BN), S, boundary_check=(0, 1))
+
+
+@triton.jit
+def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
+                         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
+                         BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """y_i = exp(s_i) S0 C_i + sum_{j <= i} (C_i . B_j) exp(s_i - s_j) dt_j x_j (+ D x_i) for one chunk
+    and batch * head, S0 the state when the chunk starts: the [chunk, chunk] matrix is made once, then
+    the head dims run in blocks of BP."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // G)
+    DT = x.dtype.element_ty
     j = tl.arange(0, CHUNK)
-    t = i_n * CHUNK + j
-    m_t = t < T
-    p, n = tl.program_id(2) * BP + tl.arange(0, BP), tl.arange(0, BN)
-    m_p, m_n = p < P, n < N
-    m_xp = m_t[:, None] & m_p[None, :]
-    m_bn = m_t[:, None] & m_n[None, :]
-    m_pn = m_p[:, None] & m_n[None, :]
-    row = i_b.to(tl.int64) * T + t
-    bc_off = (i_b.to(tl.int64) * sbc_b + t.to(tl.int64) * sbc_t + i_g * sbc_g)[:, None] + n[None, :]
-    Bj = tl.load(B + bc_off, mask=m_bn, other=0.0).to(tl.float32)
-    Cj = tl.load(C + bc_off, mask=m_bn, other=0.0).to(tl.float32)
-    CB = _dot(Cj, tl.trans(Bj), IEEE)  # [i, j]
-    causal = j[:, None] >= j[None, :]
-    # ddt, dB, dC and d s sum over P: each block of P writes its own share (summed by the caller)
-    i_p = tl.program_id(2).to(tl.int64)
-    prow = (i_p * (tl.num_programs(1) // G) + i_b) * T + t  # [CHUNK]
-    dBj = tl.zeros([CHUNK, BN], dtype=tl.float32)
-    dCj = tl.zeros([CHUNK, BN], dtype=tl.float32)
-    for hh in range(H // G):
-        i_h = i_g * (H // G) + hh
-        i_bh = i_b * H + i_h
-        y_off = (row * H + i_h)[:, None] * P + p[None, :]  # dy, dx are contiguous
-        x_off = (i_b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + i_h * sx_h)[:, None] + p[None, :]
-        xj = tl.load(x + x_off, mask=m_xp, other=0.0).to(tl.float32)
-        dyj = tl.load(dy + y_off, mask=m_xp, other=0.0).to(tl.float32)
-        dtj = tl.load(dt + row * H + i_h, mask=m_t, other=0.0)
-        s_base = s + i_bh.to(tl.int64) * Tp + i_n * CHUNK
-        sj = tl.load(s_base + j)
-        s_last = tl.load(s_base + CHUNK - 1)
-        st_off = (i_bh.to(tl.int64) * NC + i_n) * P * N + p[:, None] * N + n[None, :]
-        S0 = tl.load(states + st_off, mask=m_pn, other=0.0)
-        dSe = tl.load(dstates + st_off, mask=m_pn, other=0.0)
-
-        xdt = xj * dtj[:, None]
-        from_start = tl.where(m_t, tl.exp(sj), 0.0)
-        to_end = tl.where(m_t, tl.exp(s_last - sj), 0.0)
-        decay = tl.exp(tl.where(causal, sj[:, None] - sj[None, :], float("-inf")))  # [i, j]
-
-        # y_i = exp(s_i) S0 C_i: gradients of C and s
-        dyS0 = _dot(dyj, S0, IEEE)  # [c, N]
-        d_s = from_start * tl.sum(dyS0 * Cj, axis=1)
-        dCj += dyS0 * from_start[:, None]
-        # y_i += sum_j M_ij xdt_j with M_ij = (C_i . B_j) exp(s_i - s_j)
-        M = CB * decay
-        dyx = _dot(dyj, tl.trans(xdt), IEEE)  # [i, j] dy_i . xdt_j
-        dM = dyx * decay
-        W = M * dyx
-        d_s += tl.sum(W, axis=1) - tl.sum(W, axis=0)
-        dCj += _dot(dM, Bj, IEEE)
-        dBj += _dot(tl.trans(dM), Cj, IEEE)
-        dxdt = _dot(tl.trans(M), dyj, IEEE)  # [c, P]
-        # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) xdt_j^T B_j
-        BdS = _dot(Bj, tl.trans(dSe), IEEE)  # [c, P]
-        dxdt += BdS * to_end[:, None]
-        dBj += _dot(xdt, dSe, IEEE) * to_end[:, None]
-        q = to_end * tl.sum(xdt * BdS, axis=1)
-        d_s -= q
-        d_last = tl.sum(q, axis=0) + tl.exp(s_last) * tl.sum(tl.sum(dSe * S0, axis=1), axis=0)
-        d_s += tl.where(j == CHUNK - 1, d_last, 0.0)
-
-        tl.store(dx + y_off, (dxdt * dtj[:, None]).to(dx.dtype.element_ty), mask=m_xp)
-        tl.store(ddt + prow * H + i_h, tl.sum(dxdt * xj, axis=1), mask=m_t)
-        tl.store(ds + (i_p * (tl.num_programs(1) // G) * H + i_bh) * Tp + i_n * CHUNK + j, d_s)
-    hb_off = (prow * G + i_g)[:, None] * N + n[None, :]
-    tl.store(dB + hb_off, dBj, mask=m_bn)
-    tl.store(dC + hb_off, dCj, mask=m_bn)
+    x_bh = x + i_b.to(tl.int64) * sx_b + i_h * sx_h
+    y_bh = y + i_b.to(tl.int64) * T * H * P + i_h * P  # y is contiguous
+    bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
+    st = states + (i_bh.to(tl.int64) * NC + i_n) * P * N
+    dtj, s, _ = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
+    Mdt = (_dot(Cj, tl.trans(Bj), IEEE, UPCAST) * decay * dtj[None, :]).to(DT)
+    from_start = tl.exp(s)
+    for i_p in range(tl.cdiv(P, BP)):
+        xj = tl.load(_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
+        S0 = tl.load(_state_tile(st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        acc = _dot(Cj, tl.trans(S0.to(DT)), IEEE, UPCAST) * from_start[:, None]
+        acc += _dot(Mdt, xj, IEEE, UPCAST)
+        if HAS_D:
+            acc += xj.to(tl.float32) * tl.load(D + i_h).to(tl.float32)
+        tl.store(_tile(y_bh, T, H * P, P, i_n, i_p, CHUNK, BP), acc.to(y.dtype.element_ty), boundary_check=(0, 1))
 
 
-_WARPS = 8  # the output and backward kernels hold several [chunk, P] and [P, N] fp32 tiles at once
-# head dims per program (forward, backward): fewer fp32 tiles live per program (ptxas at P = 128, N = 64,
-# chunk 64, bf16, sm_90: no spills forward, about 1.5 KB per thread backward at 32); the backward's
-# sums over P are written per block and added after
+@triton.jit
+def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, T, NC,
+                              sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
+                              H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                              CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+                              IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """The backward, first half, for one chunk and batch * head: S0 is the state when the chunk starts,
+    dSe the gradient of the state when it ends. Sums over P, in blocks of BP, dy_i . dt_j x_j, dy S0
+    and dt x dSe, then writes dB and dC of this head (the caller adds a group's heads), the gradient
+    of the log decays s except the part through x (`_chunk_backward_x_kernel` adds it) and this
+    chunk's share of dD."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // G)
+    DT = x.dtype.element_ty
+    j = tl.arange(0, CHUNK)
+    m_t = i_n * CHUNK + j < T
+    x_bh = x + i_b.to(tl.int64) * sx_b + i_h * sx_h
+    dy_bh = dy + i_b.to(tl.int64) * T * H * P + i_h * P  # dy is contiguous
+    bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
+    st = (i_bh.to(tl.int64) * NC + i_n) * P * N
+    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+
+    dyx = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # [i, j] dy_i . dt_j x_j
+    dyS0 = tl.zeros([CHUNK, BN], dtype=tl.float32)
+    xdS = tl.zeros([CHUNK, BN], dtype=tl.float32)  # dt x dSe
+    dSS = tl.zeros([BN], dtype=tl.float32)  # sum_p dSe * S0
+    dy_x = tl.zeros([CHUNK], dtype=tl.float32)  # sum_p dy * x
+    for i_p in range(tl.cdiv(P, BP)):
+        xj = tl.load(_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
+        dyj = tl.load(_tile(dy_bh, T, H * P, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
+        S0 = tl.load(_state_tile(states + st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        dSe = tl.load(_state_tile(dstates + st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        xdt = (xj.to(tl.float32) * dtj[:, None]).to(DT)
+        dyx += _dot(dyj, tl.trans(xdt), IEEE, UPCAST)
+        dyS0 += _dot(dyj, S0.to(DT), IEEE, UPCAST)
+        xdS += _dot(xdt, dSe.to(DT), IEEE, UPCAST)
+        dSS += tl.sum(dSe * S0, axis=0)
+        if HAS_D:
+            dy_x += tl.sum(dyj.to(tl.float32) * xj.to(tl.float32), axis=1)
+
+    Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    # y_i = exp(s_i) S0 C_i + sum_j M_ij dt_j x_j, with M_ij = (C_i . B_j) exp(s_i - s_j)
+    decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
+    W = _dot(Cj, tl.trans(Bj), IEEE, UPCAST) * decay * dyx
+    d_s = tl.sum(W, axis=1) - tl.sum(W, axis=0)
+    dM = (dyx * decay).to(DT)
+    from_start = tl.where(m_t, tl.exp(s), 0.0)
+    hb = i_b.to(tl.int64) * T * H * N + i_h * N  # dB, dC per head: [b, T, H, N] fp32
+    dCj = _dot(dM, Bj, IEEE, UPCAST) + dyS0 * from_start[:, None]
+    d_s += tl.sum(dyS0 * Cj.to(tl.float32), axis=1) * from_start
+    tl.store(_tile(dC + hb, T, H * N, N, i_n, 0, CHUNK, BN), dCj, boundary_check=(0, 1))
+    # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) dt_j x_j^T B_j
+    to_end = tl.where(m_t, tl.exp(s_last - s), 0.0)
+    dBj = _dot(tl.trans(dM), Cj, IEEE, UPCAST) + xdS * to_end[:, None]
+    tl.store(_tile(dB + hb, T, H * N, N, i_n, 0, CHUNK, BN), dBj, boundary_check=(0, 1))
+    d_s += tl.where(j == CHUNK - 1, tl.exp(s_last) * tl.sum(dSS, axis=0), 0.0)
+    tl.store(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j, d_s)
+    if HAS_D:
+        tl.store(dD + i_bh.to(tl.int64) * NC + i_n, tl.sum(dy_x, axis=0))
+
+
+@triton.jit
+def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T, NC,
+                             sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
+                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                             CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+                             IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """The backward, second half, for one chunk and batch * head: d(dt x) = M^T dy + exp(s_last - s) B dSe^T
+    in blocks of BP; writes dx, d dt and this chunk's share of dA. d s (from the first half, plus what
+    the end state's dependence on dt x gives) becomes d(dt * A) by a reverse cumulative sum over the chunk."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // G)
+    DT = x.dtype.element_ty
+    j = tl.arange(0, CHUNK)
+    m_t = i_n * CHUNK + j < T
+    x_bh = x + i_b.to(tl.int64) * sx_b + i_h * sx_h
+    yh = i_b.to(tl.int64) * T * H * P + i_h * P  # dy, dx are contiguous
+    bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
+    st = (i_bh.to(tl.int64) * NC + i_n) * P * N
+    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
+    Mt = tl.trans((_dot(Cj, tl.trans(Bj), IEEE, UPCAST) * decay).to(DT))  # [j, i]
+    to_end = tl.where(m_t, tl.exp(s_last - s), 0.0)
+    ddt_x = tl.zeros([CHUNK], dtype=tl.float32)  # sum_p d(dt x) * x
+    q = tl.zeros([CHUNK], dtype=tl.float32)  # sum_p x * B dSe^T
+    for i_p in range(tl.cdiv(P, BP)):
+        xj = tl.load(_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1),
+                     padding_option="zero").to(tl.float32)
+        dyj = tl.load(_tile(dy + yh, T, H * P, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
+        dSe = tl.load(_state_tile(dstates + st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        BdS = _dot(Bj, tl.trans(dSe.to(DT)), IEEE, UPCAST)  # [c, BP]
+        dxdt = _dot(Mt, dyj, IEEE, UPCAST) + BdS * to_end[:, None]
+        q += tl.sum(xj * BdS, axis=1)
+        ddt_x += tl.sum(dxdt * xj, axis=1)
+        dxj = dxdt * dtj[:, None]
+        if HAS_D:
+            dxj += dyj.to(tl.float32) * tl.load(D + i_h).to(tl.float32)
+        tl.store(_tile(dx + yh, T, H * P, P, i_n, i_p, CHUNK, BP), dxj.to(dx.dtype.element_ty), boundary_check=(0, 1))
+    q *= to_end * dtj
+    d_s = tl.load(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j) - q
+    d_s += tl.where(j == CHUNK - 1, tl.sum(q, axis=0), 0.0)
+    # d(dt * A) at t: every s at or after t in its chunk depends on it
+    da = tl.cumsum(d_s, axis=0, reverse=True)
+    p_ddt = tl.make_block_ptr(ddt + i_b.to(tl.int64) * T * H + i_h, (T,), (H,), (i_n * CHUNK,), (CHUNK,), (0,))
+    tl.store(p_ddt, ddt_x + da * tl.load(A + i_h).to(tl.float32), boundary_check=(0,))
+    tl.store(dA + i_bh.to(tl.int64) * NC + i_n, tl.sum(da * dtj, axis=0))
+
+
+# Blocks and warps, from ptxas's report for sm_90 at P = 128, N = 64, chunk 64, bf16 (registers per
+# thread: output 128, backward 254 and 182, states 123 to 217 by block): no spills, two programs or
+# more per SM. The output and backward kernels loop over P in blocks of these many head dims.
 _BLOCK_P, _BWD_BLOCK_P = 64, 32
+_WARPS, _BWD_WARPS, _STATE_WARPS = 4, 4, 4
+_STATE_PROGRAMS = 256  # the state kernels split P and N into blocks until this many programs run
 
 
 def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _p_blocks(head_dim: int, most: int) -> tuple[int, int]:
-    """(block of head dims, number of blocks)."""
-    block = min(most, _block(head_dim))
-    return block, triton.cdiv(head_dim, block)
+def _state_blocks(programs: int, head_dim: int, state_size: int) -> tuple[int, int]:
+    """(block of P, block of N) for the state kernels: halved (P first, down to 16; then N, down to 32)
+    while fewer than _STATE_PROGRAMS programs would run."""
+    bp, bn = min(64, _block(head_dim)), min(64, _block(state_size))
+
+    def count(bp, bn):
+        return programs * triton.cdiv(head_dim, bp) * triton.cdiv(state_size, bn)
+
+    while count(bp, bn) < _STATE_PROGRAMS and bp > 16:
+        bp //= 2
+    while count(bp, bn) < _STATE_PROGRAMS and bn > 32:
+        bn //= 2
+    return bp, bn
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -248,89 +315,92 @@ def _same_strides(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch
     return (B, C) if B.stride() == C.stride() else (B.contiguous(), C.contiguous())
 
 
-def _local_cumsum(dt: torch.Tensor, A: torch.Tensor, chunk: int, padded: int) -> torch.Tensor:
-    """s[b, h, t]: dt * A summed from the start of t's chunk through t, fp32, zero-padded to `padded` steps."""
-    batch, seq_len, heads = dt.shape
-    a = torch.nn.functional.pad(dt.float() * A.float(), (0, 0, 0, padded - seq_len))
-    return a.view(batch, padded // chunk, chunk, heads).cumsum(2).permute(0, 3, 1, 2).reshape(batch, heads, padded).contiguous()
-
-
-def _states(v, dt, bc, s, init, T, chunk, from_start, reverse, ieee):
-    """The carried states per chunk [b, H, n, P, N] fp32 and the last one (see `_state_pass_kernel`)."""
-    batch, _, heads, head_dim = v.shape
+def _states(v, dt, A, bc, init, chunk, reverse, ieee):
+    """The states per chunk [b, H, n, P, N] fp32 and the last one (see `_chunk_states_kernel`)."""
+    batch, seq_len, heads, head_dim = v.shape
     groups, state_size = bc.shape[2], bc.shape[3]
-    padded = s.shape[-1]
-    num_chunks = padded // chunk
+    num_chunks = triton.cdiv(seq_len, chunk)
     states = v.new_empty(batch, heads, num_chunks, head_dim, state_size, dtype=torch.float32)
-    block_p, p_blocks = _p_blocks(head_dim, _BLOCK_P)
-    _chunk_outer_kernel[(num_chunks, batch * heads, p_blocks)](
-        v, dt, bc, s, states, T, padded, num_chunks, *v.stride()[:3], *bc.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk,
-        BP=block_p, BN=_block(state_size), FROM_START=from_start, IEEE=ieee)
     final = v.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32)
-    pn = head_dim * state_size
-    block = min(1024, triton.next_power_of_2(pn))
-    _state_pass_kernel[(batch * heads, triton.cdiv(pn, block))](
-        states, s, init if init is not None else final, final, num_chunks, padded, pn, CHUNK=chunk, BLOCK=block,
-        HAS_INIT=init is not None, REVERSE=reverse)
+    bp, bn = _state_blocks(batch * heads, head_dim, state_size)
+    _chunk_states_kernel[(batch * heads, triton.cdiv(head_dim, bp), triton.cdiv(state_size, bn))](
+        v, dt, A, bc, states, init if init is not None else final, final, seq_len, num_chunks,
+        *v.stride()[:3], *bc.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=bp, BN=bn,
+        HAS_INIT=init is not None, REVERSE=reverse, IEEE=ieee, UPCAST=not v.is_cuda, num_warps=_STATE_WARPS)
     return states, final
 
 
 class _SSD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, chunk_size, initial_state):
+    def forward(ctx, x, dt, A, B, C, D, chunk, initial_state):
         batch, seq_len, heads, head_dim = x.shape
+        groups, state_size = B.shape[2], B.shape[3]
         x, B, C = _rows(x), *_same_strides(_rows(B), _rows(C))  # views of the conv's output stay views
-        dt = dt.float().contiguous()
+        dt_c, A_c = dt.contiguous(), A.contiguous()
+        D = None if D is None else D.contiguous()
         h0 = None if initial_state is None else initial_state.float().contiguous()
-        chunk = chunk_size
-        padded = triton.cdiv(seq_len, chunk) * chunk
         ieee = x.dtype == torch.float32
-        s = _local_cumsum(dt, A, chunk, padded)
-        states, final = _states(x, dt, B, s, h0, seq_len, chunk, False, False, ieee)
+        states, final = _states(x, dt_c, A_c, B, h0, chunk, False, ieee)
+        num_chunks = states.shape[2]
         y = x.new_empty(x.shape)
-        block_p, p_blocks = _p_blocks(head_dim, _BLOCK_P)
-        _chunk_output_kernel[(padded // chunk, batch * B.shape[2], p_blocks)](
-            x, dt, B, C, s, states, y, seq_len, padded, padded // chunk, *x.stride()[:3], *B.stride()[:3], H=heads, G=B.shape[2], P=head_dim,
-            N=B.shape[3], CHUNK=chunk, BP=block_p, BN=_block(B.shape[3]), IEEE=ieee, num_warps=_WARPS)
-        ctx.save_for_backward(x, dt, A, B, C, h0)
-        ctx.chunk, ctx.has_init = chunk, initial_state is not None
-        ctx.init_dtype = None if initial_state is None else initial_state.dtype
+        _chunk_output_kernel[(num_chunks, batch * heads)](
+            x, dt_c, A_c, B, C, D if D is not None else A_c, states, y, seq_len, num_chunks, *x.stride()[:3],
+            *B.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=min(_BLOCK_P, _block(head_dim)),
+            BN=_block(state_size), HAS_D=D is not None, IEEE=ieee, UPCAST=not x.is_cuda, num_warps=_WARPS)
+        ctx.save_for_backward(x, dt_c, A_c, B, C, D, h0)
+        ctx.chunk = chunk
+        ctx.dtypes = dt.dtype, None if initial_state is None else initial_state.dtype
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, h0 = ctx.saved_tensors
+        x, dt, A, B, C, D, h0 = ctx.saved_tensors
         batch, seq_len, heads, head_dim = x.shape
         groups, state_size = B.shape[2], B.shape[3]
         chunk = ctx.chunk
-        padded = triton.cdiv(seq_len, chunk) * chunk
         ieee = x.dtype == torch.float32
-        s = _local_cumsum(dt, A, chunk, padded)
-        states, _ = _states(x, dt, B, s, h0, seq_len, chunk, False, False, ieee)
-        dy = (torch.zeros_like(x) if dy is None else dy).contiguous()
+        states, _ = _states(x, dt, A, B, h0, chunk, False, ieee)
+        num_chunks = states.shape[2]
+        dy = (torch.zeros_like(x) if dy is None else dy).to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
-        dstates, dh0 = _states(dy, dt, C, s, dfinal, seq_len, chunk, True, True, ieee)
+        dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee)
         dx = x.new_empty(x.shape)
-        block_p, p_blocks = _p_blocks(head_dim, _BWD_BLOCK_P)
-        ddt = dt.new_empty(p_blocks, *dt.shape)
-        dB = x.new_empty(p_blocks, batch, seq_len, groups, state_size, dtype=torch.float32)
+        ddt = x.new_empty(batch, seq_len, heads, dtype=torch.float32)
+        dB = x.new_empty(batch, seq_len, heads, state_size, dtype=torch.float32)  # per head, fp32: rounded once, after the sum
         dC = torch.empty_like(dB)
-        ds = s.new_empty(p_blocks, *s.shape)
-        _chunk_backward_kernel[(padded // chunk, batch * groups, p_blocks)](
-            x, dt, B, C, s, states, dstates, dy, dx, ddt, dB, dC, ds, seq_len, padded, padded // chunk,
-            *x.stride()[:3], *B.stride()[:3],
-            H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=block_p, BN=_block(state_size),
-            IEEE=ieee, num_warps=_WARPS)
+        dA = x.new_empty(batch, heads, num_chunks, dtype=torch.float32)  # per chunk
+        dD = torch.empty_like(dA) if D is not None else dA
+        ds = x.new_empty(batch * heads, num_chunks * chunk, dtype=torch.float32)  # d s but the part through x
+        meta = {"H": heads, "G": groups, "P": head_dim, "N": state_size, "CHUNK": chunk, "BP": min(_BWD_BLOCK_P, _block(head_dim)),
+                "BN": _block(state_size), "HAS_D": D is not None, "IEEE": ieee, "UPCAST": not x.is_cuda, "num_warps": _BWD_WARPS}
+        _chunk_backward_bc_kernel[(num_chunks, batch * heads)](
+            x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, seq_len, num_chunks, *x.stride()[:3], *B.stride()[:3],
+            **meta)
+        _chunk_backward_x_kernel[(num_chunks, batch * heads)](
+            x, dt, A, B, C, D if D is not None else A, dstates, dy, ds, dx, ddt, dA, seq_len, num_chunks,
+            *x.stride()[:3], *B.stride()[:3], **meta)
         del states, dstates
-        ddt, dB, dC, ds = ddt.sum(0), dB.sum(0), dC.sum(0), ds.sum(0)
-        # d(dt * A) at t: every s at or after t in its chunk depends on it
-        da = ds.view(batch, heads, padded // chunk, chunk).flip(-1).cumsum(-1).flip(-1)
-        da = da.reshape(batch, heads, padded)[:, :, :seq_len].transpose(1, 2)  # [b, T, H]
-        ddt = ddt + da * A.float()
-        dA = (da * dt).sum((0, 1)).to(A.dtype)
+        dt_dtype, init_dtype = ctx.dtypes
+        per_group = (batch, seq_len, groups, heads // groups, state_size)  # a group's heads summed
+        dB = dB.view(per_group).sum(3).to(B.dtype)
+        dC = dC.view(per_group).sum(3).to(C.dtype)
+        dA = dA.sum((0, 2)).to(A.dtype)
+        dD = dD.sum((0, 2)).to(D.dtype) if D is not None else None
+        dh0 = dh0.to(init_dtype) if init_dtype is not None else None
+        return dx, ddt.to(dt_dtype), dA, dB, dC, dD, None, dh0
 
-        dh0 = dh0.to(ctx.init_dtype) if ctx.has_init else None
-        return dx, ddt, dA, dB.to(B.dtype), dC.to(C.dtype), None, dh0
+
+def _chunk_ok(chunk_size: int) -> bool:
+    """A power of two from 16 (the smallest matmul tile) to 128 (the [chunk, chunk] tiles fit registers
+    and shared memory)."""
+    return 16 <= chunk_size <= 128 and not chunk_size & (chunk_size - 1)
+
+
+def _check(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> None:
+    if not _chunk_ok(chunk_size):
+        raise ValueError(f"chunk_size must be a power of two from 16 to 128, got {chunk_size}")
+    if x.shape[2] % B.shape[2]:
+        raise ValueError(f"{x.shape[2]} heads do not split into {B.shape[2]} groups")
 
 
 def chunk_ssd_triton(
@@ -338,12 +408,9 @@ def chunk_ssd_triton(
     chunk_size: int = 64, initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.mamba2.chunk_ssd` on attnlab's Triton kernels: (y [b, T, H, P] in x's dtype, final state
-    [b, H, P, N] fp32). chunk_size: a power of two, at least 16 (the tile of the [chunk, chunk] scores)."""
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
-    if x.shape[2] % B.shape[2]:
-        raise ValueError(f"{x.shape[2]} heads do not split into {B.shape[2]} groups")
-    return _SSD.apply(x, dt, A, B, C, chunk_size, initial_state)
+    [b, H, P, N] fp32). chunk_size: a power of two from 16 to 128 (the tile of the [chunk, chunk] scores)."""
+    _check(x, B, chunk_size)
+    return _SSD.apply(x, dt, A, B, C, None, chunk_size, initial_state)
 
 
 def use_triton_ssd(choice: str, x: torch.Tensor) -> bool:
@@ -353,17 +420,28 @@ def use_triton_ssd(choice: str, x: torch.Tensor) -> bool:
     return choice != "torch" and x.is_cuda and triton_installed()
 
 
+_warned_chunks: set[int] = set()
+
+
 def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, with the signature
-    of `kernels.mamba2.ssd`: these kernels for CUDA tensors (y in x's dtype; chunk sizes that are not
-    a power of two >= 16 run at 64, which changes nothing but rounding), else the PyTorch reference."""
+    of `kernels.mamba2.ssd`: these kernels for CUDA tensors (y in x's dtype, the skip added in fp32
+    inside the output kernel), else the PyTorch reference (y fp32). A chunk size that is not a power
+    of two from 16 to 128 runs at 64 on the kernels (with a warning, once): that changes nothing but
+    rounding."""
     if use_triton_ssd(choice, x):
-        chunk = chunk_size if chunk_size >= 16 and not chunk_size & (chunk_size - 1) else 64
-        y, state = chunk_ssd_triton(x, dt, A, B, C, chunk, initial_state)
-        y = torch.addcmul(y.float(), x.float(), D.float()[:, None]).to(x.dtype)
+        chunk = chunk_size
+        if not _chunk_ok(chunk):
+            if chunk not in _warned_chunks:
+                _warned_chunks.add(chunk)
+                warnings.warn(f"the SSD kernels take a power-of-two chunk size from 16 to 128; chunk_size {chunk} "
+                              "runs at 64", stacklevel=2)
+            chunk = 64
+        _check(x, B, chunk)
+        y, state = _SSD.apply(x, dt, A, B, C, D, chunk, initial_state)
         return y, (state if output_final_state else None)
     from attnlab.models.ops.mamba2 import chunk_ssd
 
