@@ -79,14 +79,18 @@ def test_chunk_ssd_through_gla_without_a_state_or_a_final_state():
     assert all(t.grad is not None for t in (x, dt, A, B, C, D))
 
 
-def test_ssd_dispatch_keeps_the_reference_on_cpu_and_refuses_fla_there():
+def test_ssd_dispatch_keeps_the_reference_on_cpu_and_the_fused_norm_refuses_fla_there():
+    """The SSD's kernels are attnlab's own (CUDA only): on CPU every choice runs the reference; the
+    gated norm, on fla's kernel, is what `kernels: fla` insists on and refuses without CUDA."""
     x, dt, A, B, C, D, state = (t.float() for t in random_ssd_inputs(1, 12, 2, 3, 1, 4))
-    for choice in ("auto", "torch"):
+    for choice in ("auto", "torch", "fla"):
         y, final_state = ssd(x, dt, A, B, C, D, 16, state, False, choice)
         y_ref, state_ref = chunk_ssd(x, dt, A, B, C, chunk_size=16, initial_state=state)
         assert torch.equal(y, y_ref + x * D[:, None]) and torch.equal(final_state, state_ref)
+    from attnlab.models.kernels.mamba2 import use_fast_ssd
+
     with pytest.raises(RuntimeError, match="kernels is 'fla'"):
-        ssd(x, dt, A, B, C, D, 16, state, False, "fla")
+        use_fast_ssd("fla", x)
 
 
 # ---------------------------------------------------------------- the mixer's fast path, wired on CPU

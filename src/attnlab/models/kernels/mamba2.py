@@ -185,11 +185,15 @@ def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: fla's chunked GLA
-    for CUDA tensors (y in x's dtype), else the PyTorch reference `chunk_ssd` (y fp32). Returns
-    (y [b, T, H, P], final state [b, H, P, N] fp32; None on the fast path unless asked for)."""
-    if use_fast_ssd(choice, x):
-        return chunk_ssd_gla(x, dt, A, B, C, D, initial_state, output_final_state)
+    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: attnlab's chunked
+    SSD kernels for CUDA tensors (`kernels/ssd.py`, y in x's dtype), else the PyTorch reference
+    `chunk_ssd` (y fp32). Returns (y [b, T, H, P], final state [b, H, P, N] fp32; None on the fast
+    path unless asked for). `chunk_ssd_gla` computes the same through fla's GLA kernels."""
+    from attnlab.models.kernels import use_triton
+    from attnlab.models.kernels.ssd import ssd as chunked
+
+    if use_triton(choice, x):
+        return chunked(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state, choice)
     from attnlab.models.ops.mamba2 import chunk_ssd
 
     y, state = chunk_ssd(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)

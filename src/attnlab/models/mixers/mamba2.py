@@ -10,8 +10,9 @@ Parameter names match fla so checkpoints map one to one. The cache holds
     conv_state:      [B, conv_dim, conv_kernel - 1]  the last inputs of the convolution
     recurrent_state: [B, num_heads, head_dim, state_size] fp32
 Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
-On CUDA with fla (kernels not "torch"), the parallel form runs the SSD as fla's chunked GLA and the
-gated norm as fla's fused kernel (`attnlab.models.kernels.mamba2`); decoding steps stay `ssd_step`.
+On CUDA (kernels not "torch") the parallel form runs the SSD on attnlab's chunked Triton kernels
+(`attnlab.models.kernels.ssd`) and, with fla installed, the gated norm with the output projection on
+fla's fused norm kernel (`attnlab.models.kernels.mamba2`); decoding steps stay `ssd_step`.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Mamba2(Mixer):
         if seq_len == 1 and cache is not None:
             y, ssm_state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm_state)
             y = y[:, None] + xs.float() * self.D.float()[:, None]  # [B, 1, H, P]
-        else:  # fla's chunked kernels on CUDA (y in the compute dtype), else the reference (y fp32)
+        else:  # attnlab's chunked kernels on CUDA (y in the compute dtype), else the reference (y fp32)
             y, ssm_state = ssd(xs, dt, A, B, C, self.D, self.chunk_size, ssm_state, use_cache, self.kernels)
         y = y.reshape(batch, seq_len, self.intermediate_size)
         cached = {"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None
