@@ -52,9 +52,9 @@ import triton.language as tl
 
 MAX_KERNEL_SIZE = 8  # the forward unrolls K loads of its tile; the backward one dweight sum per tap, up to 8
 # Tiles by up to 128 channels. Forward: 32 steps, 4 warps. Backward: the dpre pass 8 steps by 8 warps (4 elements
-# a thread: its K window loads, dpre and the K tile-shaped dweight sums live at once), the dx pass 32 steps by 8
-# warps. Compiled for sm_90 with a unit channel stride, bf16, SiLU, no spills: the dpre pass 59 / 64 / 76 / 104
-# registers at K 2 / 3 / 4 / 8 (101 at K 4 with an initial state), the dx pass 42 / 58 / 61 / 128.
+# a thread: its K windows, dpre and the K tile-shaped dweight sums live at once), the dx pass 32 steps by 8 warps.
+# Compiled for sm_90 as launched (unit channel strides, bf16, SiLU), no spills: the dpre pass 57 / 64 / 76 / 126
+# registers at K 2 / 3 / 4 / 8 (100 at K 4 with an initial state), the dx pass 46 / 60 / 64 / 114.
 FWD_BLOCK_T, BWD_BLOCK_T, DX_BLOCK_T = 32, 8, 32
 FWD_WARPS, BWD_WARPS, DX_WARPS = 4, 8, 8
 BWD_MIN_PROGRAMS = 1024  # the dpre pass walks up to 16 time tiles per program while this many programs remain
@@ -162,9 +162,8 @@ def _bwd_dpre_kernel(
             pre = _pre_activation(X, H0, w_ptrs, bias, t, c, c_ok, T, sxt, sxc, sht, shc, swk, K, HAS_H0, BLOCK_T, BLOCK_C)
             sig = tl.sigmoid(pre)
             dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
-            tl.store(DPRE + t.to(tl.int64)[:, None] * spt + c[None, :] * spc, dpre.to(DPRE.dtype.element_ty), mask=ok)
         db += dpre
-        # the same K windows as the pre-activation's, read again (cache hits) rather than held
+        # the K windows of the pre-activation again: with no store in between, the compiler reuses those loads
         dw0 = _tap(dw0, 0, dpre, X, H0, t, c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
         dw1 = _tap(dw1, 1, dpre, X, H0, t, c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
         dw2 = _tap(dw2, 2, dpre, X, H0, t, c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
@@ -173,6 +172,8 @@ def _bwd_dpre_kernel(
         dw5 = _tap(dw5, 5, dpre, X, H0, t, c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
         dw6 = _tap(dw6, 6, dpre, X, H0, t, c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
         dw7 = _tap(dw7, 7, dpre, X, H0, t, c, c_ok, T, sxt, sxc, sht, shc, K, HAS_H0)
+        if SILU:
+            tl.store(DPRE + t.to(tl.int64)[:, None] * spt + c[None, :] * spc, dpre.to(DPRE.dtype.element_ty), mask=ok)
     row = b * time_programs + pid_t  # this program's row of the partial sums
     _tap_store(DW, dw0, 0, row, c, c_ok, C, K)
     _tap_store(DW, dw1, 1, row, c, c_ok, C, K)
@@ -278,18 +279,20 @@ class _CausalConv1d(torch.autograd.Function):
             db_parts = torch.empty(B * time_programs, C, dtype=torch.float32, device=x.device) if bias is not None else dw_parts
             # dpre in x's dtype (see the module's docstring); without SiLU it is dy itself
             dpre = torch.empty(B, T, C, dtype=x.dtype, device=x.device) if ctx.silu else dy
+            # the weight tap-major ([C, K] strides (1, C)): each tap's weights are then one contiguous load a tile
+            w_tap_major = weight.t().contiguous().t()
             # the state as [B, K-1, C] rows in x's dtype (as the kernel reads it): its loads then take x's layout
             state = h0.to(x.dtype).contiguous() if h0 is not None else None
             sh = state.stride() if state is not None else (0, 0, 0)
             _bwd_dpre_kernel[(time_programs, channel_blocks, B)](
-                x, weight, bias if bias is not None else weight, state if state is not None else x, dy, dpre, dw_parts, db_parts,
+                x, w_tap_major, bias if bias is not None else weight, state if state is not None else x, dy, dpre, dw_parts, db_parts,
                 T, C, tiles_per_program, time_programs,
-                *x.stride(), *weight.stride(), *sh, *dy.stride(), *dpre.stride(),
+                *x.stride(), *w_tap_major.stride(), *sh, *dy.stride(), *dpre.stride(),
                 K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=ctx.silu,
                 BLOCK_T=BWD_BLOCK_T, BLOCK_C=block_c, num_warps=BWD_WARPS,
             )
             _bwd_dx_kernel[(triton.cdiv(T, DX_BLOCK_T), channel_blocks, B)](
-                dpre, weight, dx, T, C, *dpre.stride(), *weight.stride(), *dx.stride(),
+                dpre, w_tap_major, dx, T, C, *dpre.stride(), *w_tap_major.stride(), *dx.stride(),
                 K=K, BLOCK_T=DX_BLOCK_T, BLOCK_C=block_c, num_warps=DX_WARPS,
             )
             dweight = dw_parts.sum(0).t().to(weight.dtype)
