@@ -19,6 +19,10 @@ def exact_fp32_reference(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
@@ -113,13 +117,62 @@ def test_kernel_reads_and_writes_a_channel_major_state_and_strided_inputs(T):
     assert rel_err(x.grad[..., 7:17], x_ref.grad) <= 1e-5 and not x.grad[..., :7].any()
 
 
-def test_backward_walking_several_time_tiles_per_program_sums_the_same(monkeypatch):
+@pytest.mark.parametrize("K, silu, with_state, with_bias", [(4, True, True, True), (2, False, False, False), (3, True, False, True),
+                                                         (8, True, True, False), (5, False, True, True)])
+def test_backward_walking_several_time_tiles_per_program_sums_the_same(monkeypatch, K, silu, with_state, with_bias):
+    """The dpre pass keeps one dweight sum per tap (unrolled up to 8) over the tiles a program walks."""
     if CUDA:
         pytest.skip("on a GPU the compiled kernel is tested below")
     from attnlab.models.kernels import conv
 
-    monkeypatch.setattr(conv, "BWD_MIN_PROGRAMS", 1)  # 16 tiles per program: 300 steps take two programs, the second partly empty
-    assert_conv_matches(1, 300, 6, 4, True, True, True, seed=3)
+    monkeypatch.setattr(conv, "BWD_MIN_PROGRAMS", 1)  # 16 tiles per program: 203 steps take two programs, the second partly empty
+    assert 16 * conv.BWD_BLOCK_T < 203 < 32 * conv.BWD_BLOCK_T
+    assert_conv_matches(2, 203, 6, K, silu, with_state, with_bias, seed=K)
+
+
+@pytest.mark.parametrize("silu", [True, False])
+def test_backward_reads_a_strided_gradient(silu):
+    """dy as a column slice of a wider tensor: the dpre pass reads it through its strides, and without SiLU
+    the dx pass reads it in place of a dpre buffer."""
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernel is tested below")
+    leaves, dy, _ = conv_inputs(2, 29, 10, 4, "cpu", seed=5)
+    wide = torch.randn(2, 29, 31)
+    wide[..., 4:14] = dy
+    dy_strided = wide[..., 4:14]
+    assert not dy_strided.is_contiguous()
+    grads = {}
+    for name, conv, grad_out in (("kernel", fused_conv(), dy_strided), ("reference", reference_conv, dy)):
+        inputs = [t.clone().requires_grad_() for t in leaves]
+        y, _ = conv(*inputs, silu)
+        grads[name] = torch.autograd.grad(y, inputs, grad_out)
+    for got, want in zip(grads["kernel"], grads["reference"]):
+        assert rel_err(got, want) <= 1e-5
+
+
+def test_gradient_of_the_final_state_alone_reaches_x_and_the_initial_state():
+    """y unused (no dy): dx is the final state's gradient on x's last rows, the state takes what lies before x,
+    dweight and dbias are zero."""
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernel is tested below")
+    for T in (2, 7):  # shorter than the window (K - 1 = 3) and longer
+        leaves, _, dstate = conv_inputs(2, T, 6, 4, "cpu", seed=T)
+        grads = {}
+        for name, conv in (("kernel", fused_conv()), ("reference", reference_conv)):
+            inputs = [t.clone().requires_grad_() for t in leaves]
+            _, final = conv(*inputs, True)
+            (final * dstate).sum().backward()
+            grads[name] = [torch.zeros_like(t) if t.grad is None else t.grad for t in inputs]
+        for got, want in zip(grads["kernel"], grads["reference"]):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("silu", [True, False])
+def test_bf16_inputs_with_dpre_stored_in_bf16_match_the_fp32_reference(silu):
+    """x in bf16: dpre is kept in bf16 between the two passes; the gradients stay within bf16's tolerance."""
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernel is tested below")
+    assert_conv_matches(2, 45, 12, 4, silu, True, True, dtype=torch.bfloat16, tol=2e-2, seed=11)
 
 
 def test_kernel_sizes_up_to_eight_and_wrong_shapes_say_what_they_need():
@@ -240,6 +293,33 @@ def test_kernel_with_a_channel_major_state_and_short_inputs_matches_on_cuda():
     """Mamba-2's cache layout, decoding steps (T = 1) and prefills shorter than the window."""
     for T in (1, 2, 3, 515):
         assert_conv_matches(3, T, 2176, 4, True, True, True, device="cuda", dtype=torch.bfloat16, tol=2e-2, seed=T, channel_major=True)
+
+
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_backward_on_mamba2s_strided_projection_matches_on_cuda(silu):
+    """Mamba-2's conv as it trains (hidden 1024): x a column slice (2176 channels) of the in_proj output
+    (4256), 4096 steps, bf16, bias, no state: the dpre pass walks 16 time tiles per program."""
+    from attnlab.models.kernels import conv
+
+    B, T, C, K = 2, 4096, 2176, 4
+    assert B * triton_cdiv(C, 128) * triton_cdiv(T, 16 * conv.BWD_BLOCK_T) >= conv.BWD_MIN_PROGRAMS
+    leaves, dy, _ = conv_inputs(B, T, C, K, "cuda", seed=21, with_state=False)
+    x, weight, bias, _ = leaves
+    projection = torch.randn(B, T, 4256, device="cuda", dtype=torch.bfloat16)
+    projection[..., 2048:2048 + C] = x.to(torch.bfloat16)
+    projection.requires_grad_()
+    weight_k, bias_k = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    y, _ = fused_conv()(projection[..., 2048:2048 + C], weight_k, bias_k, None, silu)
+    (y.float() * dy).sum().backward()
+    x_ref, weight_ref, bias_ref = (t.clone().requires_grad_() for t in (projection[..., 2048:2048 + C].detach().float(), weight, bias))
+    y_ref, _ = reference_conv(x_ref, weight_ref, bias_ref, None, silu)
+    (y_ref * dy).sum().backward()
+    assert rel_err(y, y_ref) <= 2e-2
+    assert rel_err(projection.grad[..., 2048:2048 + C], x_ref.grad) <= 2e-2
+    assert not projection.grad[..., :2048].any() and not projection.grad[..., 2048 + C:].any()
+    assert rel_err(weight_k.grad, weight_ref.grad) <= 2e-2 and rel_err(bias_k.grad, bias_ref.grad) <= 2e-2
 
 
 @pytest.mark.cuda

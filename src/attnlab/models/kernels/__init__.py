@@ -76,7 +76,7 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
     return fused
 
 
-CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: it unrolls K * K loads per tile in the backward
+CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: its backward unrolls one dweight sum per tap, up to 8
 
 
 def causal_conv1d_gap(kernel_size: int) -> str | None:
