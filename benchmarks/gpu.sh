@@ -4,7 +4,7 @@
 # decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), train-run (`attnlab train` with and
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
-# zoo-mamba2 (Mamba-2 beside GLA),
+# zoo-mamba2 (Mamba-2 beside GLA), zoo-nsa-stats (NSA with and without its health statistics),
 # fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
@@ -17,7 +17,7 @@ run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; loc
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
-  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py ;;
+  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_ssd_kernels.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model attnlab-gla-eager --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --saved --out "$OUT/train-gla-8x2048.json" ;;
   zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"
@@ -26,6 +26,9 @@ for stage in "$@"; do case $stage in
   zoo-nsa) run zoo-nsa "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model fla-nsa --model hf-llama \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
     $(printf -- '--shape %s ' ${NSA_SHAPES:-2x2048 1x8192}) --out "$OUT/zoo-nsa.json" ;;
+  zoo-nsa-stats) run zoo-nsa-stats "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model nsa-stats \
+    --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
+    --shape 2x2048 --shape 1x8192 --steps 10 --out "$OUT/zoo-nsa-stats.json" ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
