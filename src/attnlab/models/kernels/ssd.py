@@ -167,6 +167,25 @@ def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, 
 
 
 @triton.jit
+def _backward_program(x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H: tl.constexpr, G: tl.constexpr,
+                      P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr):
+    """What both backward kernels' programs start from, for chunk i_n of batch * head i_bh: the batch
+    row and head, the chunk's steps and which are in the sequence, x's head, the offset of dy's and
+    dx's head (contiguous [b, T, H, P]) and of B's and C's group, the chunk's state offset, and dt,
+    s, s_last of the chunk."""
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // (H // G)
+    j = tl.arange(0, CHUNK)
+    m_t = i_n * CHUNK + j < T
+    x_bh = x + i_b.to(tl.int64) * sx_b + i_h * sx_h
+    yh = i_b.to(tl.int64) * T * H * P + i_h * P
+    bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
+    st = (i_bh.to(tl.int64) * NC + i_n) * P * N
+    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    return i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last
+
+
+@triton.jit
 def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, T, NC,
                               sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
                               H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
@@ -178,16 +197,10 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     of the log decays s except the part through x (`_chunk_backward_x_kernel` adds it) and this
     chunk's share of dD."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // G)
+    i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last = _backward_program(
+        x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK)
     DT = x.dtype.element_ty
-    j = tl.arange(0, CHUNK)
-    m_t = i_n * CHUNK + j < T
-    x_bh = x + i_b.to(tl.int64) * sx_b + i_h * sx_h
-    dy_bh = dy + i_b.to(tl.int64) * T * H * P + i_h * P  # dy is contiguous
-    bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
-    st = (i_bh.to(tl.int64) * NC + i_n) * P * N
-    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    dy_bh = dy + yh  # dy is contiguous
 
     dyx = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # [i, j] dy_i . dt_j x_j
     dyS0 = tl.zeros([CHUNK, BN], dtype=tl.float32)
@@ -239,16 +252,9 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
     in blocks of BP; writes dx, d dt and this chunk's share of dA. d s (from the first half, plus what
     the end state's dependence on dt x gives) becomes d(dt * A) by a reverse cumulative sum over the chunk."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_h // (H // G)
-    DT = x.dtype.element_ty
-    j = tl.arange(0, CHUNK)
-    m_t = i_n * CHUNK + j < T
-    x_bh = x + i_b.to(tl.int64) * sx_b + i_h * sx_h
-    yh = i_b.to(tl.int64) * T * H * P + i_h * P  # dy, dx are contiguous
-    bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
-    st = (i_bh.to(tl.int64) * NC + i_n) * P * N
-    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last = _backward_program(
+        x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK)
+    DT = x.dtype.element_ty  # dy, dx are contiguous: both at yh
     Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
     Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
