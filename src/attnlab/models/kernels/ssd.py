@@ -74,22 +74,43 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _tile(base, T, stride_t, d, i_n, i_d, CHUNK: tl.constexpr, BD: tl.constexpr):
-    """The block pointer to rows i_n * CHUNK.. (time) and columns i_d * BD.. of a [T, d] matrix."""
-    return tl.make_block_ptr(base, (T, d), (stride_t, 1), (i_n * CHUNK, i_d * BD), (CHUNK, BD), (1, 0))
+    """Pointers to rows i_n * CHUNK.. (time) and columns i_d * BD.. of a [T, d] matrix whose columns
+    are contiguous, and the mask of those inside it."""
+    t = i_n * CHUNK + tl.arange(0, CHUNK)
+    c = i_d * BD + tl.arange(0, BD)
+    return base + t.to(tl.int64)[:, None] * stride_t + c[None, :], (t < T)[:, None] & (c < d)[None, :]
 
 
 @triton.jit
-def _state_tile(base, P: tl.constexpr, N: tl.constexpr, i_p, i_nb, BP: tl.constexpr, BN: tl.constexpr):
-    """The block pointer to a [BP, BN] tile of a [P, N] state."""
-    return tl.make_block_ptr(base, (P, N), (N, 1), (i_p * BP, i_nb * BN), (BP, BN), (1, 0))
+def _load_tile(base, T, stride_t, d, i_n, i_d, CHUNK: tl.constexpr, BD: tl.constexpr):
+    """The [CHUNK, BD] tile of `_tile`, zero outside the matrix."""
+    ptrs, mask = _tile(base, T, stride_t, d, i_n, i_d, CHUNK, BD)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(base, T, stride_t, d, i_n, i_d, value, CHUNK: tl.constexpr, BD: tl.constexpr):
+    ptrs, mask = _tile(base, T, stride_t, d, i_n, i_d, CHUNK, BD)
+    tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def _load_state(base, P: tl.constexpr, N: tl.constexpr, i_p, i_nb, BP: tl.constexpr, BN: tl.constexpr):
+    """The [BP, BN] tile (i_p, i_nb) of a contiguous [P, N] state, zero outside it."""
+    return _load_tile(base, P, N, N, i_p, i_nb, BP, BN)
+
+
+@triton.jit
+def _store_state(base, P: tl.constexpr, N: tl.constexpr, i_p, i_nb, value, BP: tl.constexpr, BN: tl.constexpr):
+    _store_tile(base, P, N, N, i_p, i_nb, value, BP, BN)
 
 
 @triton.jit
 def _local_decay(dt_bh, A, i_h, i_n, T, H: tl.constexpr, CHUNK: tl.constexpr):
     """A chunk's dt [chunk] (0 past T; dt_bh points at dt[b, 0, h]), its log decays s [chunk] summed
     from the chunk start, and their total s_last (the same number as s[chunk - 1])."""
-    p_dt = tl.make_block_ptr(dt_bh, (T,), (H,), (i_n * CHUNK,), (CHUNK,), (0,))
-    dtj = tl.load(p_dt, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    t = i_n * CHUNK + tl.arange(0, CHUNK)
+    dtj = tl.load(dt_bh + t.to(tl.int64) * H, mask=t < T, other=0.0).to(tl.float32)
     s = tl.cumsum(dtj * tl.load(A + i_h).to(tl.float32), axis=0)
     s_last = tl.sum(tl.where(tl.arange(0, CHUNK) == CHUNK - 1, s, 0.0), axis=0)
     return dtj, s, s_last
@@ -112,8 +133,7 @@ def _chunk_states_kernel(v, dt, A, bc, states, init, final, T, NC, sv_b, sv_t, s
     dt_bh = dt + i_b.to(tl.int64) * T * H + i_h
     st_bh = states + i_bh.to(tl.int64) * NC * P * N
     if HAS_INIT:
-        S = tl.load(_state_tile(init + i_bh.to(tl.int64) * P * N, P, N, i_p, i_nb, BP, BN),
-                    boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        S = _load_state(init + i_bh.to(tl.int64) * P * N, P, N, i_p, i_nb, BP, BN).to(tl.float32)
     else:
         S = tl.zeros([BP, BN], dtype=tl.float32)
     for k in range(NC):
@@ -121,17 +141,17 @@ def _chunk_states_kernel(v, dt, A, bc, states, init, final, T, NC, sv_b, sv_t, s
             i_n = NC - 1 - k
         else:
             i_n = k
-        tl.store(_state_tile(st_bh + i_n * (P * N), P, N, i_p, i_nb, BP, BN), S, boundary_check=(0, 1))
+        _store_state(st_bh + i_n * (P * N), P, N, i_p, i_nb, S, BP, BN)
         dtj, s, s_last = _local_decay(dt_bh, A, i_h, i_n, T, H, CHUNK)
-        vj = tl.load(_tile(v_bh, T, sv_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
-        bcj = tl.load(_tile(bc_bg, T, sbc_t, N, i_n, i_nb, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+        vj = _load_tile(v_bh, T, sv_t, P, i_n, i_p, CHUNK, BP)
+        bcj = _load_tile(bc_bg, T, sbc_t, N, i_n, i_nb, CHUNK, BN)
         if REVERSE:
             w = tl.exp(s)
         else:
             w = tl.exp(s_last - s) * dtj
         # in fp32 (TF32 for bf16 inputs): the states carry every earlier chunk, and the last is an output
         S = tl.exp(s_last) * S + _dot(tl.trans(vj.to(tl.float32) * w[:, None]), bcj.to(tl.float32), IEEE, UPCAST)
-    tl.store(_state_tile(final + i_bh.to(tl.int64) * P * N, P, N, i_p, i_nb, BP, BN), S, boundary_check=(0, 1))
+    _store_state(final + i_bh.to(tl.int64) * P * N, P, N, i_p, i_nb, S, BP, BN)
 
 
 @triton.jit
@@ -152,19 +172,19 @@ def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, 
     bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
     st = states + (i_bh.to(tl.int64) * NC + i_n) * P * N
     dtj, s, _ = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
-    Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
-    Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    Bj = _load_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
+    Cj = _load_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
     Mdt = (_dot(Cj, tl.trans(Bj), IEEE, UPCAST) * decay * dtj[None, :]).to(DT)
     from_start = tl.exp(s)
     for i_p in range(tl.cdiv(P, BP)):
-        xj = tl.load(_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
-        S0 = tl.load(_state_tile(st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        xj = _load_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP)
+        S0 = _load_state(st, P, N, i_p, 0, BP, BN)
         acc = _dot(Cj, tl.trans(S0.to(DT)), IEEE, UPCAST) * from_start[:, None]
         acc += _dot(Mdt, xj, IEEE, UPCAST)
         if HAS_D:
             acc += xj.to(tl.float32) * tl.load(D + i_h).to(tl.float32)
-        tl.store(_tile(y_bh, T, H * P, P, i_n, i_p, CHUNK, BP), acc.to(y.dtype.element_ty), boundary_check=(0, 1))
+        _store_tile(y_bh, T, H * P, P, i_n, i_p, acc.to(y.dtype.element_ty), CHUNK, BP)
 
 
 @triton.jit
@@ -209,10 +229,10 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     dSS = tl.zeros([BN], dtype=tl.float32)  # sum_p dSe * S0
     dy_x = tl.zeros([CHUNK], dtype=tl.float32)  # sum_p dy * x
     for i_p in range(tl.cdiv(P, BP)):
-        xj = tl.load(_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
-        dyj = tl.load(_tile(dy_bh, T, H * P, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
-        S0 = tl.load(_state_tile(states + st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
-        dSe = tl.load(_state_tile(dstates + st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        xj = _load_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP)
+        dyj = _load_tile(dy_bh, T, H * P, P, i_n, i_p, CHUNK, BP)
+        S0 = _load_state(states + st, P, N, i_p, 0, BP, BN)
+        dSe = _load_state(dstates + st, P, N, i_p, 0, BP, BN)
         xdt = (xj.to(tl.float32) * dtj[:, None]).to(DT)
         dyx += _dot(dyj, tl.trans(xdt), IEEE, UPCAST)
         dyS0 += _dot(dyj, S0.to(DT), IEEE, UPCAST)
@@ -221,8 +241,8 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
         if HAS_D:
             dy_x += tl.sum(dyj.to(tl.float32) * xj.to(tl.float32), axis=1)
 
-    Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
-    Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    Bj = _load_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
+    Cj = _load_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     # y_i = exp(s_i) S0 C_i + sum_j M_ij dt_j x_j, with M_ij = (C_i . B_j) exp(s_i - s_j)
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
     W = _dot(Cj, tl.trans(Bj), IEEE, UPCAST) * decay * dyx
@@ -232,11 +252,11 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     hb = i_b.to(tl.int64) * T * H * N + i_h * N  # dB, dC per head: [b, T, H, N] fp32
     dCj = _dot(dM, Bj, IEEE, UPCAST) + dyS0 * from_start[:, None]
     d_s += tl.sum(dyS0 * Cj.to(tl.float32), axis=1) * from_start
-    tl.store(_tile(dC + hb, T, H * N, N, i_n, 0, CHUNK, BN), dCj, boundary_check=(0, 1))
+    _store_tile(dC + hb, T, H * N, N, i_n, 0, dCj, CHUNK, BN)
     # the state at the chunk end, exp(s_last) S0 + sum_j exp(s_last - s_j) dt_j x_j^T B_j
     to_end = tl.where(m_t, tl.exp(s_last - s), 0.0)
     dBj = _dot(tl.trans(dM), Cj, IEEE, UPCAST) + xdS * to_end[:, None]
-    tl.store(_tile(dB + hb, T, H * N, N, i_n, 0, CHUNK, BN), dBj, boundary_check=(0, 1))
+    _store_tile(dB + hb, T, H * N, N, i_n, 0, dBj, CHUNK, BN)
     d_s += tl.where(j == CHUNK - 1, tl.exp(s_last) * tl.sum(dSS, axis=0), 0.0)
     tl.store(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j, d_s)
     if HAS_D:
@@ -256,18 +276,17 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
     i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last = _backward_program(
         x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK)
     DT = x.dtype.element_ty  # dy, dx are contiguous: both at yh
-    Bj = tl.load(_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
-    Cj = tl.load(_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN), boundary_check=(0, 1), padding_option="zero")
+    Bj = _load_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
+    Cj = _load_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
     Mt = tl.trans((_dot(Cj, tl.trans(Bj), IEEE, UPCAST) * decay).to(DT))  # [j, i]
     to_end = tl.where(m_t, tl.exp(s_last - s), 0.0)
     ddt_x = tl.zeros([CHUNK], dtype=tl.float32)  # sum_p d(dt x) * x
     q = tl.zeros([CHUNK], dtype=tl.float32)  # sum_p x * B dSe^T
     for i_p in range(tl.cdiv(P, BP)):
-        xj = tl.load(_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1),
-                     padding_option="zero").to(tl.float32)
-        dyj = tl.load(_tile(dy + yh, T, H * P, P, i_n, i_p, CHUNK, BP), boundary_check=(0, 1), padding_option="zero")
-        dSe = tl.load(_state_tile(dstates + st, P, N, i_p, 0, BP, BN), boundary_check=(0, 1), padding_option="zero")
+        xj = _load_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP).to(tl.float32)
+        dyj = _load_tile(dy + yh, T, H * P, P, i_n, i_p, CHUNK, BP)
+        dSe = _load_state(dstates + st, P, N, i_p, 0, BP, BN)
         BdS = _dot(Bj, tl.trans(dSe.to(DT)), IEEE, UPCAST)  # [c, BP]
         dxdt = _dot(Mt, dyj, IEEE, UPCAST) + BdS * to_end[:, None]
         q += tl.sum(xj * BdS, axis=1)
@@ -275,14 +294,14 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
         dxj = dxdt * dtj[:, None]
         if HAS_D:
             dxj += dyj.to(tl.float32) * tl.load(D + i_h).to(tl.float32)
-        tl.store(_tile(dx + yh, T, H * P, P, i_n, i_p, CHUNK, BP), dxj.to(dx.dtype.element_ty), boundary_check=(0, 1))
+        _store_tile(dx + yh, T, H * P, P, i_n, i_p, dxj.to(dx.dtype.element_ty), CHUNK, BP)
     q *= to_end * dtj
     d_s = tl.load(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j) - q
     d_s += tl.where(j == CHUNK - 1, tl.sum(q, axis=0), 0.0)
     # d(dt * A) at t: every s at or after t in its chunk depends on it
     da = tl.cumsum(d_s, axis=0, reverse=True)
-    p_ddt = tl.make_block_ptr(ddt + i_b.to(tl.int64) * T * H + i_h, (T,), (H,), (i_n * CHUNK,), (CHUNK,), (0,))
-    tl.store(p_ddt, ddt_x + da * tl.load(A + i_h).to(tl.float32), boundary_check=(0,))
+    t = i_n * CHUNK + j
+    tl.store(ddt + i_b.to(tl.int64) * T * H + t.to(tl.int64) * H + i_h, ddt_x + da * tl.load(A + i_h).to(tl.float32), mask=t < T)
     tl.store(dA + i_bh.to(tl.int64) * NC + i_n, tl.sum(da * dtj, axis=0))
 
 
