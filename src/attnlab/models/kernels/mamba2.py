@@ -3,8 +3,6 @@
 those kernels replaced, 2.1-3.0x slower on an H100, kept as a second implementation to compare
 against); the gated norm and the output projection run on fla's fused norm kernel.
 
-The SSD through a GLA:
-
 The SSD is a GLA whose forget gate is one scalar per head and step, shared by every state channel:
 per head h, with the group g = h // (heads / groups) that h reads B and C from,
 
