@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-NUM_VALUES = 8  # gate_entropy_mean, max_gate_mean, collapse_fraction, branch_share_{cmp,slc,swa}, k_mean, pct_at_k_max
 _BLOCK_R = 64  # tokens per program
 _HEAD_COLS = 5 + 3  # the scalar columns before the per-head gate sums
 
@@ -108,8 +107,8 @@ def _finish_kernel(PART, OUT, programs, H: tl.constexpr, HKV: tl.constexpr, COLS
 
 
 def record_stats(out: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, block_indices: torch.Tensor, block_counts: int) -> None:
-    """Write NSA's statistics of one forward into `out` ([8] fp32, the order of `NUM_VALUES`'s
-    comment), in place; `out` keeps its values when no token is real (pos < 0 everywhere).
+    """Write NSA's statistics of one forward into `out` ([8] fp32, in the order of
+    `mixers.nsa.STAT_NAMES`), in place; `out` keeps its values when no token is real (pos < 0 everywhere).
     g [B, T, H, 3] gates; pos [B, T] (negative: padding); block_indices [B, T, Hkv, S] (negative: no block)."""
     batch, seq_len, heads, _ = g.shape
     kv_heads, slots = block_indices.shape[2], block_indices.shape[3]
