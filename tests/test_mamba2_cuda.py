@@ -1,5 +1,6 @@
-"""Mamba-2 on fla's kernels (the SSD through chunked GLA, the grouped gated norm) against the fp32
-PyTorch reference: the kernels alone, then the mixer under bf16 autocast against the same mixer on
+"""Mamba-2's CUDA path against the fp32 PyTorch reference: fla's kernels alone (the SSD through
+chunked GLA, kept as a second implementation; the grouped gated norm), then the mixer as it runs on
+CUDA (the SSD on attnlab's kernels, `kernels/ssd.py`, and fla's gated norm) under bf16 autocast against the same mixer on
 `kernels="torch"` in fp32 (outputs, final state, gradients of every parameter and of the input),
 padded and not, at an odd length, as a prefill that continues a cache and in decoding after it.
 CUDA only; skipped without a GPU or without fla."""
