@@ -282,6 +282,11 @@ app.command("report")(_report_cmd)
 from attnlab.finetune.cli import finetune_command, merge_command  # noqa: E402
 app.command("finetune")(finetune_command)
 app.command("merge")(merge_command)
+from attnlab.data.cli import prepare_command  # noqa: E402
+
+data_app = typer.Typer(help="Data: tokenize corpora once into memory-mapped shards.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+data_app.command("prepare")(prepare_command)
 bench_app = typer.Typer(help="Benchmarks: throughput and memory against peers.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

@@ -41,7 +41,7 @@ def read_documents(source: str, text_field: str = "text") -> list[str]:
     if source == SHAKESPEARE:
         docs = shakespeare_documents()
     elif source.startswith(HF_PREFIX):
-        docs = _read_hf_cached(source, text_field)
+        docs = read_hf_cached(source, text_field)
     else:
         docs = _read_local(source, text_field)
     docs = [doc for doc in docs if doc.strip()]
@@ -122,39 +122,49 @@ def markdown_to_text(markdown: str) -> str:
 
 
 def _read_local(source: str, text_field: str) -> list[str]:
+    resolved = resolve_local(source)
+    if isinstance(resolved, Path):
+        return read_saved_dataset(resolved, text_field)
+    docs: list[str] = []
+    for file in resolved:
+        docs.extend(read_file(file, text_field))
+    return docs
+
+
+def resolve_local(source: str) -> Path | list[Path]:
+    """What a local `source` names: the directory of a saved dataset (a Path), or its data files
+    in reading order (a list); a DataError when it names nothing readable."""
     path = Path(os.path.expanduser(source))
     if path.is_dir():
         if _is_saved_dataset(path):
-            return _read_saved_dataset(path, text_field)
+            return path
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
         if not files:
             raise DataError(
                 f"The directory {path} contains no readable data files. Put {_suffix_list()} files in it, "
                 "or point data.source at a directory written by datasets' save_to_disk."
             )
-    elif path.is_file():
-        files = [path]
-    elif _GLOB_CHARS & set(source):
+        return files
+    if path.is_file():
+        return [path]
+    if _GLOB_CHARS & set(source):
         matches = sorted(glob.glob(os.path.expanduser(source), recursive=True))
         files = [Path(m) for m in matches if Path(m).is_file()]
         if not files:
             raise DataError(f"The pattern {source!r} matches no files. Check the pattern and the directory it names.")
-    else:
-        raise DataError(
-            f"The data source {source!r} does not exist. Give an existing file, directory or glob pattern, "
-            f"'{SHAKESPEARE}' for the built-in corpus, or hf://NAME for a cached Hub dataset."
-        )
-    docs: list[str] = []
-    for file in files:
-        docs.extend(_read_file(file, text_field))
-    return docs
+        return files
+    raise DataError(
+        f"The data source {source!r} does not exist. Give an existing file, directory or glob pattern, "
+        f"'{SHAKESPEARE}' for the built-in corpus, or hf://NAME for a cached Hub dataset."
+    )
 
 
 def _suffix_list() -> str:
     return ", ".join(SUPPORTED_SUFFIXES)
 
 
-def _read_file(path: Path, text_field: str) -> list[str]:
+def read_file(path: Path, text_field: str) -> list[str]:
+    """The documents of one data file (text, JSON / JSON Lines or Parquet), empty ones included."""
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
         return [_read_text_file(path)]
@@ -266,7 +276,7 @@ def _is_saved_dataset(path: Path) -> bool:
     )
 
 
-def _read_saved_dataset(path: Path, text_field: str) -> list[str]:
+def read_saved_dataset(path: Path, text_field: str) -> list[str]:
     import datasets
 
     try:
@@ -322,7 +332,7 @@ def _hf_offline():
                 os.environ[key] = value
 
 
-def _read_hf_cached(source: str, text_field: str) -> list[str]:
+def read_hf_cached(source: str, text_field: str) -> list[str]:
     spec = source[len(HF_PREFIX):].strip("/")
     parts = spec.split("/")
     if not spec or len(parts) > 3 or not all(parts):

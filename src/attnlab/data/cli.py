@@ -1,0 +1,105 @@
+"""`attnlab data prepare SOURCE --out DIR`: tokenize a corpus once into memory-mapped shards."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from attnlab.data.prepare import DEFAULT_SHARD_TOKENS, prepare_corpus
+from attnlab.data.prepare import Progress as PrepareProgress
+
+LOG_EVERY_S = 10.0  # a log file (not a terminal) gets one progress line this often
+
+
+class _Reporter:
+    """Progress of a preparation: a rich bar on a terminal, a line every LOG_EVERY_S seconds in a log file.
+    Rates count the text tokenized in this run (not shards kept from an earlier one)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.t0 = time.perf_counter()
+        self.base: PrepareProgress | None = None
+        self.last_line = self.t0  # the first line after LOG_EVERY_S
+        self.bar: Progress | None = None
+        self.task = None
+        if console.is_terminal:
+            self.bar = Progress(
+                TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[rates]}"),
+                TextColumn("{task.fields[shards]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+            )
+
+    def rates(self, state: PrepareProgress) -> tuple[float, float]:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return (state.text_bytes - self.base.text_bytes) / dt / 1e6, (state.tokens - self.base.tokens) / dt
+
+    def __call__(self, state: PrepareProgress) -> None:
+        if self.base is None:  # the first report: what an earlier run left
+            self.base = PrepareProgress(text_bytes=state.text_bytes, tokens=state.tokens)
+            if state.kept_shards:
+                self.console.print(f"keeping {state.kept_shards} complete shard(s) of an earlier run: "
+                                   f"{state.documents:,} documents, {state.tokens:,} tokens", highlight=False)
+            if self.bar is not None:
+                self.bar.start()
+                self.task = self.bar.add_task("prepare", total=state.total_bytes, completed=state.source_bytes, rates="", shards="")
+        mb_s, tok_s = self.rates(state)
+        rates = f"{mb_s:,.1f} MB/s {tok_s:,.0f} tok/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=state.source_bytes, rates=rates, shards=f"{state.shards} shards")
+        elif time.perf_counter() - self.last_line >= LOG_EVERY_S:
+            self.last_line = time.perf_counter()
+            done = f"{state.source_bytes / state.total_bytes:.0%} of the source, " if state.total_bytes else ""
+            self.console.print(f"prepare: {done}{state.documents:,} documents, {state.tokens:,} tokens, {state.shards} shards, "
+                               f"{rates}, {time.perf_counter() - self.t0:,.0f} s", highlight=False)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def prepare_command(
+    source: str = typer.Argument(..., help="The corpus, as data.source takes it: a .txt/.jsonl/.json/.parquet file, a directory of them, a glob, "
+                                           "a directory written by save_to_disk, hf://NAME from the local cache, or 'shakespeare'.", show_default=False),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards and manifest.json (created if missing). Run the same command "
+                                                     "again to resume: complete shards are kept.", show_default=False),
+    tokenizer: str = typer.Option("byte", "--tokenizer", "-t", help="'byte' for the built-in byte tokenizer, or a local tokenizer directory (save_pretrained)."),
+    workers: int = typer.Option(max(1, min(8, os.cpu_count() or 1)), "--workers", "-w", min=1, help="Tokenizer processes; 1 tokenizes in this process.",
+                                show_default="CPU cores, at most 8"),
+    text_field: str = typer.Option("text", "--text-field", help="JSON field / Parquet or dataset column that holds the text."),
+    val_fraction: float = typer.Option(0.0, "--val-fraction", help="Fraction of the documents (whole documents, chosen by --seed) held out for validation; 0 for none."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the validation split."),
+    shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", min=1, help="Tokens per shard, at least (a shard ends at a document boundary)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete the shards and manifest already in --out and start afresh (needed when the source or tokenizer changed)."),
+):
+    """Tokenize a corpus once into memory-mapped token shards (uint16 or uint32) with a document index and a manifest."""
+    from rich.table import Table
+
+    from attnlab.cli import console
+
+    reporter = _Reporter(console)
+    try:
+        manifest = prepare_corpus(source, out, tokenizer, workers=workers, text_field=text_field, val_fraction=val_fraction,
+                                  seed=seed, overwrite=overwrite, shard_tokens=shard_tokens, progress=reporter)
+    finally:
+        reporter.stop()
+    elapsed = time.perf_counter() - reporter.t0
+    mb_s, tok_s = reporter.rates(PrepareProgress(text_bytes=manifest["text_bytes"], tokens=manifest["tokens"]))
+    summary = Table(title="prepared corpus", show_header=False)
+    summary.add_row("directory", str(out))
+    summary.add_row("shards", f"{len(manifest['shards'])} ({manifest['dtype']})")
+    summary.add_row("documents", f"{manifest['documents']:,} ({manifest['validation']['documents']:,} validation)")
+    summary.add_row("tokens", f"{manifest['tokens']:,} ({manifest['validation']['tokens']:,} validation)")
+    summary.add_row("tokenizer", f"{manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']:,} ids)")
+    summary.add_row("time", f"{elapsed:.1f} s, {mb_s:,.1f} MB/s, {tok_s:,.0f} tokens/s ({workers} workers)")
+    console.print(summary)
