@@ -17,7 +17,7 @@ from attnlab.errors import DataError
 
 
 def _corpus(root):
-    """A directory of JSONL and text files (nested, with an empty record), about 40 documents."""
+    """A directory of JSONL, text and Parquet files (nested, with empty records), about 45 documents."""
     rng = np.random.default_rng(0)
     words = ["lorem", "ipsum", "dolor", "sit", "amet", "ünïcode", "≠", "naïve", "\n"]
     (root / "sub").mkdir(parents=True)
@@ -27,6 +27,11 @@ def _corpus(root):
         (root / f"part{f}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     for f in range(5):
         (root / "sub" / f"doc{f}.txt").write_text(" ".join(rng.choice(words, size=rng.integers(20, 200))), encoding="utf-8")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [" ".join(rng.choice(words, size=rng.integers(3, 30))) for _ in range(7)] + [None]
+    pq.write_table(pa.table({"text": rows}), root / "sub" / "rows.parquet", row_group_size=3)
     return root
 
 
@@ -51,14 +56,6 @@ def test_shards_hold_exactly_the_tokens_of_the_packing_path(tmp_path):
     assert corpus.total_tokens == len(expected)
     np.testing.assert_array_equal(corpus.tokens(0, corpus.total_tokens), expected)
     np.testing.assert_array_equal(corpus.tokens(290, 610), expected[290:610])  # across shard boundaries
-
-
-def test_a_pool_of_workers_writes_the_same_shards_as_one_process(tmp_path, monkeypatch):
-    src = _corpus(tmp_path / "src")
-    monkeypatch.setattr(prep, "BATCH_BYTES", 500)  # many batches in flight
-    prepare_corpus(str(src), tmp_path / "one", "byte", workers=1, shard_tokens=300)
-    prepare_corpus(str(src), tmp_path / "two", "byte", workers=2, shard_tokens=300)
-    assert _shard_bytes(tmp_path / "one") == _shard_bytes(tmp_path / "two")
 
 
 def test_validation_split_holds_whole_documents_and_ranges_cover_the_corpus(tmp_path):
@@ -105,6 +102,23 @@ def test_a_large_vocabulary_is_written_as_uint32_with_the_hf_batch_encoder(tmp_p
     expected = tokenize_documents(docs, load_tokenizer(spec))
     assert expected.max() > 65535
     np.testing.assert_array_equal(_shard_tokens(tmp_path / "out"), expected)
+
+
+def test_a_pool_of_workers_writes_the_same_shards_as_one_process(tmp_path, monkeypatch):
+    spec = _word_tokenizer(tmp_path / "tok", 300)
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in range(3):
+        docs = [" ".join(f"w{(i * 31 + j * 17 + f) % 300}" for j in range(5 + i % 40)) for i in range(30)]
+        (src / f"c{f}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    monkeypatch.setattr(prep, "BATCH_BYTES", 500)  # many batches in flight
+    reports = []
+    prepare_corpus(str(src), tmp_path / "one", spec, workers=1, shard_tokens=300)
+    prepare_corpus(str(src), tmp_path / "two", spec, workers=2, shard_tokens=300, progress=reports.append)
+    assert reports[-1].workers == 2
+    assert len(list((tmp_path / "one").glob("shard-*.bin"))) > 3
+    assert _shard_bytes(tmp_path / "one") == _shard_bytes(tmp_path / "two")
+    np.testing.assert_array_equal(_shard_tokens(tmp_path / "two"), tokenize_documents(read_documents(str(src)), load_tokenizer(spec)))
 
 
 def test_an_interrupted_preparation_resumes_to_the_same_shards(tmp_path, monkeypatch):
@@ -158,12 +172,21 @@ def test_a_changed_file_redoes_the_shards_made_from_it(tmp_path):
     src = _corpus(tmp_path / "src")
     out = tmp_path / "out"
     prepare_corpus(str(src), out, "byte", shard_tokens=300)
-    (src / "sub" / "doc4.txt").write_text("a new ending", encoding="utf-8")  # the last file read
+    (src / "sub" / "doc4.txt").write_text("a new ending", encoding="utf-8")  # read after part*.jsonl: shard 0 stays
     first = (out / "shard-00000.bin").stat().st_mtime_ns
     manifest = prepare_corpus(str(src), out, "byte", shard_tokens=300)
     assert (out / "shard-00000.bin").stat().st_mtime_ns == first
     np.testing.assert_array_equal(_shard_tokens(out), tokenize_documents(read_documents(str(src)), load_tokenizer("byte")))
-    assert manifest["fingerprint"][-1]["size"] == len("a new ending")
+    assert [fp["size"] for fp in manifest["fingerprint"] if fp["path"].endswith("doc4.txt")] == [len("a new ending")]
+
+
+def test_a_bad_json_line_is_reported_with_its_file_and_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "c.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(DataError, match=r"c.jsonl, line 2: not valid JSON"):
+        prepare_corpus(str(src), tmp_path / "out", "byte")
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_a_truncated_shard_is_refused_naming_the_file(tmp_path):

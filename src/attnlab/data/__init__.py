@@ -1,23 +1,34 @@
-"""Data: tokenizers, reading corpora, and packing them into training blocks."""
+"""Data: tokenizers, reading corpora, and packing them into training blocks.
 
-from attnlab.data.corpus import SHAKESPEARE, markdown_to_text, read_documents, shakespeare_documents
-from attnlab.data.packing import (
-    BlockDataset,
-    PackedData,
-    build_datasets,
-    pack_documents,
-    split_documents,
-    tokenize_documents,
-)
-from attnlab.data.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    ByteTokenizer,
-    load_tokenizer,
-    register_auto_tokenizer,
-)
-from attnlab.errors import DataError
+The names below are imported on first use, so that a module of this package (the workers of
+`attnlab data prepare`) starts without importing torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SHAKESPEARE": "corpus",
+    "markdown_to_text": "corpus",
+    "read_documents": "corpus",
+    "shakespeare_documents": "corpus",
+    "BlockDataset": "packing",
+    "PackedData": "packing",
+    "build_datasets": "packing",
+    "pack_documents": "packing",
+    "split_documents": "packing",
+    "tokenize_documents": "packing",
+    "BOS_ID": "tokenizer",
+    "EOS_ID": "tokenizer",
+    "PAD_ID": "tokenizer",
+    "ByteTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "register_auto_tokenizer": "tokenizer",
+    "PreparedCorpus": "prepared",
+    "prepare_corpus": "prepare",
+}
+from attnlab.errors import DataError  # light: no third-party imports
 
 __all__ = [
     "BOS_ID",
@@ -28,13 +39,28 @@ __all__ = [
     "ByteTokenizer",
     "DataError",
     "PackedData",
+    "PreparedCorpus",
     "build_datasets",
     "load_tokenizer",
     "markdown_to_text",
     "pack_documents",
+    "prepare_corpus",
     "read_documents",
     "register_auto_tokenizer",
     "shakespeare_documents",
     "split_documents",
     "tokenize_documents",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -31,6 +31,7 @@ class _Reporter:
         self.console = console
         self.t0 = time.perf_counter()
         self.base: PrepareProgress | None = None
+        self.workers = 1
         self.last_line = self.t0  # the first line after LOG_EVERY_S
         self.bar: Progress | None = None
         self.task = None
@@ -47,6 +48,7 @@ class _Reporter:
     def __call__(self, state: PrepareProgress) -> None:
         if self.base is None:  # the first report: what an earlier run left
             self.base = PrepareProgress(text_bytes=state.text_bytes, tokens=state.tokens)
+            self.workers = state.workers
             if state.kept_shards:
                 self.console.print(f"keeping {state.kept_shards} complete shard(s) of an earlier run: "
                                    f"{state.documents:,} documents, {state.tokens:,} tokens", highlight=False)
@@ -74,7 +76,7 @@ def prepare_command(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the shards and manifest.json (created if missing). Run the same command "
                                                      "again to resume: complete shards are kept.", show_default=False),
     tokenizer: str = typer.Option("byte", "--tokenizer", "-t", help="'byte' for the built-in byte tokenizer, or a local tokenizer directory (save_pretrained)."),
-    workers: int = typer.Option(max(1, min(8, os.cpu_count() or 1)), "--workers", "-w", min=1, help="Tokenizer processes; 1 tokenizes in this process.",
+    workers: int = typer.Option(max(1, min(8, os.cpu_count() or 1)), "--workers", "-w", min=1, help="Tokenizer processes (HF tokenizers); 1 tokenizes in this process, as the byte tokenizer always does (its encoding costs less than sending text to a worker).",
                                 show_default="CPU cores, at most 8"),
     text_field: str = typer.Option("text", "--text-field", help="JSON field / Parquet or dataset column that holds the text."),
     val_fraction: float = typer.Option(0.0, "--val-fraction", help="Fraction of the documents (whole documents, chosen by --seed) held out for validation; 0 for none."),
@@ -85,12 +87,16 @@ def prepare_command(
     """Tokenize a corpus once into memory-mapped token shards (uint16 or uint32) with a document index and a manifest."""
     from rich.table import Table
 
-    from attnlab.cli import console
+    from attnlab.cli import console, err_console
 
     reporter = _Reporter(console)
     try:
         manifest = prepare_corpus(source, out, tokenizer, workers=workers, text_field=text_field, val_fraction=val_fraction,
                                   seed=seed, overwrite=overwrite, shard_tokens=shard_tokens, progress=reporter)
+    except KeyboardInterrupt:
+        reporter.stop()
+        err_console.print("[yellow]interrupted.[/yellow] Complete shards are kept: run the same command again to continue.")
+        raise typer.Exit(130) from None
     finally:
         reporter.stop()
     elapsed = time.perf_counter() - reporter.t0
@@ -101,5 +107,5 @@ def prepare_command(
     summary.add_row("documents", f"{manifest['documents']:,} ({manifest['validation']['documents']:,} validation)")
     summary.add_row("tokens", f"{manifest['tokens']:,} ({manifest['validation']['tokens']:,} validation)")
     summary.add_row("tokenizer", f"{manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']:,} ids)")
-    summary.add_row("time", f"{elapsed:.1f} s, {mb_s:,.1f} MB/s, {tok_s:,.0f} tokens/s ({workers} workers)")
+    summary.add_row("time", f"{elapsed:.1f} s, {mb_s:,.1f} MB/s, {tok_s:,.0f} tokens/s ({reporter.workers} worker{'s' if reporter.workers > 1 else ''})")
     console.print(summary)

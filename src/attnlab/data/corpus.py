@@ -226,6 +226,37 @@ def _read_json_file(path: Path, text_field: str) -> list[str]:
     return [_field_text(record, text_field, f"{path}, line {lineno}") for lineno, record in jsonl_records(content, path, hint)]
 
 
+def iter_file_documents(path: Path, text_field: str):
+    """The documents of one data file, one at a time where the format allows: a JSON Lines file
+    (``.jsonl``) line by line, a Parquet file batch of rows by batch of rows; text and ``.json``
+    files are read whole (`read_file`)."""
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        yield from _iter_parquet_file(path, text_field)
+        return
+    if suffix != ".jsonl":
+        yield from read_file(path, text_field)
+        return
+    hint = f"Each line must be one JSON object, e.g. {{\"{text_field}\": \"...\"}}; fix or remove that line."
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for lineno, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    msg = getattr(exc, "msg", str(exc))
+                    raise DataError(f"{path}, line {lineno}: not valid JSON ({msg}). {hint}") from None
+                yield _field_text(record, text_field, f"{path}, line {lineno}")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path} is not valid UTF-8 text ({exc.reason}). Convert it to UTF-8, e.g. with: iconv -f LATIN1 -t UTF-8."
+        ) from exc
+    except OSError as exc:
+        raise DataError(f"Cannot read {path}: {exc.strerror or exc}. Check that it exists and is readable.") from exc
+
+
 def jsonl_records(content: str, path: Path, hint: str = ""):
     """(line number, parsed value) for every non-blank line of JSON Lines text; a line that is not
     JSON is a DataError naming the file and the line (and `hint`, what to do about it)."""
@@ -255,6 +286,29 @@ def _read_parquet_file(path: Path, text_field: str) -> list[str]:
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
         raise DataError(f"Cannot read {path} as Parquet: {exc}. Check that the file is a complete Parquet file.") from exc
     return _strings(column.to_pylist(), f"{path}, column {text_field!r}")
+
+
+def _iter_parquet_file(path: Path, text_field: str, batch_rows: int = 4096):
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        if text_field not in parquet.schema_arrow.names:
+            raise DataError(
+                f"{path} has no column {text_field!r}; its columns are {parquet.schema_arrow.names}. "
+                "Set data.text_field to the column that holds the text."
+            )
+        batches = parquet.iter_batches(batch_size=batch_rows, columns=[text_field])
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield from _strings(batch.column(0).to_pylist(), f"{path}, column {text_field!r}")
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        raise DataError(f"Cannot read {path} as Parquet: {exc}. Check that the file is a complete Parquet file.") from exc
 
 
 def _strings(values: list, where: str) -> list[str]:

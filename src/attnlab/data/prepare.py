@@ -38,7 +38,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -87,7 +87,7 @@ class Unit:
     """One piece of the source read at once: a data file, or a whole non-file source."""
 
     fingerprint: dict
-    read: Callable[[], list[str]]
+    read: Callable[[], Iterable[str]]
 
 
 def _file_fingerprint(path: Path) -> dict:
@@ -108,7 +108,7 @@ def source_units(source: str, text_field: str) -> list[Unit]:
         files = sorted(p for p in resolved.rglob("*") if p.is_file())
         fp = {"saved_dataset": str(resolved.resolve()), "files": [_file_fingerprint(f) for f in files]}
         return [Unit(fp, lambda: corpus.read_saved_dataset(resolved, text_field))]
-    return [Unit(_file_fingerprint(f), lambda f=f: corpus.read_file(f, text_field)) for f in resolved]
+    return [Unit(_file_fingerprint(f), lambda f=f: corpus.iter_file_documents(f, text_field)) for f in resolved]
 
 
 def _documents(units: list[Unit]) -> Iterator[tuple[int, str]]:
@@ -139,7 +139,22 @@ def tokenizer_identity(tokenizer, spec: str) -> dict:
 _WORKER: dict = {}
 
 
-def _init_worker(spec: str) -> None:
+class _Bytes:
+    """The byte tokenizer's encoding (`ByteTokenizer.encode_bytes`) without loading transformers:
+    what a worker process needs for the built-in tokenizer."""
+
+    def __init__(self, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+
+    def encode_bytes(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def _init_worker(spec: str, eos_token_id: int) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
+    if spec == "byte":
+        _WORKER["tokenizer"] = _Bytes(eos_token_id)
+        return
     from attnlab.data.tokenizer import load_tokenizer
 
     _WORKER["tokenizer"] = load_tokenizer(spec)
@@ -147,13 +162,12 @@ def _init_worker(spec: str) -> None:
 
 def _encoder(tokenizer):
     """A function: list of documents -> list of int arrays (no special tokens), as packing tokenizes."""
-    from attnlab.data.tokenizer import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
+    if hasattr(tokenizer, "encode_bytes"):  # ByteTokenizer, or _Bytes in a worker
         return lambda docs: [tokenizer.encode_bytes(d) for d in docs]
     backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None and hasattr(backend, "encode_batch"):  # HF `tokenizers`: batch encoding in Rust
-        return lambda docs: [np.asarray(e.ids, dtype=np.int64) for e in backend.encode_batch(docs, add_special_tokens=False)]
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: the same ids, no offsets
+        return lambda docs: [np.asarray(e.ids, dtype=np.int64) for e in encode(docs, add_special_tokens=False)]
     return lambda docs: [np.asarray(ids, dtype=np.int64) for ids in tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
@@ -196,6 +210,12 @@ def _batches(docs: Iterator[tuple[int, str]], skip: int) -> Iterator[tuple[int, 
         yield number - len(batch), units, batch
 
 
+def effective_workers(tokenizer, workers: int) -> int:
+    """The processes that tokenize: `workers`, except for the byte tokenizer, whose encoding (a copy
+    of the UTF-8 bytes) costs less than sending the text to another process: it runs in this one."""
+    return 1 if hasattr(tokenizer, "encode_bytes") else max(1, workers)
+
+
 class _Encoded:
     """Encoded batches in order, from a pool of processes (or this one when workers <= 1); at most
     2 x workers batches in flight, so memory does not grow with the corpus."""
@@ -204,7 +224,8 @@ class _Encoded:
         self.dtype, self.workers, self.tokenizer = dtype.name, workers, tokenizer
         self.pool = None
         if workers > 1:
-            self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(spec,))
+            self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                                            initargs=(spec, tokenizer.eos_token_id))
 
     def map(self, batches: Iterator[tuple[int, list[int], list[str]]]):
         """(first document number, unit indices, encode_batch's result) for every batch, in order."""
@@ -357,6 +378,7 @@ class Progress:
     kept_shards: int = 0
     total_bytes: int | None = None  # of the source files, when known
     source_bytes: int = 0  # of the source files read completely so far
+    workers: int = 1  # processes that tokenize (see effective_workers)
 
 
 def prepare_corpus(
@@ -414,7 +436,8 @@ def prepare_corpus(
             path.unlink()
 
     sizes = np.array([fp.get("size", 0) for fp in fingerprints], dtype=np.int64)
-    state = Progress(total_bytes=int(sizes.sum()) or None, kept_shards=len(kept), shards=len(kept))
+    workers = effective_workers(tokenizer, workers)
+    state = Progress(total_bytes=int(sizes.sum()) or None, kept_shards=len(kept), shards=len(kept), workers=workers)
     state.source_bytes = int(sizes[: len(kept[-1]["units"]) - 1].sum()) if kept else 0
     state.tokens = sum(m["tokens"] for m in kept)
     state.documents = sum(m["documents"] for m in kept)
