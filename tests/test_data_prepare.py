@@ -233,6 +233,17 @@ def test_cli_prepares_a_corpus_and_prints_a_summary(tmp_path, capsys):
     assert PreparedCorpus(tmp_path / "out").val_tokens > 0
 
 
+def test_cli_reports_progress_as_lines_when_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    from attnlab.data import cli as data_cli
+
+    monkeypatch.setattr(data_cli, "LOG_EVERY_S", 0.0)
+    src = _corpus(tmp_path / "src")
+    assert run_cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--shard-tokens", "300") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prepare:")]
+    assert lines and all("MB/s" in line and "tok/s" in line for line in lines)
+    assert "shards" in lines[-1]
+
+
 def test_cli_exits_non_zero_with_one_line_on_a_missing_source(tmp_path, capsys):
     assert run_cli("data", "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "out")) == 1
     err = capsys.readouterr().err.strip()

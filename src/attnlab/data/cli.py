@@ -63,7 +63,7 @@ class _Reporter:
             self.last_line = time.perf_counter()
             done = f"{state.source_bytes / state.total_bytes:.0%} of the source, " if state.total_bytes else ""
             self.console.print(f"prepare: {done}{state.documents:,} documents, {state.tokens:,} tokens, {state.shards} shards, "
-                               f"{rates}, {time.perf_counter() - self.t0:,.0f} s", highlight=False)
+                               f"{rates}, {time.perf_counter() - self.t0:,.0f} s", highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self.bar is not None:

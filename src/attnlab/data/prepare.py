@@ -1,8 +1,9 @@
 """Tokenize a corpus once into memory-mapped token shards: `attnlab data prepare`.
 
 `prepare_corpus(source, out_dir, tokenizer_spec)` reads any source `data.source` accepts,
-tokenizes its documents in a pool of worker processes (documents in batches; HF fast tokenizers
-through the `tokenizers` batch encoder) and writes, in `out_dir`:
+tokenizes its documents in a pool of worker processes (documents in batches of about 1 MB of text,
+at most 2 x workers batches in flight; HF fast tokenizers through the `tokenizers` batch encoder;
+the byte tokenizer in the reading process, see `effective_workers`) and writes, in `out_dir`:
 
 * ``shard-00000.bin``: the tokens of whole documents, each followed by the tokenizer's EOS id (as
   `packing.tokenize_documents` does), raw ``uint16`` when the vocabulary fits, else ``uint32``;
@@ -24,10 +25,11 @@ The validation split holds whole documents: document number i (counting the non-
 of the source in reading order) is held out when a hash of (seed, i) falls below `val_fraction`
 (`is_validation`). It needs no second pass and `PreparedCorpus` recomputes it from the manifest.
 
-What is streamed: local files, directories and globs are read one file at a time (a JSON Lines or
-Parquet file is read whole), documents go to the workers in batches and the tokens of a shard go to
-disk as they arrive, so memory is bounded by one file, the batches in flight and a shard's document
-offsets. Not yet streamed: the built-in corpus, a saved dataset and ``hf://`` sources are read as one
+What is streamed: local files, directories and globs are read one file at a time, a JSON Lines
+file line by line and a Parquet file by batches of rows (a ``.txt`` file is one document and a
+``.json`` file is read whole); documents go to the workers in batches and the tokens of a shard go to
+disk as they arrive, so memory is bounded by the largest document (or ``.json`` file), the batches
+in flight and a shard's document offsets. Not yet streamed: the built-in corpus, a saved dataset and ``hf://`` sources are read as one
 list of documents by the existing readers (an ``hf://`` source is fingerprinted by its name only).
 """
 
