@@ -180,6 +180,16 @@ def test_a_changed_file_redoes_the_shards_made_from_it(tmp_path):
     assert [fp["size"] for fp in manifest["fingerprint"] if fp["path"].endswith("doc4.txt")] == [len("a new ending")]
 
 
+def test_a_grown_source_gives_the_shards_of_a_fresh_preparation(tmp_path):
+    src = _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    prepare_corpus(str(src), out, "byte", shard_tokens=300)
+    (src / "sub" / "zz.txt").write_text("one more document, read last", encoding="utf-8")
+    prepare_corpus(str(src), out, "byte", shard_tokens=300)
+    prepare_corpus(str(src), tmp_path / "fresh", "byte", shard_tokens=300)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "fresh")
+
+
 def test_a_bad_json_line_is_reported_with_its_file_and_line(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

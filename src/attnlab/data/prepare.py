@@ -39,6 +39,7 @@ import collections
 import hashlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -154,6 +155,7 @@ class _Bytes:
 
 def _init_worker(spec: str, eos_token_id: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the main process, which shuts the pool down
     if spec == "byte":
         _WORKER["tokenizer"] = _Bytes(eos_token_id)
         return
@@ -295,6 +297,8 @@ def _kept_shards(out_dir: Path, inputs: dict, fingerprints: list[dict]) -> list[
         units = meta.get("units", [])
         if meta.get("inputs") != inputs or units != fingerprints[: len(units)] or not units:
             break
+        if meta.get("last") and units != fingerprints:  # the source grew: its short last shard must fill up
+            break
         bin_path, idx_path = out_dir / f"{name}.bin", out_dir / f"{name}.idx.npy"
         if not bin_path.is_file() or bin_path.stat().st_size != meta["tokens"] * np.dtype(inputs["dtype"]).itemsize:
             break
@@ -327,7 +331,7 @@ class _ShardWriter:
         self.bytes += text_bytes
         self.last_unit = last_unit
 
-    def finish(self, inputs: dict, units: list[dict], val_fraction: float, seed: int) -> dict:
+    def finish(self, inputs: dict, units: list[dict], val_fraction: float, seed: int, last: bool = False) -> dict:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -350,6 +354,7 @@ class _ShardWriter:
             "text_bytes": int(self.bytes),
             "idx_bytes": (self.out_dir / f"{self.name}.idx.npy").stat().st_size,
             "sha256": self.sha.hexdigest(),
+            "last": last,  # ended by the end of the source, not by the shard size
         }
         record.update(_val_counts(offsets, self.tokens, self.doc_start, val_fraction, seed))
         _write_json(self.out_dir / f"{self.name}.json", record)
@@ -477,7 +482,7 @@ def prepare_corpus(
             if progress:
                 progress(state)
         if writer is not None and writer.tokens:
-            records.append(writer.finish(inputs, fingerprints, val_fraction, seed))
+            records.append(writer.finish(inputs, fingerprints, val_fraction, seed, last=True))
             writer = None
             state.shards = len(records)
     except BaseException:
