@@ -84,7 +84,10 @@ def prepare_command(
     shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", min=1, help="Tokens per shard, at least (a shard ends at a document boundary)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete the shards and manifest already in --out and start afresh (needed when the source or tokenizer changed)."),
 ):
-    """Tokenize a corpus once into memory-mapped token shards (uint16 or uint32) with a document index and a manifest."""
+    """Tokenize a corpus once into memory-mapped token shards (uint16 or uint32) with a document index and a manifest.
+
+    Local files are read one at a time (JSON Lines line by line, Parquet by batches of rows); the built-in corpus, saved datasets and hf:// sources are still read whole. Interrupted? Run the same command again: complete shards are kept.
+    """
     from rich.table import Table
 
     from attnlab.cli import console, err_console
@@ -109,3 +112,6 @@ def prepare_command(
     summary.add_row("tokenizer", f"{manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']:,} ids)")
     summary.add_row("time", f"{elapsed:.1f} s, {mb_s:,.1f} MB/s, {tok_s:,.0f} tokens/s ({reporter.workers} worker{'s' if reporter.workers > 1 else ''})")
     console.print(summary)
+    if val_fraction > 0 and not manifest["validation"]["documents"]:
+        err_console.print(f"[yellow]warning:[/yellow] --val-fraction {val_fraction} held out no document of {manifest['documents']}; "
+                          "raise it for a validation split.", highlight=False, soft_wrap=True)
