@@ -2,6 +2,9 @@
 damage and mismatches are refused with one clear message."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -147,6 +150,29 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(tmp_path, monkeyp
     prepare_corpus(str(src), cut, "byte", shard_tokens=300)
     assert _shard_bytes(cut) == _shard_bytes(tmp_path / "whole")
     assert {name: (cut / name).stat().st_mtime_ns for name in kept} == mtimes  # complete shards were kept, not redone
+
+
+def test_a_preparation_killed_mid_shard_resumes_to_the_same_shards(tmp_path):
+    """SIGKILL, not an exception: no clean-up runs, a shard is left half-written under its temporary name."""
+    src = _corpus(tmp_path / "src")
+    prepare_corpus(str(src), tmp_path / "whole", "byte", shard_tokens=300)
+    script = (
+        "import os, signal, sys\n"
+        "from attnlab.data import prepare as prep\n"
+        "prep.BATCH_BYTES = 200\n"
+        "def die(state):\n"
+        "    if state.shards >= 2 and list(__import__('pathlib').Path(sys.argv[2]).glob('*.bin.tmp')):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "prep.prepare_corpus(sys.argv[1], sys.argv[2], 'byte', shard_tokens=300, progress=die)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", script, str(src), str(tmp_path / "cut")], env=env, timeout=120, check=False)
+    assert done.returncode == -9
+    cut = tmp_path / "cut"
+    assert list(cut.glob("*.bin.tmp")) and not (cut / "manifest.json").exists()
+    prepare_corpus(str(src), cut, "byte", shard_tokens=300)
+    assert _shard_bytes(cut) == _shard_bytes(tmp_path / "whole")
+    assert not list(cut.glob("*.tmp*"))
 
 
 def test_a_crash_between_the_shards_and_the_manifest_resumes_without_redoing_them(tmp_path, monkeypatch):
