@@ -114,11 +114,8 @@ def _merge(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _read_manifest(directory: Path) -> dict:
