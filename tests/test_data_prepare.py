@@ -51,6 +51,8 @@ def test_shards_hold_exactly_the_tokens_of_the_packing_path(tmp_path):
     src = _corpus(tmp_path / "src")
     manifest = prepare_corpus(str(src), tmp_path / "out", "byte", shard_tokens=300)
     expected = tokenize_documents(read_documents(str(src)), load_tokenizer("byte"))
+    eos = load_tokenizer("byte").eos_token_id  # and independently: each document's UTF-8 bytes, then EOS
+    assert list(expected) == [t for d in read_documents(str(src)) for t in (*d.encode("utf-8"), eos)]
     assert len(manifest["shards"]) > 3
     assert manifest["dtype"] == "uint16"
     np.testing.assert_array_equal(_shard_tokens(tmp_path / "out"), expected)
@@ -102,7 +104,8 @@ def test_a_large_vocabulary_is_written_as_uint32_with_the_hf_batch_encoder(tmp_p
     (src / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     manifest = prepare_corpus(str(src), tmp_path / "out", spec, workers=2, shard_tokens=200)
     assert manifest["dtype"] == "uint32"
-    expected = tokenize_documents(docs, load_tokenizer(spec))
+    tokenizer = load_tokenizer(spec)  # expected through the tokenizer's own call, not the batch encoder under test
+    expected = np.concatenate([np.append(tokenizer(d, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id) for d in docs])
     assert expected.max() > 65535
     np.testing.assert_array_equal(_shard_tokens(tmp_path / "out"), expected)
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from attnlab.data.corpus import read_documents
-from attnlab.data.tokenizer import ByteTokenizer
+from attnlab.data.prepare import encoder, join_with_eos
 from attnlab.errors import DataError
 
 _HF_BATCH = 1000  # documents per call to a Hugging Face tokenizer
@@ -59,23 +59,10 @@ def tokenize_documents(docs: Sequence[str], tokenizer) -> np.ndarray:
             "The tokenizer has no EOS token, which packing puts between documents. "
             "Add one (tokenizer.add_special_tokens({'eos_token': ...})) and save the tokenizer again."
         )
-    if isinstance(tokenizer, ByteTokenizer):
-        pieces = [tokenizer.encode_bytes(doc) for doc in docs]
-    else:
-        pieces = []
-        for start in range(0, len(docs), _HF_BATCH):
-            batch = list(docs[start : start + _HF_BATCH])
-            encoded = tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
-            pieces.extend(np.asarray(ids, dtype=np.int64) for ids in encoded)
-    total = sum(len(p) for p in pieces) + len(pieces)
-    flat = np.empty(total, dtype=np.int64)
-    pos = 0
-    for piece in pieces:
-        flat[pos : pos + len(piece)] = piece
-        pos += len(piece)
-        flat[pos] = eos_id
-        pos += 1
-    return flat
+    encode, pieces = encoder(tokenizer), []
+    for start in range(0, len(docs), _HF_BATCH):  # in batches: bounded memory for the encoder's own objects
+        pieces.extend(encode(list(docs[start : start + _HF_BATCH])))
+    return join_with_eos(pieces, eos_id, np.int64)
 
 
 def _blocks(flat: np.ndarray, seq_len: int, what: str, fix: str = "Lower data.seq_len or add more data.") -> torch.Tensor:

@@ -164,8 +164,10 @@ def _init_worker(spec: str, eos_token_id: int) -> None:
     _WORKER["tokenizer"] = load_tokenizer(spec)
 
 
-def _encoder(tokenizer):
-    """A function: list of documents -> list of int arrays (no special tokens), as packing tokenizes."""
+def encoder(tokenizer):
+    """A function: list of documents -> list of int arrays (no special tokens): the byte tokenizer's
+    bytes, HF `tokenizers` batch encoding in Rust where the tokenizer has it, else the tokenizer's call.
+    `packing.tokenize_documents` and the preparation both tokenize through it."""
     if hasattr(tokenizer, "encode_bytes"):  # ByteTokenizer, or _Bytes in a worker
         return lambda docs: [tokenizer.encode_bytes(d) for d in docs]
     backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
@@ -175,20 +177,25 @@ def _encoder(tokenizer):
     return lambda docs: [np.asarray(ids, dtype=np.int64) for ids in tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
-def encode_batch(docs: list[str], dtype: str, tokenizer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens of `docs`, each followed by EOS, as `dtype`; each document's length with its EOS;
-    each document's UTF-8 bytes)."""
-    tokenizer = tokenizer if tokenizer is not None else _WORKER["tokenizer"]
-    pieces = _encoder(tokenizer)(docs)
-    lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
-    flat = np.empty(int(lengths.sum()), dtype=dtype)
-    eos = tokenizer.eos_token_id
+def join_with_eos(pieces: list, eos_id: int, dtype) -> np.ndarray:
+    """The pieces one after another, each followed by `eos_id`, as one array of `dtype`."""
+    flat = np.empty(sum(len(p) for p in pieces) + len(pieces), dtype=dtype)
     pos = 0
     for piece in pieces:
         flat[pos : pos + len(piece)] = piece
         pos += len(piece)
-        flat[pos] = eos
+        flat[pos] = eos_id
         pos += 1
+    return flat
+
+
+def encode_batch(docs: list[str], dtype: str, tokenizer=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens of `docs`, each followed by EOS, as `dtype`; each document's length with its EOS;
+    each document's UTF-8 bytes)."""
+    tokenizer = tokenizer if tokenizer is not None else _WORKER["tokenizer"]
+    pieces = encoder(tokenizer)(docs)
+    lengths = np.fromiter((len(p) + 1 for p in pieces), dtype=np.int64, count=len(pieces))
+    flat = join_with_eos(pieces, tokenizer.eos_token_id, dtype)
     text_bytes = np.fromiter((len(d.encode("utf-8")) for d in docs), dtype=np.int64, count=len(docs))
     return flat, lengths, text_bytes
 
