@@ -43,5 +43,8 @@ for stage in "$@"; do case $stage in
     done ;;
   *) echo "unknown stage $stage" ;;
 esac; done
+# Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source) is
+# three quarters of the cache and is dropped before it is returned.
+find "$TRITON_CACHE_DIR" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttir" -o -name "*.ttgir" -o -name "*.source" \) -delete
 tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/tcache.tar.xz.part-" && ls -la "$OUT"
 cat "$OUT/summary.txt"
