@@ -14,6 +14,8 @@ from attnlab.models import MIXERS, AttnLabConfig, AttnLabForCausalLM
 
 PROMPTS = ["Hello there, friend", "A", "The quick brown fox jumps", "Be"]
 FIXED = sorted(name for name, cls in MIXERS.items() if getattr(cls, "fixed_size_state", False))
+STATIC = FIXED + ["softmax"]  # fixed-size states, and KV caches in static buffers
+FAMILY_KV = ["2mamba-e", "gated_softmax", "softmax_taylor_80terms"]  # the attention family's KV variants: decay, counts, clamps
 
 
 def model_for(mixer: str):
@@ -52,8 +54,7 @@ def test_without_cuda_generate_uses_the_plain_runner():
     assert type(make_runner(model_for("gla"), "off")) is engine.ModelRunner
 
 
-@pytest.mark.parametrize("mixer", FIXED)
-@pytest.mark.parametrize("settings", [
+SETTINGS = [
     dict(max_new_tokens=12),
     dict(max_new_tokens=12, repetition_penalty=1.3),
     dict(max_new_tokens=10, do_sample=True, top_k=20, seed=3, num_return_sequences=2),
@@ -63,8 +64,23 @@ def test_without_cuda_generate_uses_the_plain_runner():
     dict(max_new_tokens=12, do_sample=True, top_p=0.8, temperature=0.7, output_scores=True, seed=5),
     dict(max_new_tokens=12, stop=["e"]),
     dict(max_new_tokens=12, min_new_tokens=2, output_scores=True),
-], ids=["greedy", "greedy-penalty", "sample", "beam3", "beam4-early", "greedy-scores-long", "sample-scores", "stop-string", "greedy-min-new"])
+]
+SETTING_IDS = ["greedy", "greedy-penalty", "sample", "beam3", "beam4-early", "greedy-scores-long", "sample-scores", "stop-string", "greedy-min-new"]
+
+
+@pytest.mark.parametrize("mixer", STATIC)
+@pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 def test_static_steps_give_the_dynamic_tokens_with_rows_finishing_early(mixer, settings, monkeypatch):
+    check_static_against_dynamic(mixer, settings, monkeypatch)
+
+
+@pytest.mark.parametrize("mixer", FAMILY_KV)
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[2], SETTINGS[3]], ids=["greedy", "sample", "beam3"])
+def test_family_kv_variants_decode_statically_as_dynamically(mixer, settings, monkeypatch):
+    check_static_against_dynamic(mixer, settings, monkeypatch)
+
+
+def check_static_against_dynamic(mixer, settings, monkeypatch):
     model = model_for(mixer)
     eos = [257, emitted_token(model, **settings)]  # a token the model emits, so that rows and beams finish at different steps
     dynamic = run(model, False, monkeypatch, eos_token_id=eos, batch_size=4, **settings)

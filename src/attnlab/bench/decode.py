@@ -1,8 +1,8 @@
 """Decode throughput: attnlab's engine against HF `generate`, greedy and beam search.
 
 Rows are decoded with EOS disabled, so every row produces exactly `new_tokens` tokens and the
-timings compare equal work. On CUDA the engine decodes fixed-size-state models through CUDA
-graphs; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
+timings compare equal work. On CUDA the engine decodes through CUDA graphs the models whose
+layers keep fixed-size states or static KV buffers; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
 `hf_model`.
 """
 
@@ -46,20 +46,25 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, pad: int):
 
 
 @torch.no_grad()
-def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | None:
-    """Milliseconds per replay of the captured one-token step (CUDA, fixed-size-state models), else None."""
+def _graph_step_ms(model, prompts: torch.Tensor, new_tokens: int, replays: int = 50) -> float | None:
+    """Milliseconds per replay of the captured one-token step (CUDA, models that decode over static
+    buffers), else None. KV buffers are sized for `new_tokens` after the prompts; the replays rewrite
+    one column (the timing is the step's at that fill)."""
     from attnlab.generation.graphs import StaticRunner, make_runner
 
     runner = make_runner(model)
     if not isinstance(runner, StaticRunner):
         return None
-    _, state = runner.prefill(prompts, torch.ones_like(prompts))
+    _, state = runner.prefill(prompts, torch.ones_like(prompts), new_tokens)
     tokens = prompts[:, -1]
+    columns = [s["length"] for s in state.cache.states if "length" in s]
     for _ in range(3):
         state.cache.step(tokens)  # capture and warm up
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
+        for length in columns:
+            length.sub_(1)  # write the same column again: a KV cache never outgrows its buffers
         state.cache.graph.replay()
     end.record()
     torch.cuda.synchronize()
@@ -67,15 +72,15 @@ def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | N
 
 
 @torch.no_grad()
-def _step_kernels(model, prompts: torch.Tensor) -> dict | None:
+def _step_kernels(model, prompts: torch.Tensor, new_tokens: int) -> dict | None:
     """The one-token step run eagerly under the CUDA profiler: how many kernels it launches and
     their summed GPU time (what the captured graph replays, without the gaps between kernels)."""
-    from attnlab.generation.graphs import StaticRunner, fixed_size_decoding
+    from attnlab.generation.graphs import StaticRunner, static_decoding
 
-    if prompts.device.type != "cuda" or not fixed_size_decoding(model):
+    if prompts.device.type != "cuda" or not static_decoding(model):
         return None
     runner = StaticRunner(model, capture=False)
-    _, state = runner.prefill(prompts, torch.ones_like(prompts))
+    _, state = runner.prefill(prompts, torch.ones_like(prompts), new_tokens)
     tokens = prompts[:, -1]
     state.cache.step(tokens)
     prof = profile_step(lambda: state.cache.step(tokens))
@@ -104,14 +109,14 @@ def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_
         engine_s = _timed(lambda: _engine(model, tokenizer, as_lists, new_tokens), lambda: _engine(model, tokenizer, as_lists, 4), device, repeats)
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "attnlab_s": round(engine_s, 4), "attnlab_new_tok_per_s": round(batch * new_tokens / engine_s, 1)}
-        step_ms = _graph_step_ms(model, prompts.to(device))
+        step_ms = _graph_step_ms(model, prompts.to(device), new_tokens)
         if step_ms is not None:
             # the captured step alone, replayed back to back: what the engine's per-step work adds is the rest
             row.update(graph_step_ms=round(step_ms, 3), engine_step_ms=round((engine_s * 1000) / new_tokens, 3))
             if profile:
                 prefill_s = _timed(lambda: _engine(model, tokenizer, as_lists, 1), lambda: None, device, repeats)
                 row.update(prefill_ms=round(prefill_s * 1000, 1))
-                row.update(_step_kernels(model, prompts.to(device)) or {})
+                row.update(_step_kernels(model, prompts.to(device), new_tokens) or {})
         if compare_hf:
             hf_s = _timed(lambda: _hf_generate(hf_target, prompts, new_tokens, pad), lambda: _hf_generate(hf_target, prompts, 4, pad),
                           device, hf_repeats or repeats)

@@ -194,7 +194,7 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
     n = cfg.num_return_sequences
     rows = [p for p in prompts for _ in range(n)]  # each prompt n times, like HF's expansion
     input_ids, mask = left_pad(rows, pad_id, runner.device)
-    logits, state = runner.prefill(input_ids, mask)
+    logits, state = runner.prefill(input_ids, mask, cfg.max_new_tokens)
     vocab = logits.shape[-1]
     eos_t = torch.tensor([e for e in eos if e < vocab], dtype=torch.long, device=runner.device)
     eos_set = set(eos)
@@ -259,7 +259,7 @@ def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], c
     n, device = cfg.num_return_sequences, runner.device
     rows = [p for p in prompts for _ in range(n)]
     input_ids, mask = left_pad(rows, pad_id, device)
-    logits, state = runner.prefill(input_ids, mask)
+    logits, state = runner.prefill(input_ids, mask, cfg.max_new_tokens)
     R, vocab = logits.shape
     eos_t = torch.tensor([e for e in eos if e < vocab], dtype=torch.long, device=device)
     seen = None

@@ -1,12 +1,15 @@
 """Static decoding: preallocated state buffers, and the one-token step captured as a CUDA graph.
 
-When every layer of an attnlab model keeps a state of fixed size while it decodes (GLA,
-Mamba-2: `fixed_size_state` on the mixer class), a decode step reads and writes the same
-buffers every time. The whole step — embedding, every layer, the head — is then recorded once
-per batch size as a CUDA graph and replayed: one launch per token instead of hundreds, which is
-what keeps small-batch decoding from being bound by Python and kernel launches.
+A decode step of an attnlab model whose every layer either keeps a state of fixed size (GLA,
+Mamba-2: `fixed_size_state` on the mixer) or can keep its KV cache in preallocated buffers (softmax
+attention, the attention family's KV variants: `static_kv` and `static_state` on the mixer, buffers of the prompt's length plus `max_new_tokens`
+written in place one column per step) reads and writes the same buffers every time. The whole step
+— embedding, every layer, the head — is then recorded once per batch size as a CUDA graph and
+replayed: one launch per token instead of hundreds, which is what keeps small-batch decoding from
+being bound by Python and kernel launches.
 
-Beam search reorders beams as a gather into the same buffers; rows that leave the batch move
+Beam search reorders beams as a gather into the same buffers (for KV buffers only the columns
+after the prompt: every beam of a prompt holds the same prompt); rows that leave the batch move
 the state into the buffers of the smaller batch size (captured on first use). Without CUDA (and
 in the tests) the same static path runs eagerly, so its logic is checked on any machine; the
 GPU tests hold the captured graph to the eager engine token for token.
@@ -26,6 +29,7 @@ from attnlab.models.modules import fused_projections
 from .runner import DecodeState, ModelRunner
 
 GRAPH_CHOICES = ("auto", "off")
+CAPACITY_STEP = 256  # KV buffers are sized up to a multiple of this, so one capture serves prompts of similar lengths
 
 
 def fixed_size_decoding(model) -> bool:
@@ -37,14 +41,34 @@ def fixed_size_decoding(model) -> bool:
     return all(getattr(block.attn, "fixed_size_state", False) for block in model.model.layers)
 
 
+def static_decoding(model) -> bool:
+    """Whether every layer of `model` decodes over static buffers: a fixed-size state, or a KV cache
+    the mixer can keep in preallocated buffers (`static_kv`, `static_state`)."""
+    from attnlab.models import AttnLabForCausalLM
+
+    if not isinstance(model, AttnLabForCausalLM):
+        return False
+    return all(getattr(block.attn, "fixed_size_state", False) or getattr(block.attn, "static_kv", False)
+               for block in model.model.layers)
+
+
+def kv_capacity(prompt_length: int, max_new_tokens: int) -> int:
+    """Columns of the static KV buffers for prompts of `prompt_length` (padded) and `max_new_tokens`."""
+    needed = prompt_length + max_new_tokens
+    return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+
+
 class StaticStep:
     """The one-token step for one batch size, over buffers it owns: tokens [B], each layer's
     state tensors, logits [B, vocab]. `capture=True` records the step as a CUDA graph on its
     first call (a batch size that is only passed through, such as beam search's prompts before
     they are expanded to beams, is never captured)."""
 
-    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: Any = None, fused: list | None = None):
+    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: Any = None, fused: list | None = None,
+                 columns: frozenset[str] = frozenset()):
         self.model = model
+        self.columns = columns  # names of per-column (KV) buffers: [batch, capacity, ...]
+        self.prefix = 0  # leading columns every beam of a prompt shares (the prompt's), set by the runner
         self.fused = fused or []  # the runner's fused projection weights (kept alive by the runner)
         self.batch = next(iter(states[0].values())).shape[0]
         device = next(iter(states[0].values())).device
@@ -63,6 +87,7 @@ class StaticStep:
             for j, (i, name) in enumerate(members):
                 self.states[i][name] = stacked[j]
         self.members = list(groups.values())
+        self.shapes = [(name, shape, dtype) for name, shape, dtype in groups]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.capture, self.pool = capture, pool
@@ -106,9 +131,15 @@ class StaticStep:
         return out
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Row r of every state becomes old row rows[r] (beam search), in place."""
-        for stacked in self.stacks:
-            stacked.copy_(stacked.index_select(1, rows))
+        """Row r of every state becomes old row rows[r] (beam search: rows move among the beams of
+        one prompt), in place. KV buffers are moved from `prefix` on: the prompt's columns are the
+        same in every beam of the prompt."""
+        for stacked, (name, _, _) in zip(self.stacks, self.shapes):
+            if name in self.columns and self.prefix:
+                tail = stacked[:, :, self.prefix:]
+                tail.copy_(tail.index_select(1, rows))
+            else:
+                stacked.copy_(stacked.index_select(1, rows))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] -> next-token logits [B, vocab] (float32, a fresh tensor); the state advances."""
@@ -131,20 +162,33 @@ class StaticRunner(ModelRunner):
         self.model = weakref.proxy(model)  # kept between generate calls (cached_static_runner): hold the model weakly
         self.capture = capture
         self.steps: dict[int, StaticStep] = {}
+        self.columns: frozenset[str] = frozenset()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def _static(self, states: list[dict[str, torch.Tensor]]) -> StaticStep:
+    def _static(self, states: list[dict[str, torch.Tensor]], prefix: int) -> StaticStep:
         batch = next(iter(states[0].values())).shape[0]
         step = self.steps.get(batch)
-        if step is None:
-            step = self.steps[batch] = StaticStep(self.model, states, self.capture, self.pool, self.fused)
+        shapes = sorted({(name, tuple(t.shape), t.dtype) for s in states for name, t in s.items()}, key=str)
+        if step is None or sorted(step.shapes, key=str) != shapes:  # new batch size, or KV buffers of another capacity
+            step = self.steps[batch] = StaticStep(self.model, states, self.capture, self.pool, self.fused, self.columns)
         step.load(states)
+        step.prefix = prefix
         return step
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                max_new_tokens: int | None = None) -> tuple[torch.Tensor, DecodeState]:
         logits, state = super().prefill(input_ids, attention_mask)
-        state.cache = self._static(state.cache.states)
+        states = state.cache.states
+        layers = [block.attn for block in self.model.model.layers]
+        if any(not getattr(attn, "fixed_size_state", False) for attn in layers):
+            if max_new_tokens is None:
+                raise ValueError("static decoding of a KV-cache model needs max_new_tokens to size its buffers")
+            capacity = kv_capacity(input_ids.shape[1], max_new_tokens)
+            states = [s if getattr(attn, "fixed_size_state", False) else attn.static_state(s, capacity)
+                      for attn, s in zip(layers, states)]
+            self.columns = frozenset(getattr(layers[0], "static_columns", ())) | self.columns
+        state.cache = self._static(states, prefix=input_ids.shape[1])
         return logits, state
 
     @torch.no_grad()
@@ -157,7 +201,7 @@ class StaticRunner(ModelRunner):
         if len(rows) == current.batch:  # beam reorder: a gather into the same buffers
             current.reorder(rows)
         else:
-            state.cache = self._static(current.gather(rows))
+            state.cache = self._static(current.gather(rows), prefix=current.prefix)
 
 
 _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, StaticRunner]]" = weakref.WeakKeyDictionary()
@@ -191,9 +235,9 @@ def release_graphs(model) -> None:
 
 
 def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:
-    """The runner for `generate`: CUDA-graph steps for fixed-size-state attnlab models on CUDA
-    (unless `cuda_graphs` is "off"), kept between calls; the plain runner otherwise."""
+    """The runner for `generate`: CUDA-graph steps for attnlab models that decode over static buffers
+    on CUDA (unless `cuda_graphs` is "off"), kept between calls; the plain runner otherwise."""
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if cuda_graphs == "auto" and on_cuda and fixed_size_decoding(model) and not model.training:
+    if cuda_graphs == "auto" and on_cuda and static_decoding(model) and not model.training:
         return cached_static_runner(model, capture=True)
     return ModelRunner(model)

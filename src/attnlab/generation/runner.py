@@ -71,7 +71,9 @@ class ModelRunner:
         return logits, out.past_key_values
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                max_new_tokens: int | None = None) -> tuple[torch.Tensor, DecodeState]:
+        """Run the prompts; `max_new_tokens` (the most steps that follow) lets a static runner size its buffers."""
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         logits, cache = self._forward(input_ids, attention_mask, positions, None)
         return logits, DecodeState(cache, attention_mask, positions[:, -1] + 1)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
-from attnlab.models.mixers.softmax import SoftmaxAttention, apply_rotary, rotary_cos_sin
+from attnlab.models.mixers.softmax import SoftmaxAttention, apply_rotary, rotary_cos_sin, static_kv_state, write_static_kv
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.attention_family import (
     DENOMINATORS,
@@ -155,6 +155,7 @@ class AttentionFamily(Mixer):
         self.rope_theta = config.rope_theta
         self.scale = opts["qk_scale"] if opts["qk_scale"] is not None else self.head_dim**-0.5
         self.linearizable = is_linearizable(opts)
+        self.static_kv = not self.linearizable  # KV variants decode over static buffers (`static_state`)
         hidden, heads, inner = config.hidden_size, self.num_heads, self.num_heads * self.head_dim
 
         self.qkv_proj = nn.Linear(hidden, 3 * inner, bias=False)
@@ -338,8 +339,49 @@ class AttentionFamily(Mixer):
         )
         return o, {"state": state, "normalizer": normalizer}
 
+    # the static cache's buffers whose prompt columns every beam of a prompt shares (each key's
+    # log-decay through the latest token depends on the tokens generated since: not shared)
+    static_columns = ("key", "value", "valid")
+
+    def static_state(self, state: dict, capacity: int) -> dict:
+        """A KV variant's cache after a prefill as the decode engine keeps it (see
+        `SoftmaxAttention.static_state`): keys, values and each key's log-decay through the latest
+        token in buffers of `capacity` columns, with the token counter and the conv window."""
+        if self.linearizable:
+            raise ValueError(f"mixer {self.name!r} keeps a fixed-size state, not a KV cache")
+        extra = ("key_log_decay",) if state.get("key_log_decay") is not None else ()
+        static = static_kv_state(state, capacity, extra)
+        for name in ("num_tokens", "conv_state"):
+            if state.get(name) is not None:
+                static[name] = state[name]
+        return static
+
+    def _mix_static(self, q, k, v, log_decay, attention_mask, cache):
+        """One token per row over the static cache, written where it lies: each key's log-decay
+        through the latest token is advanced by this token's and the new key's is 0."""
+        if q.shape[1] != 1:
+            raise ValueError("a static decode cache takes one token per row; prefill with a dynamic cache")
+        is_token = None if attention_mask is None else attention_mask[:, -1]
+        column = write_static_kv(cache, k, v, is_token)
+        query_term = key_term = None
+        if log_decay is not None:
+            decays = cache["key_log_decay"]  # [B, capacity, H]
+            decays.add_(log_decay[:, :1].to(decays.dtype))
+            decays.scatter_(1, column.view(-1, 1, 1).expand(-1, 1, decays.shape[-1]), 0.0)
+            query_term, key_term = torch.zeros_like(log_decay[:, :1]), -decays
+        columns = torch.arange(cache["key"].shape[1], device=q.device)
+        key_mask = cache["valid"] & (columns[None, :] < cache["length"][:, None])
+        o = parallel_attention(
+            q, cache["key"], cache["value"], clamp=self.options["clamp_scores"], taylor_terms=self.options["taylor_terms"],
+            query_log_decay=query_term, key_log_decay=key_term, key_mask=key_mask, out_dtype=v.dtype,
+            **self._attention_kwargs(),
+        )
+        return o, cache
+
     def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache, terms):
         """Other variants: attention over a cache of keys, values and each key's decay so far."""
+        if "length" in cache:  # the decode engine's static cache (`static_state`)
+            return self._mix_static(q, k, v, log_decay, attention_mask, cache)
         batch, seq_len = q.shape[:2]
         past_k = cache.get("key")  # [B, past, H, D]
         past_len = past_k.shape[1] if past_k is not None else 0

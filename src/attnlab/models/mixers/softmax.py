@@ -24,10 +24,61 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated_half * sin).to(x.dtype)
 
 
+def static_kv_state(state: dict, capacity: int, extra: tuple[str, ...] = ()) -> dict:
+    """A dynamic KV cache ({"key", "value": [B, T, Hkv, D], "mask": [B, T] or None, and `extra`
+    per-key tensors [B, T, ...]}) copied into buffers of `capacity` columns (see
+    `SoftmaxAttention.static_state`)."""
+    key, value, mask = state["key"], state["value"], state.get("mask")
+    batch, length = key.shape[:2]
+    if capacity < length:
+        raise ValueError(f"a static cache of {capacity} columns cannot hold {length} tokens")
+
+    def buffer(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(batch, capacity, *t.shape[2:])
+        out[:, :length] = t
+        return out
+
+    valid = torch.zeros(batch, capacity, dtype=torch.bool, device=key.device)
+    valid[:, :length] = True if mask is None else mask.bool()
+    out = {"key": buffer(key), "value": buffer(value), "valid": valid,
+           "length": torch.full((batch,), length, dtype=torch.long, device=key.device),
+           "position": valid.sum(-1)}
+    for name in extra:
+        out[name] = buffer(state[name])
+    return out
+
+
+def write_static_kv(cache: dict, k: torch.Tensor, v: torch.Tensor, is_token: torch.Tensor | None) -> torch.Tensor:
+    """Write one step's k, v [B, 1, Hkv, D] at each row's next column of a static cache, in place;
+    advance `length` (and `position` for real tokens). Returns the columns written [B]."""
+    column = cache["length"]
+    index = column.view(-1, 1, 1, 1).expand(-1, 1, *k.shape[2:])
+    cache["key"].scatter_(1, index, k.to(cache["key"].dtype))
+    cache["value"].scatter_(1, index, v.to(cache["value"].dtype))
+    real = torch.ones_like(column, dtype=torch.bool) if is_token is None else is_token.bool()
+    cache["valid"].scatter_(1, column[:, None], real[:, None])
+    written = column.clone()
+    column.add_(1)
+    cache["position"].add_(real.long())
+    return written
+
+
+def decode_attention(choice: str, q, key, value, valid, length, scale: float) -> torch.Tensor:
+    """One query per row over a static cache: attnlab's split-key Triton kernel on CUDA, SDPA elsewhere."""
+    from attnlab.models import kernels
+    from attnlab.models.kernels.decode_attention import decode_attention as fused, decode_attention_reference
+
+    if kernels.use_triton(choice, q):
+        return fused(q, key, value, valid.view(torch.uint8), length, scale)
+    return decode_attention_reference(q, key, value, valid, length, scale)
+
+
 @register_mixer("softmax")
 class SoftmaxAttention(Mixer):
     default_options = {"num_kv_heads": None}  # None: as many as num_heads
     train_graph_safe = True
+    static_kv = True  # decodes over static buffers (`static_state`)
+    static_columns = ("key", "value", "valid")  # the static cache's buffers whose prompt columns every beam of a prompt shares
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -39,6 +90,7 @@ class SoftmaxAttention(Mixer):
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         self.head_dim = config.hidden_size // config.num_heads
         self.rope_theta = config.rope_theta
+        self.kernels = config.kernels
 
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
@@ -54,6 +106,8 @@ class SoftmaxAttention(Mixer):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         batch, seq_len, _ = x.shape
+        if cache is not None and "length" in cache:  # the decode engine's static cache (`static_state`)
+            return self._static_step(x, attention_mask, cache), cache
         past_k = cache["key"] if cache is not None else None  # [B, past, Hkv, D]
         past_v = cache["value"] if cache is not None else None
         past_len = past_k.shape[1] if past_k is not None else 0
@@ -81,6 +135,27 @@ class SoftmaxAttention(Mixer):
             o = self._parallel(q, k, v, mask, past_len)
         y = self.o_proj(o.reshape(batch, seq_len, self.num_heads * self.head_dim))
         return y, new_cache
+
+    def static_state(self, state: dict, capacity: int) -> dict:
+        """The cache after a prefill as the decode engine keeps it: keys and values in buffers of
+        `capacity` columns written in place one per step, `valid` [B, capacity] (1: a real token),
+        `length` [B] (columns written) and `position` [B] (real tokens so far: the next rotary position)."""
+        return static_kv_state(state, capacity)
+
+    def _static_step(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache: dict) -> torch.Tensor:
+        """One token per row over the static cache, written where it lies."""
+        batch, seq_len, _ = x.shape
+        if seq_len != 1:
+            raise ValueError("a static decode cache takes one token per row; prefill with a dynamic cache")
+        cos, sin = rotary_cos_sin(cache["position"][:, None], self.head_dim, self.rope_theta)
+        q = self.q_proj(x).view(batch, 1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        is_token = None if attention_mask is None else attention_mask[:, -1]
+        write_static_kv(cache, k, v, is_token)
+        o = decode_attention(self.kernels, q[:, 0], cache["key"], cache["value"], cache["valid"], cache["length"], self.head_dim**-0.5)
+        return self.o_proj(o.reshape(batch, 1, self.num_heads * self.head_dim))
 
     def _parallel(self, q, k, v, mask, past_len) -> torch.Tensor:
         """Causal attention of T queries over past + T keys. Returns [B, T, H, D]."""

@@ -1,0 +1,138 @@
+"""Softmax attention of one new query per row over a static KV cache (decoding), split over the keys.
+
+The cache is preallocated at its full capacity ([B, capacity, Hkv, D], written in place one column
+per step); `valid` [B, capacity] marks the columns that hold a real token (left padding and the
+columns not yet written are 0) and `length` [B] says how many columns are written. Both live on
+the device, so a step reads only the written part of the cache and is still one fixed sequence of
+launches (a CUDA graph replays it as the cache fills).
+
+A decode step is bound by reading the cache. One program per (row, query head) would leave most of
+an H100 idle at batch 8, so the keys are split in `splits` ranges (flash-decoding):
+
+    1. `_partial_kernel`  one program per (row * head, range): an online softmax over its range's
+                          keys (exp2 of log2e-scaled scores), giving its unnormalised output, its
+                          running maximum and its sum of weights;
+    2. `_combine_kernel`  one program per (row * head): the ranges' outputs rescaled to the common
+                          maximum and divided by the total weight.
+
+Grouped-query heads read their key/value head (head // (H / Hkv)). Scores and sums in fp32; the
+output in q's dtype. The PyTorch reference is `decode_attention_reference` (SDPA under the mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per tile
+TARGET_PROGRAMS = 1024  # enough ranges in flight to keep every SM reading
+
+
+@triton.jit
+def _partial_kernel(q, k, v, valid, length, part_o, part_ml, scale_log2e,
+                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid,
+                    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    SPLIT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr):
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = i_h // GROUP
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_q = tl.load(q + i_b * sq_b + i_h * sq_h + o_d, mask=m_d, other=0.0).to(tl.float32) * scale_log2e
+    n = tl.load(length + i_b)
+    start = i_s * SPLIT
+    end = tl.minimum(start + SPLIT, n)
+    b_m = tl.full([1], -1.0e30, tl.float32)  # finite: a tile with no valid key leaves the sums at zero
+    b_l = tl.zeros([1], tl.float32)
+    b_acc = tl.zeros([BD], tl.float32)
+    k_b = k + i_b.to(tl.int64) * sk_b + i_hk * sk_h
+    v_b = v + i_b.to(tl.int64) * sv_b + i_hk * sv_h
+    for c0 in range(start, end, BN):
+        cols = c0 + tl.arange(0, BN)
+        m_c = cols < end
+        ok = m_c & (tl.load(valid + i_b * s_valid + cols, mask=m_c, other=0) != 0)
+        m_t = m_c[:, None] & m_d[None, :]
+        b_k = tl.load(k_b + cols[:, None].to(tl.int64) * sk_t + o_d[None, :], mask=m_t, other=0.0).to(tl.float32)
+        s = tl.sum(b_k * b_q[None, :], axis=1)  # [BN], log2 units
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(s, axis=0))
+        alpha = tl.exp2(b_m - m_new)
+        p = tl.exp2(s - m_new)  # 0 where masked
+        b_v = tl.load(v_b + cols[:, None].to(tl.int64) * sv_t + o_d[None, :], mask=m_t, other=0.0).to(tl.float32)
+        b_acc = b_acc * alpha + tl.sum(p[:, None] * b_v, axis=0)
+        b_l = b_l * alpha + tl.sum(p, axis=0)
+        b_m = m_new
+    base = i_bh * NS + i_s
+    tl.store(part_o + base * D + o_d, b_acc, mask=m_d)
+    o_2 = tl.arange(0, 2)
+    tl.store(part_ml + base * 2 + o_2, tl.where(o_2 == 0, tl.sum(b_m, axis=0), tl.sum(b_l, axis=0)))
+
+
+@triton.jit
+def _combine_kernel(part_o, part_ml, o, so_b, so_h, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    NS: tl.constexpr, BS: tl.constexpr):
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_s = tl.arange(0, BS)
+    m_s = o_s < NS
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_m = tl.load(part_ml + (i_bh * NS + o_s) * 2, mask=m_s, other=-1.0e30)
+    b_l = tl.load(part_ml + (i_bh * NS + o_s) * 2 + 1, mask=m_s, other=0.0)
+    w = tl.exp2(b_m - tl.max(b_m, axis=0))  # [BS]
+    b_o = tl.load(part_o + (i_bh * NS + o_s)[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    num = tl.sum(w[:, None] * b_o, axis=0)
+    den = tl.sum(w * b_l, axis=0)
+    den = tl.where(den > 0, den, 1.0)
+    tl.store(o + i_b * so_b + i_h * so_h + o_d, (num / den).to(o.dtype.element_ty), mask=m_d)
+
+
+def splits_for(rows: int, capacity: int) -> int:
+    """How many key ranges one (row, head) is split into: about TARGET_PROGRAMS programs in all, each
+    range at least one tile."""
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(capacity, BLOCK_N)))
+
+
+def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, length: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [B, H, D]; key, value [B, capacity, Hkv, D] (last dim contiguous); valid [B, capacity]
+    (nonzero: a real token); length [B] int64 (columns written). Returns o [B, H, D] in q's dtype."""
+    batch, heads, head_dim = q.shape
+    capacity, kv_heads = key.shape[1], key.shape[2]
+    if heads % kv_heads or key.shape[-1] != head_dim or value.shape != key.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not match key {tuple(key.shape)} / value {tuple(value.shape)}")
+    if q.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1 or valid.stride(-1) != 1:
+        raise ValueError("decode_attention needs q, key, value and valid contiguous in their last dim")
+    splits = splits_for(batch * heads, capacity)
+    split = triton.cdiv(triton.cdiv(capacity, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(capacity, split)
+    part_o = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(batch * heads * splits, 2, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _partial_kernel[(batch * heads, splits)](
+        q, key, value, valid, length, part_o, part_ml, scale * LOG2E,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        valid.stride(0), H=heads, GROUP=heads // kv_heads, D=head_dim, BD=block_d, SPLIT=split, NS=splits, BN=BLOCK_N,
+        num_warps=4,
+    )
+    o = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    _combine_kernel[(batch * heads,)](part_o, part_ml, o, o.stride(0), o.stride(1), H=heads, D=head_dim, BD=block_d,
+                                      NS=splits, BS=triton.next_power_of_2(splits), num_warps=4)
+    return o
+
+
+def decode_attention_reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
+                               length: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention` in PyTorch: SDPA of the one query over the whole buffer, masked to the
+    valid columns among the first `length`."""
+    heads, kv_heads = q.shape[1], key.shape[2]
+    columns = torch.arange(key.shape[1], device=key.device)
+    allowed = (valid != 0) & (columns[None, :] < length[:, None])  # [B, capacity]
+    k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Hkv, capacity, D]
+    if heads > kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None, :], scale=scale)
+    return o[:, :, 0]

@@ -1,0 +1,106 @@
+"""Decoding over a static KV cache: the split-key Triton kernel (`kernels/decode_attention.py`) against
+SDPA under the same mask (through Triton's interpreter on CPU, compiled on CUDA), and the engine's
+captured steps against its eager static steps on a GPU."""
+
+import pytest
+import torch
+
+from attnlab.generation.graphs import StaticRunner, kv_capacity, static_decoding
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+from attnlab.models.kernels.decode_attention import decode_attention, decode_attention_reference, splits_for
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cache_inputs(batch, heads, kv_heads, head_dim, capacity, lengths, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, heads, head_dim, device=device, generator=g).to(dtype)
+    k = torch.randn(batch, capacity, kv_heads, head_dim, device=device, generator=g).to(dtype)
+    v = torch.randn(batch, capacity, kv_heads, head_dim, device=device, generator=g).to(dtype)
+    length = torch.tensor(lengths, device=device)
+    valid = torch.rand(batch, capacity, device=device, generator=g) > 0.3  # holes: left padding
+    valid[torch.arange(batch), length - 1] = True  # the token just written
+    return q, k, v, valid, length
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, capacity, lengths", [
+    (3, 4, 2, 16, 150, [145, 40, 1]),  # grouped heads, a row with one column, a partial last tile
+    (2, 2, 2, 8, 64, [64, 64]),  # full, one tile
+    (1, 4, 4, 12, 300, [77]),  # head dim not a power of two; most ranges past the length
+])
+def test_kernel_matches_sdpa_under_the_mask(batch, heads, kv_heads, head_dim, capacity, lengths):
+    q, k, v, valid, length = cache_inputs(batch, heads, kv_heads, head_dim, capacity, lengths)
+    out = decode_attention(q, k, v, valid.view(torch.uint8), length, 0.3)
+    ref = decode_attention_reference(q, k, v, valid, length, 0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_columns_past_the_length_are_never_read():
+    q, k, v, valid, length = cache_inputs(2, 2, 2, 8, 128, [50, 70])
+    valid[:, 70:] = True
+    k[:, 70:], v[:, 70:] = float("nan"), float("nan")  # unwritten: garbage that must not reach the output
+    out = decode_attention(q, k, v, valid.view(torch.uint8), length, 0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_attention_reference(q, k[:, :70], v[:, :70], valid[:, :70], length, 0.5))
+
+
+def test_splits_keep_the_gpu_busy_and_each_range_holds_a_tile():
+    assert splits_for(8 * 16, 2304) == 8  # batch 8, 16 heads: 1,024 programs
+    assert splits_for(1, 64) == 1
+    assert splits_for(1, 100_000) == 1024
+
+
+def test_kv_capacity_rounds_up_so_that_captures_are_reused():
+    assert kv_capacity(2048, 256) == 2304
+    assert kv_capacity(5, 12) == 256
+    assert kv_capacity(250, 6) == 256 and kv_capacity(250, 7) == 512
+
+
+def test_softmax_decodes_statically_and_refuses_without_a_length_bound():
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mixer="softmax")).eval()
+    assert static_decoding(model)
+    runner = StaticRunner(model, capture=False)
+    ids, mask = torch.randint(0, 64, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        runner.prefill(ids, mask)
+    logits, state = runner.prefill(ids, mask, max_new_tokens=3)
+    buffers = state.cache.states[0]
+    assert buffers["key"].shape[1] == 256 and buffers["length"].tolist() == [7, 7]
+    step = runner.step(logits.argmax(-1), state)
+    assert buffers["length"].tolist() == [8, 8] and bool(buffers["valid"][:, 7].all()) and step.shape == (2, 64)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_on_cuda_matches_sdpa(dtype):
+    q, k, v, valid, length = cache_inputs(8, 16, 4, 64, 2304, [2100] * 8, device="cuda", dtype=dtype)
+    out = decode_attention(q, k, v, valid.view(torch.uint8), length, 0.125).float()
+    ref = decode_attention_reference(q.float(), k.float(), v.float(), valid, length, 0.125)
+    assert float((out - ref).norm() / ref.norm()) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("settings", [
+    dict(max_new_tokens=40),
+    dict(max_new_tokens=24, do_sample=True, top_k=50, seed=1, num_return_sequences=2),
+    dict(max_new_tokens=16, num_beams=4, length_penalty=1.2),
+], ids=["greedy", "sample", "beam4"])
+def test_captured_softmax_steps_equal_the_eager_static_steps(settings, monkeypatch):
+    from attnlab.generation import engine, generate
+    from attnlab.generation.graphs import make_runner
+    from attnlab.data import ByteTokenizer
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=512, num_layers=2, num_heads=8, mixer="softmax",
+                                             mixer_options={"num_kv_heads": 4})).cuda().to(torch.bfloat16).eval()
+    assert isinstance(make_runner(model), StaticRunner)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 90, 33)]
+    eos = [257, 65]
+    graphed = generate(model, ByteTokenizer(), prompts, eos_token_id=eos, **settings)
+    replayed = generate(model, ByteTokenizer(), prompts, eos_token_id=eos, **settings)  # the graphs kept from the first call
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
+    eager = generate(model, ByteTokenizer(), prompts, eos_token_id=eos, **settings)
+    tokens = [[[c.token_ids for c in r.candidates] for r in out] for out in (graphed, replayed, eager)]
+    assert tokens[0] == tokens[1] == tokens[2]
