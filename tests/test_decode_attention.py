@@ -104,3 +104,36 @@ def test_captured_softmax_steps_equal_the_eager_static_steps(settings, monkeypat
     eager = generate(model, ByteTokenizer(), prompts, eos_token_id=eos, **settings)
     tokens = [[[c.token_ids for c in r.candidates] for r in out] for out in (graphed, replayed, eager)]
     assert tokens[0] == tokens[1] == tokens[2]
+
+
+@pytest.mark.parametrize("options", [
+    dict(similarity="exp", denominator="count", clamp_scores=5.0),  # gated_softmax
+    dict(similarity="exp", denominator="sum", decay="neg_softplus"),  # 2mamba-e
+    dict(similarity="softmax", denominator="sum_clamped", clamp_scores=5.0),
+    dict(similarity="softmax", denominator="sum_detached", clamp_scores=5.0, decay="neg_softplus"),
+    dict(similarity="exp", denominator="none", clamp_scores=5.0),
+    dict(similarity="exp", denominator="count_power", clamp_scores=5.0),
+])
+def test_family_step_on_the_kernel_matches_the_reference_form(options):
+    """The attention family's exp similarities over a static cache: the kernel's softmax weights,
+    raw sum and count give every denominator as `attention_terms` computes it."""
+    from attnlab.models.mixers.attention_family import AttentionFamily
+    from attnlab.models.ops.attention_family import log_decay_cumsum, parallel_attention
+
+    torch.manual_seed(0)
+    config = AttnLabConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, mixer="attention_family",
+                           mixer_options=options)
+    mixer = AttentionFamily(config, 0)
+    batch, capacity, heads, dim = 2, 96, 2, 16
+    q, k, v, valid, length = cache_inputs(batch, heads, heads, dim, capacity, [90, 33])
+    q = q * 3  # scores past the clamp
+    decays = None
+    if options.get("decay"):
+        decays = log_decay_cumsum(-torch.rand(batch, capacity, heads)).flip(1).contiguous()  # each key's decay to the query
+    cache = {"key": k, "value": v, "valid": valid, "length": length}
+    out = mixer._static_kernel(q[:, None], cache, decays)
+    columns = torch.arange(capacity)
+    ref = parallel_attention(
+        q[:, None], k, v, clamp=options.get("clamp_scores"), query_log_decay=None if decays is None else torch.zeros(batch, 1, heads),
+        key_log_decay=None if decays is None else -decays, key_mask=valid & (columns[None] < length[:, None]), **mixer._attention_kwargs())
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)

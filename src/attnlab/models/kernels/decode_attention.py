@@ -10,8 +10,9 @@ A decode step is bound by reading the cache. One program per (row, query head) w
 an H100 idle at batch 8, so the keys are split in `splits` ranges (flash-decoding):
 
     1. `_partial_kernel`  one program per (row * head, range): an online softmax over its range's
-                          keys (exp2 of log2e-scaled scores), giving its unnormalised output, its
-                          running maximum and its sum of weights;
+                          keys (exp2 of log2e-scaled scores; optionally clamped from above and with a
+                          per-key bias, the attention family's log-decay), giving its unnormalised
+                          output, its running maximum, its sum of weights and its count of keys;
     2. `_combine_kernel`  one program per (row * head): the ranges' outputs rescaled to the common
                           maximum and divided by the total weight.
 
@@ -31,21 +32,23 @@ TARGET_PROGRAMS = 1024  # enough ranges in flight to keep every SM reading
 
 
 @triton.jit
-def _partial_kernel(q, k, v, valid, length, part_o, part_ml, scale_log2e,
-                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid,
+def _partial_kernel(q, k, v, valid, length, bias, part_o, part_ml, scale, clamp,
+                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid, sb_b, sb_t,
                     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    SPLIT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr):
+                    SPLIT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, HAS_CLAMP: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_hk = i_h // GROUP
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_q = tl.load(q + i_b * sq_b + i_h * sq_h + o_d, mask=m_d, other=0.0).to(tl.float32) * scale_log2e
+    b_q = tl.load(q + i_b * sq_b + i_h * sq_h + o_d, mask=m_d, other=0.0).to(tl.float32)
     n = tl.load(length + i_b)
     start = i_s * SPLIT
     end = tl.minimum(start + SPLIT, n)
     b_m = tl.full([1], -1.0e30, tl.float32)  # finite: a tile with no valid key leaves the sums at zero
     b_l = tl.zeros([1], tl.float32)
+    b_c = tl.zeros([1], tl.float32)  # keys attended (the count denominators)
     b_acc = tl.zeros([BD], tl.float32)
     k_b = k + i_b.to(tl.int64) * sk_b + i_hk * sk_h
     v_b = v + i_b.to(tl.int64) * sv_b + i_hk * sv_h
@@ -55,36 +58,47 @@ def _partial_kernel(q, k, v, valid, length, part_o, part_ml, scale_log2e,
         ok = m_c & (tl.load(valid + i_b * s_valid + cols, mask=m_c, other=0) != 0)
         m_t = m_c[:, None] & m_d[None, :]
         b_k = tl.load(k_b + cols[:, None].to(tl.int64) * sk_t + o_d[None, :], mask=m_t, other=0.0).to(tl.float32)
-        s = tl.sum(b_k * b_q[None, :], axis=1)  # [BN], log2 units
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.sum(b_k * b_q[None, :], axis=1) * scale  # [BN]
+        if HAS_CLAMP:
+            s = tl.minimum(s, clamp)
+        if HAS_BIAS:  # each key's log-decay through this query
+            s += tl.load(bias + i_b.to(tl.int64) * sb_b + cols * sb_t + i_h, mask=m_c, other=0.0)
+        s = tl.where(ok, s * 1.4426950408889634, float("-inf"))  # log2 units
         m_new = tl.maximum(b_m, tl.max(s, axis=0))
         alpha = tl.exp2(b_m - m_new)
         p = tl.exp2(s - m_new)  # 0 where masked
         b_v = tl.load(v_b + cols[:, None].to(tl.int64) * sv_t + o_d[None, :], mask=m_t, other=0.0).to(tl.float32)
         b_acc = b_acc * alpha + tl.sum(p[:, None] * b_v, axis=0)
         b_l = b_l * alpha + tl.sum(p, axis=0)
+        b_c += tl.sum(ok.to(tl.float32), axis=0)
         b_m = m_new
     base = i_bh * NS + i_s
     tl.store(part_o + base * D + o_d, b_acc, mask=m_d)
-    o_2 = tl.arange(0, 2)
-    tl.store(part_ml + base * 2 + o_2, tl.where(o_2 == 0, tl.sum(b_m, axis=0), tl.sum(b_l, axis=0)))
+    o_3 = tl.arange(0, 4)
+    stats = tl.where(o_3 == 0, tl.sum(b_m, axis=0), tl.where(o_3 == 1, tl.sum(b_l, axis=0), tl.sum(b_c, axis=0)))
+    tl.store(part_ml + base * 3 + o_3, stats, mask=o_3 < 3)
 
 
 @triton.jit
-def _combine_kernel(part_o, part_ml, o, so_b, so_h, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    NS: tl.constexpr, BS: tl.constexpr):
+def _combine_kernel(part_o, part_ml, o, stats, so_b, so_h, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    NS: tl.constexpr, BS: tl.constexpr, STATS: tl.constexpr):
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     o_s = tl.arange(0, BS)
     m_s = o_s < NS
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_m = tl.load(part_ml + (i_bh * NS + o_s) * 2, mask=m_s, other=-1.0e30)
-    b_l = tl.load(part_ml + (i_bh * NS + o_s) * 2 + 1, mask=m_s, other=0.0)
-    w = tl.exp2(b_m - tl.max(b_m, axis=0))  # [BS]
+    b_m = tl.load(part_ml + (i_bh * NS + o_s) * 3, mask=m_s, other=-1.0e30)
+    b_l = tl.load(part_ml + (i_bh * NS + o_s) * 3 + 1, mask=m_s, other=0.0)
+    top = tl.max(b_m, axis=0)
+    w = tl.exp2(b_m - top)  # [BS]
     b_o = tl.load(part_o + (i_bh * NS + o_s)[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
     num = tl.sum(w[:, None] * b_o, axis=0)
     den = tl.sum(w * b_l, axis=0)
+    if STATS:  # the raw sum of weights is den * 2^top; the count of keys attended
+        count = tl.sum(tl.load(part_ml + (i_bh * NS + o_s) * 3 + 2, mask=m_s, other=0.0), axis=0)
+        o_3 = tl.arange(0, 4)
+        tl.store(stats + i_bh * 3 + o_3, tl.where(o_3 == 0, top, tl.where(o_3 == 1, den, count)), mask=o_3 < 3)
     den = tl.where(den > 0, den, 1.0)
     tl.store(o + i_b * so_b + i_h * so_h + o_d, (num / den).to(o.dtype.element_ty), mask=m_d)
 
@@ -96,9 +110,14 @@ def splits_for(rows: int, capacity: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, length: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, clamp: float | None = None, bias: torch.Tensor | None = None, stats: bool = False,
+                     out_dtype: torch.dtype | None = None):
     """q [B, H, D]; key, value [B, capacity, Hkv, D] (last dim contiguous); valid [B, capacity]
-    (nonzero: a real token); length [B] int64 (columns written). Returns o [B, H, D] in q's dtype."""
+    (nonzero: a real token); length [B] int64 (columns written). Scores are scale * q.k, clamped
+    from above at `clamp`, plus `bias` [B, capacity, H] fp32 (each key's log-decay) when given.
+    Returns o [B, H, D] (the softmax-weighted values) in `out_dtype` (q's dtype by default), and
+    with `stats` also [B, H, 3] fp32: (log2 of the reference weight, sum of weights relative to it,
+    keys attended): the raw sum of exp(scores) is stats[..., 1] * 2 ** stats[..., 0]."""
     batch, heads, head_dim = q.shape
     capacity, kv_heads = key.shape[1], key.shape[2]
     if heads % kv_heads or key.shape[-1] != head_dim or value.shape != key.shape:
@@ -109,18 +128,23 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, va
     split = triton.cdiv(triton.cdiv(capacity, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(capacity, split)
     part_o = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(batch * heads * splits, 2, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(batch * heads * splits, 3, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (batch, capacity, heads) or bias.stride(2) != 1):
+        raise ValueError(f"bias must be fp32 [{batch}, {capacity}, {heads}] with heads contiguous")
     _partial_kernel[(batch * heads, splits)](
-        q, key, value, valid, length, part_o, part_ml, scale * LOG2E,
+        q, key, value, valid, length, bias if bias is not None else part_ml, part_o, part_ml, scale,
+        clamp if clamp is not None else 0.0,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        valid.stride(0), H=heads, GROUP=heads // kv_heads, D=head_dim, BD=block_d, SPLIT=split, NS=splits, BN=BLOCK_N,
-        num_warps=4,
+        valid.stride(0), bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        H=heads, GROUP=heads // kv_heads, D=head_dim, BD=block_d, SPLIT=split, NS=splits, BN=BLOCK_N,
+        HAS_CLAMP=clamp is not None, HAS_BIAS=bias is not None, num_warps=4,
     )
-    o = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
-    _combine_kernel[(batch * heads,)](part_o, part_ml, o, o.stride(0), o.stride(1), H=heads, D=head_dim, BD=block_d,
-                                      NS=splits, BS=triton.next_power_of_2(splits), num_warps=4)
-    return o
+    o = torch.empty(batch, heads, head_dim, dtype=out_dtype or q.dtype, device=q.device)
+    summary = torch.empty(batch, heads, 3, dtype=torch.float32, device=q.device) if stats else part_ml
+    _combine_kernel[(batch * heads,)](part_o, part_ml, o, summary, o.stride(0), o.stride(1), H=heads, D=head_dim, BD=block_d,
+                                      NS=splits, BS=triton.next_power_of_2(splits), STATS=stats, num_warps=4)
+    return (o, summary) if stats else o
 
 
 def decode_attention_reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,

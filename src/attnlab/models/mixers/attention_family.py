@@ -369,6 +369,8 @@ class AttentionFamily(Mixer):
             decays.add_(log_decay[:, :1].to(decays.dtype))
             decays.scatter_(1, column.view(-1, 1, 1).expand(-1, 1, decays.shape[-1]), 0.0)
             query_term, key_term = torch.zeros_like(log_decay[:, :1]), -decays
+        if self.options["similarity"] in EXP_SIMILARITIES and kernels.use_triton(self.kernels, q):
+            return self._static_kernel(q, cache, None if log_decay is None else cache["key_log_decay"]).to(v.dtype), cache
         columns = torch.arange(cache["key"].shape[1], device=q.device)
         key_mask = cache["valid"] & (columns[None, :] < cache["length"][:, None])
         o = parallel_attention(
@@ -377,6 +379,27 @@ class AttentionFamily(Mixer):
             **self._attention_kwargs(),
         )
         return o, cache
+
+    def _static_kernel(self, q, cache, decays):
+        """The exp similarities' step on attnlab's split-key kernel (`kernels/decode_attention.py`):
+        softmax weights and the raw sum of exp(scores) and count of keys, from which each denominator
+        follows as `attention_terms` defines it. Returns o [B, 1, H, Dv] fp32."""
+        from attnlab.models.kernels.decode_attention import decode_attention
+        from attnlab.models.ops.attention_family import _divide, _finish_denominator
+
+        kwargs = self._attention_kwargs()
+        o, stats = decode_attention(q[:, 0], cache["key"], cache["value"], cache["valid"].view(torch.uint8), cache["length"],
+                                    self.scale, clamp=self.options["clamp_scores"], bias=decays, stats=True,
+                                    out_dtype=torch.float32)
+        denominator = kwargs["denominator"]
+        if denominator != "sum":  # o is num / sum(w): scale back to num, then divide as the family does
+            raw_sum = stats[..., 1] * torch.exp2(stats[..., 0])  # [B, H]
+            o = o * raw_sum[..., None]
+            if denominator != "none":
+                den = raw_sum if denominator in SUM_DENOMINATORS else stats[..., 2]
+                den = _finish_denominator(den[..., None, None], denominator, kwargs["count_power"])[..., 0, 0]
+                o = _divide(o, den[..., None])
+        return o[:, None]
 
     def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache, terms):
         """Other variants: attention over a cache of keys, values and each key's decay so far."""
