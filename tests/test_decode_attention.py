@@ -129,11 +129,11 @@ def test_family_step_on_the_kernel_matches_the_reference_form(options):
     q = q * 3  # scores past the clamp
     decays = None
     if options.get("decay"):
-        decays = log_decay_cumsum(-torch.rand(batch, capacity, heads)).flip(1).contiguous()  # each key's decay to the query
+        decays = log_decay_cumsum(-torch.rand(batch, capacity, heads)).flip(1).transpose(1, 2).contiguous()  # each key's decay to the query
     cache = {"key": k, "value": v, "valid": valid, "length": length}
     out = mixer._static_kernel(q[:, None], cache, decays)
     columns = torch.arange(capacity)
     ref = parallel_attention(
         q[:, None], k, v, clamp=options.get("clamp_scores"), query_log_decay=None if decays is None else torch.zeros(batch, 1, heads),
-        key_log_decay=None if decays is None else -decays, key_mask=valid & (columns[None] < length[:, None]), **mixer._attention_kwargs())
+        key_log_decay=None if decays is None else -decays.transpose(1, 2), key_mask=valid & (columns[None] < length[:, None]), **mixer._attention_kwargs())
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)

@@ -33,7 +33,7 @@ TARGET_PROGRAMS = 1024  # enough ranges in flight to keep every SM reading
 
 @triton.jit
 def _partial_kernel(q, k, v, valid, length, bias, part_o, part_ml, scale, clamp,
-                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid, sb_b, sb_t,
+                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid, sb_b, sb_h,
                     H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                     SPLIT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, HAS_CLAMP: tl.constexpr,
                     HAS_BIAS: tl.constexpr):
@@ -62,7 +62,7 @@ def _partial_kernel(q, k, v, valid, length, bias, part_o, part_ml, scale, clamp,
         if HAS_CLAMP:
             s = tl.minimum(s, clamp)
         if HAS_BIAS:  # each key's log-decay through this query
-            s += tl.load(bias + i_b.to(tl.int64) * sb_b + cols * sb_t + i_h, mask=m_c, other=0.0)
+            s += tl.load(bias + i_b.to(tl.int64) * sb_b + i_h * sb_h + cols, mask=m_c, other=0.0)
         s = tl.where(ok, s * 1.4426950408889634, float("-inf"))  # log2 units
         m_new = tl.maximum(b_m, tl.max(s, axis=0))
         alpha = tl.exp2(b_m - m_new)
@@ -114,7 +114,7 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, va
                      out_dtype: torch.dtype | None = None):
     """q [B, H, D]; key, value [B, capacity, Hkv, D] (last dim contiguous); valid [B, capacity]
     (nonzero: a real token); length [B] int64 (columns written). Scores are scale * q.k, clamped
-    from above at `clamp`, plus `bias` [B, capacity, H] fp32 (each key's log-decay) when given.
+    from above at `clamp`, plus `bias` [B, H, capacity] fp32 (each key's log-decay) when given.
     Returns o [B, H, D] (the softmax-weighted values) in `out_dtype` (q's dtype by default), and
     with `stats` also [B, H, 3] fp32: (log2 of the reference weight, sum of weights relative to it,
     keys attended): the raw sum of exp(scores) is stats[..., 1] * 2 ** stats[..., 0]."""
@@ -130,8 +130,8 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, va
     part_o = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * heads * splits, 3, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (batch, capacity, heads) or bias.stride(2) != 1):
-        raise ValueError(f"bias must be fp32 [{batch}, {capacity}, {heads}] with heads contiguous")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (batch, heads, capacity) or bias.stride(2) != 1):
+        raise ValueError(f"bias must be fp32 [{batch}, {heads}, {capacity}] with its columns contiguous")
     _partial_kernel[(batch * heads, splits)](
         q, key, value, valid, length, bias if bias is not None else part_ml, part_o, part_ml, scale,
         clamp if clamp is not None else 0.0,

@@ -349,8 +349,11 @@ class AttentionFamily(Mixer):
         token in buffers of `capacity` columns, with the token counter and the conv window."""
         if self.linearizable:
             raise ValueError(f"mixer {self.name!r} keeps a fixed-size state, not a KV cache")
-        extra = ("key_log_decay",) if state.get("key_log_decay") is not None else ()
-        static = static_kv_state(state, capacity, extra)
+        static = static_kv_state(state, capacity)
+        if state.get("key_log_decay") is not None:  # [B, T, H] -> [B, H, capacity]: each head's decays side by side
+            decays = state["key_log_decay"]
+            static["key_log_decay"] = decays.new_zeros(decays.shape[0], decays.shape[2], capacity)
+            static["key_log_decay"][:, :, :decays.shape[1]] = decays.transpose(1, 2)
         for name in ("num_tokens", "conv_state"):
             if state.get(name) is not None:
                 static[name] = state[name]
@@ -365,10 +368,10 @@ class AttentionFamily(Mixer):
         column = write_static_kv(cache, k, v, is_token)
         query_term = key_term = None
         if log_decay is not None:
-            decays = cache["key_log_decay"]  # [B, capacity, H]
-            decays.add_(log_decay[:, :1].to(decays.dtype))
-            decays.scatter_(1, column.view(-1, 1, 1).expand(-1, 1, decays.shape[-1]), 0.0)
-            query_term, key_term = torch.zeros_like(log_decay[:, :1]), -decays
+            decays = cache["key_log_decay"]  # [B, H, capacity]
+            decays.add_(log_decay[:, 0, :, None].to(decays.dtype))
+            decays.scatter_(2, column.view(-1, 1, 1).expand(-1, decays.shape[1], 1), 0.0)
+            query_term, key_term = torch.zeros_like(log_decay[:, :1]), -decays.transpose(1, 2)
         if self.options["similarity"] in EXP_SIMILARITIES and kernels.use_triton(self.kernels, q):
             return self._static_kernel(q, cache, None if log_decay is None else cache["key_log_decay"]).to(v.dtype), cache
         columns = torch.arange(cache["key"].shape[1], device=q.device)

@@ -24,10 +24,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated_half * sin).to(x.dtype)
 
 
-def static_kv_state(state: dict, capacity: int, extra: tuple[str, ...] = ()) -> dict:
-    """A dynamic KV cache ({"key", "value": [B, T, Hkv, D], "mask": [B, T] or None, and `extra`
-    per-key tensors [B, T, ...]}) copied into buffers of `capacity` columns (see
-    `SoftmaxAttention.static_state`)."""
+def static_kv_state(state: dict, capacity: int) -> dict:
+    """A dynamic KV cache ({"key", "value": [B, T, Hkv, D], "mask": [B, T] or None}) copied into
+    buffers of `capacity` columns (see `SoftmaxAttention.static_state`)."""
     key, value, mask = state["key"], state["value"], state.get("mask")
     batch, length = key.shape[:2]
     if capacity < length:
@@ -43,8 +42,6 @@ def static_kv_state(state: dict, capacity: int, extra: tuple[str, ...] = ()) -> 
     out = {"key": buffer(key), "value": buffer(value), "valid": valid,
            "length": torch.full((batch,), length, dtype=torch.long, device=key.device),
            "position": valid.sum(-1)}
-    for name in extra:
-        out[name] = buffer(state[name])
     return out
 
 
