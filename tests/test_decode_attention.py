@@ -137,3 +137,32 @@ def test_family_step_on_the_kernel_matches_the_reference_form(options):
         q[:, None], k, v, clamp=options.get("clamp_scores"), query_log_decay=None if decays is None else torch.zeros(batch, 1, heads),
         key_log_decay=None if decays is None else -decays.transpose(1, 2), key_mask=valid & (columns[None] < length[:, None]), **mixer._attention_kwargs())
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_cache_write_in_one_kernel_match_the_separate_steps(dtype):
+    from attnlab.models.kernels.decode_attention import rope_write_
+    from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq, write_static_kv
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, capacity = 3, 4, 2, 12, 20
+    q = torch.randn(batch, heads, dim).to(dtype)
+    kv = torch.randn(batch, 2 * kv_heads * dim).to(dtype)  # k and v as views of one projection, as when fused
+    k, v = kv[:, :kv_heads * dim].view(batch, kv_heads, dim), kv[:, kv_heads * dim:].view(batch, kv_heads, dim)
+
+    def cache():
+        return {"key": torch.zeros(batch, capacity, kv_heads, dim, dtype=dtype), "value": torch.zeros(batch, capacity, kv_heads, dim, dtype=dtype),
+                "valid": torch.zeros(batch, capacity, dtype=torch.bool), "length": torch.tensor([5, 9, 0]),
+                "position": torch.tensor([5, 3, 0])}
+
+    fused, ref = cache(), cache()
+    q_fused = rope_write_(q, k, v, rotary_inv_freq(dim, 10000.0), fused["position"], fused["length"], fused["key"], fused["value"],
+                          fused["valid"].view(torch.uint8))
+    cos, sin = rotary_cos_sin(ref["position"][:, None], dim, 10000.0)
+    q_ref = apply_rotary(q[:, None], cos, sin)[:, 0]
+    write_static_kv(ref, apply_rotary(k[:, None], cos, sin), v[:, None], None)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(q_fused, q_ref, **tol)
+    torch.testing.assert_close(fused["key"], ref["key"], **tol)
+    torch.testing.assert_close(fused["value"], ref["value"], rtol=0, atol=0)
+    assert torch.equal(fused["valid"], ref["valid"])

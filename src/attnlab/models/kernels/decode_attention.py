@@ -160,3 +160,57 @@ def decode_attention_reference(q: torch.Tensor, key: torch.Tensor, value: torch.
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None, :], scale=scale)
     return o[:, :, 0]
+
+
+@triton.jit
+def _rope_write_kernel(q, k, v, inv_freq, position, length, key, value, valid, q_out,
+                       sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, skey_b, skey_t, skey_h, sval_b, sval_t, sval_h, s_valid,
+                       KV_HEADS: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr):
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    o_d = tl.arange(0, BH)
+    m_d = o_d < HALF
+    angle = tl.load(position + i_b).to(tl.float32) * tl.load(inv_freq + o_d, mask=m_d, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    p_q = q + i_b * sq_b + i_h * sq_h + o_d
+    x1 = tl.load(p_q, mask=m_d, other=0.0).to(tl.float32)
+    x2 = tl.load(p_q + HALF, mask=m_d, other=0.0).to(tl.float32)
+    p_o = q_out + (i_b * tl.num_programs(1) + i_h) * (2 * HALF) + o_d
+    tl.store(p_o, (x1 * cos - x2 * sin).to(q_out.dtype.element_ty), mask=m_d)
+    tl.store(p_o + HALF, (x2 * cos + x1 * sin).to(q_out.dtype.element_ty), mask=m_d)
+    if i_h < KV_HEADS:  # this head's key (rotated) and value go to the row's next column
+        column = tl.load(length + i_b).to(tl.int64)
+        p_k = k + i_b * sk_b + i_h * sk_h + o_d
+        y1 = tl.load(p_k, mask=m_d, other=0.0).to(tl.float32)
+        y2 = tl.load(p_k + HALF, mask=m_d, other=0.0).to(tl.float32)
+        p_key = key + i_b.to(tl.int64) * skey_b + column * skey_t + i_h * skey_h + o_d
+        tl.store(p_key, (y1 * cos - y2 * sin).to(key.dtype.element_ty), mask=m_d)
+        tl.store(p_key + HALF, (y2 * cos + y1 * sin).to(key.dtype.element_ty), mask=m_d)
+        p_v = v + i_b * sv_b + i_h * sv_h + o_d
+        p_val = value + i_b.to(tl.int64) * sval_b + column * sval_t + i_h * sval_h + o_d
+        tl.store(p_val, tl.load(p_v, mask=m_d, other=0.0).to(value.dtype.element_ty), mask=m_d)
+        tl.store(p_val + HALF, tl.load(p_v + HALF, mask=m_d, other=0.0).to(value.dtype.element_ty), mask=m_d)
+        if i_h == 0:
+            o_1 = tl.arange(0, 2)
+            tl.store(valid + i_b * s_valid + column + o_1, tl.full([2], 1, tl.uint8), mask=o_1 < 1)
+
+
+def rope_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor,
+                length: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One decode step's rotary embedding and cache write in one launch: q [B, H, D], k, v [B, Hkv, D]
+    (last dim contiguous); inv_freq [D / 2] fp32 (the rotary frequencies); position [B] (each row's
+    rotary position); length [B] (the column to write). k rotated and v are written at each row's
+    column of key, value [B, capacity, Hkv, D], and valid [B, capacity] (uint8) set there; the
+    counters are left to the caller. Returns q rotated [B, H, D] in q's dtype (the non-interleaved
+    "rotate half" convention of `mixers.softmax.apply_rotary`)."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if head_dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("rope_write_ needs an even head dim and q, k, v contiguous in their last dim")
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    _rope_write_kernel[(batch, heads)](
+        q, k, v, inv_freq, position, length, key, value, valid, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2), valid.stride(0),
+        KV_HEADS=kv_heads, HALF=head_dim // 2, BH=triton.next_power_of_2(head_dim // 2), num_warps=1,
+    )
+    return out

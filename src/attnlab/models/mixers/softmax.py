@@ -6,12 +6,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.modules import FusedProjections
+
+
+def rotary_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """The rotary frequencies [head_dim / 2], fp32."""
+    return theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [B, T, 1, head_dim] for integer positions [B, T]."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    inv_freq = rotary_inv_freq(head_dim, theta, positions.device)
     angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
     angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [B, T, 1, head_dim]
     return angles.cos(), angles.sin()
@@ -62,7 +69,6 @@ def write_static_kv(cache: dict, k: torch.Tensor, v: torch.Tensor, is_token: tor
 
 def decode_attention(choice: str, q, key, value, valid, length, scale: float) -> torch.Tensor:
     """One query per row over a static cache: attnlab's split-key Triton kernel on CUDA, SDPA elsewhere."""
-    from attnlab.models import kernels
     from attnlab.models.kernels.decode_attention import decode_attention as fused, decode_attention_reference
 
     if kernels.use_triton(choice, q):
@@ -71,7 +77,7 @@ def decode_attention(choice: str, q, key, value, valid, length, scale: float) ->
 
 
 @register_mixer("softmax")
-class SoftmaxAttention(Mixer):
+class SoftmaxAttention(FusedProjections, Mixer):
     default_options = {"num_kv_heads": None}  # None: as many as num_heads
     train_graph_safe = True
     static_kv = True  # decodes over static buffers (`static_state`)
@@ -117,9 +123,10 @@ class SoftmaxAttention(Mixer):
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]  # [B, T]
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
 
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_k is not None:
             k = torch.cat((past_k, k), dim=1)  # [B, past + T, Hkv, D]
@@ -133,6 +140,9 @@ class SoftmaxAttention(Mixer):
         y = self.o_proj(o.reshape(batch, seq_len, self.num_heads * self.head_dim))
         return y, new_cache
 
+    def projection_group(self) -> list[nn.Module]:
+        return [self.q_proj, self.k_proj, self.v_proj]
+
     def static_state(self, state: dict, capacity: int) -> dict:
         """The cache after a prefill as the decode engine keeps it: keys and values in buffers of
         `capacity` columns written in place one per step, `valid` [B, capacity] (1: a real token),
@@ -144,13 +154,23 @@ class SoftmaxAttention(Mixer):
         batch, seq_len, _ = x.shape
         if seq_len != 1:
             raise ValueError("a static decode cache takes one token per row; prefill with a dynamic cache")
-        cos, sin = rotary_cos_sin(cache["position"][:, None], self.head_dim, self.rope_theta)
-        q = self.q_proj(x).view(batch, 1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        is_token = None if attention_mask is None else attention_mask[:, -1]
-        write_static_kv(cache, k, v, is_token)
+        q, k, v = self.project(x)
+        q = q.view(batch, self.num_heads, self.head_dim)
+        k = k.view(batch, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, self.num_kv_heads, self.head_dim)
+        if attention_mask is None and kernels.use_triton(self.kernels, x):  # rotary and the cache write in one kernel
+            from attnlab.models.kernels.decode_attention import rope_write_
+
+            if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
+                self._inv_freq = rotary_inv_freq(self.head_dim, self.rope_theta, x.device)
+            q = rope_write_(q, k, v, self._inv_freq, cache["position"], cache["length"], cache["key"], cache["value"],
+                            cache["valid"].view(torch.uint8))[:, None]
+            cache["length"].add_(1)
+            cache["position"].add_(1)
+        else:
+            cos, sin = rotary_cos_sin(cache["position"][:, None], self.head_dim, self.rope_theta)
+            q, k = apply_rotary(q[:, None], cos, sin), apply_rotary(k[:, None], cos, sin)
+            write_static_kv(cache, k, v[:, None], None if attention_mask is None else attention_mask[:, -1])
         o = decode_attention(self.kernels, q[:, 0], cache["key"], cache["value"], cache["valid"], cache["length"], self.head_dim**-0.5)
         return self.o_proj(o.reshape(batch, 1, self.num_heads * self.head_dim))
 
