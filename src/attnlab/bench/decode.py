@@ -1,8 +1,8 @@
 """Decode throughput: attnlab's engine against HF `generate`, greedy and beam search.
 
 Rows are decoded with EOS disabled, so every row produces exactly `new_tokens` tokens and the
-timings compare equal work. On CUDA the engine decodes fixed-size-state models through CUDA
-graphs; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
+timings compare equal work. On CUDA the engine decodes fixed-size-state models, and HF causal LMs
+over a static KV cache, through CUDA graphs; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
 `hf_model`.
 """
 
@@ -47,16 +47,21 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, pad: int):
 
 @torch.no_grad()
 def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | None:
-    """Milliseconds per replay of the captured one-token step (CUDA, fixed-size-state models), else None."""
+    """Milliseconds per replay of the captured one-token step (CUDA: fixed-size-state models, and HF
+    causal LMs over a static KV cache), else None."""
     from attnlab.generation.graphs import StaticRunner, make_runner
+    from attnlab.generation.hf_static import HFStaticRunner
 
     runner = make_runner(model)
-    if not isinstance(runner, StaticRunner):
+    if not isinstance(runner, (StaticRunner, HFStaticRunner)):
         return None
+    runner.reserve(replays + 3)  # an HF static cache advances one slot per replay
     _, state = runner.prefill(prompts, torch.ones_like(prompts))
     tokens = prompts[:, -1]
     for _ in range(3):
         state.cache.step(tokens)  # capture and warm up
+    if state.cache.graph is None:  # the capture failed (the runner said why): no graph to time
+        return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
@@ -70,11 +75,18 @@ def _graph_step_ms(model, prompts: torch.Tensor, replays: int = 50) -> float | N
 def _step_kernels(model, prompts: torch.Tensor) -> dict | None:
     """The one-token step run eagerly under the CUDA profiler: how many kernels it launches and
     their summed GPU time (what the captured graph replays, without the gaps between kernels)."""
-    from attnlab.generation.graphs import StaticRunner, fixed_size_decoding
+    from attnlab.generation.graphs import StaticRunner, fixed_size_decoding, make_runner
+    from attnlab.generation.hf_static import HFStaticRunner
 
-    if prompts.device.type != "cuda" or not fixed_size_decoding(model):
+    if prompts.device.type != "cuda":
         return None
-    runner = StaticRunner(model, capture=False)
+    if fixed_size_decoding(model):
+        runner = StaticRunner(model, capture=False)
+    elif isinstance(make_runner(model), HFStaticRunner):
+        runner = HFStaticRunner(model, capture=False)
+        runner.reserve(4)
+    else:
+        return None
     _, state = runner.prefill(prompts, torch.ones_like(prompts))
     tokens = prompts[:, -1]
     state.cache.step(tokens)

@@ -144,6 +144,7 @@ def generate(
     was_training = model.training
     model.eval()
     runner = make_runner(model, cfg.cuda_graphs)
+    runner.reserve(cfg.max_new_tokens)
     try:
         # Decode in batches of similar lengths (less padding); results return in prompt order.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))

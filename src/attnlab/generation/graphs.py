@@ -191,9 +191,16 @@ def release_graphs(model) -> None:
 
 
 def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:
-    """The runner for `generate`: CUDA-graph steps for fixed-size-state attnlab models on CUDA
-    (unless `cuda_graphs` is "off"), kept between calls; the plain runner otherwise."""
+    """The runner for `generate`: CUDA-graph steps for fixed-size-state attnlab models and for HF
+    causal LMs over a static KV cache (hf_static.py) on CUDA (unless `cuda_graphs` is "off"), kept
+    between calls; the plain runner otherwise."""
     on_cuda = next(model.parameters()).device.type == "cuda"
     if cuda_graphs == "auto" and on_cuda and fixed_size_decoding(model) and not model.training:
         return cached_static_runner(model, capture=True)
+    from attnlab.models.modeling import AttnLabPreTrainedModel
+
+    if cuda_graphs == "auto" and on_cuda and not model.training and not isinstance(model, AttnLabPreTrainedModel):
+        from .hf_static import hf_static_runner
+
+        return hf_static_runner(model, capture=True)
     return ModelRunner(model)

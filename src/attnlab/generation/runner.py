@@ -48,6 +48,10 @@ class ModelRunner:
         # of several), in every step and on every path, so the graphed and eager paths stay equal
         self.fused = fuse_projections(model) if isinstance(model, AttnLabPreTrainedModel) else []
 
+    def reserve(self, new_tokens: int) -> None:
+        """Called before prefills that are followed by up to `new_tokens` steps (runners with
+        preallocated caches size them by it; this one grows its cache as it goes)."""
+
     def refresh_fused(self) -> None:
         """Copy the modules' current weights into the fused stacks (in place: captured graphs read them)."""
         with torch.no_grad():
