@@ -211,7 +211,8 @@ class HFStaticRunner(ModelRunner):
         # position ids always go in (also through wrappers that pass **kwargs on, such as PEFT's), so that
         # the prompt and the steps agree on them
         self.takes_positions = self.takes_positions or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        self.dtype = next(model.parameters()).dtype
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.dtype = embeddings.weight.dtype if embeddings is not None else next(model.parameters()).dtype  # eager masks' dtype
         self.model = weakref.proxy(model)  # kept between generate calls: hold the model weakly
         self.capture = capture
         self.graphs = capture  # False once a capture failed: steps then run eagerly
