@@ -5,7 +5,9 @@ On CPU the static step runs eagerly over the same buffers and 4D mask that the C
 the CUDA test at the end holds the captured step to the eager one.
 """
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -194,9 +196,21 @@ def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_th
     first = hf_static_runner(model, capture=False)
     assert isinstance(first, HFStaticRunner) and hf_static_runner(model, capture=False) is first
     model.double()  # new tensors: the buffers (and any captured graph) no longer apply
-    assert hf_static_runner(model, capture=False) is not first
-    release_graphs(model)
-    assert model not in _RUNNERS
+    second = hf_static_runner(model, capture=False)
+    assert second is not first
+    ids = torch.randint(0, 256, (2, 5))
+    second.reserve(4)
+    _, state = second.prefill(ids, torch.ones_like(ids))
+    second.select(state, torch.tensor([0, 0, 1, 1]))
+    kept = weakref.ref(second)
+    gc.disable()
+    try:
+        del first, second, state
+        release_graphs(model)
+        assert model not in _RUNNERS
+        assert kept() is None  # freed at once: no reference cycle keeps its buffers until a garbage collection
+    finally:
+        gc.enable()
 
 
 def test_without_cuda_hf_models_decode_with_the_plain_runner():

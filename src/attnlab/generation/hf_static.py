@@ -82,7 +82,7 @@ class HFStaticStep:
     def __init__(self, runner: HFStaticRunner, batch: int):
         from transformers import StaticCache
 
-        self.runner, self.model = runner, runner.model
+        self.runner, self.model = weakref.proxy(runner), runner.model  # weakly: the runner owns its steps
         self.batch, self.max_len = batch, runner.max_len
         device = runner.device
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
