@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from attnlab.data import ByteTokenizer
@@ -141,6 +142,34 @@ def test_beam_reorder_gathers_into_the_same_buffers_and_new_batch_sizes_get_thei
     assert state.cache is wide and [layer.keys.data_ptr() for layer in wide.cache.layers] == pointers
     assert torch.equal(wide.cache.layers[0].keys[:, :, :6], before[[1, 0, 3, 3], :, :6])
     assert wide.length == 6 and int(wide.cache.layers[0].cumulative_length) == 6
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every aten op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name().split(".")[0])  # without the overload
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "llama-eager"])
+def test_the_step_that_cuda_graphs_record_never_reads_back_to_the_host(name):
+    model = llama(attn_implementation="eager") if name == "llama-eager" else MODELS[name]()
+    runner = HFStaticRunner(model, capture=False)
+    runner.reserve(4)
+    ids = torch.randint(0, 256, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    _, state = runner.prefill(ids, mask)
+    with torch.no_grad(), _Ops() as ops:
+        state.cache._run()
+    syncing = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::unique",
+               "aten::lift_fresh", "aten::_unique2", "aten::equal", "aten::is_nonzero"}  # reads, or tensors from host data
+    assert "aten::index_copy_" in ops.names and not syncing & set(ops.names)
 
 
 def test_a_second_call_in_the_same_block_reuses_the_buffers_and_a_longer_one_resizes_them(monkeypatch):
