@@ -203,11 +203,17 @@ def test_a_step_past_the_reserved_length_is_refused():
         runner.step(ids[:, -1], state)
 
 
+def spread(model):
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": "cpu"}  # as accelerate's device_map leaves it
+    return model
+
+
 @pytest.mark.parametrize("make, reason", [
     (lambda: qwen3(use_sliding_window=True, sliding_window=8, max_window_layers=0), "StaticSlidingWindowLayer"),
     (lambda: llama(attn_implementation="flex_attention"), "flex_attention"),
     (lambda: llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "dynamic RoPE"),
-], ids=["sliding-window", "flex-attention", "dynamic-rope"])
+    (lambda: spread(llama()), "spread over"),
+], ids=["sliding-window", "flex-attention", "dynamic-rope", "several-devices"])
 def test_a_model_the_static_path_does_not_cover_decodes_with_the_plain_runner_and_one_warning(make, reason):
     model = make()
     assert reason in static_cache_problem(model)

@@ -55,6 +55,9 @@ def static_cache_problem(model) -> str | None:
     attn = getattr(config, "_attn_implementation", None)
     if attn not in MASKS:
         return f"attention implementation {attn!r} takes no 4D mask (use sdpa or eager)"
+    placed = set(getattr(model, "hf_device_map", None) and model.hf_device_map.values() or ())
+    if len(placed) > 1:
+        return f"its layers are spread over {', '.join(sorted(map(str, placed)))}"
     params = inspect.signature(model.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     missing = [name for name in ("attention_mask", "past_key_values") if name not in params and not takes_any]
