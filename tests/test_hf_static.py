@@ -76,13 +76,18 @@ def test_llama_qwen3_and_smollm2_shapes_decode_over_a_static_cache(name):
     assert probe(model) is None
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("settings", [
-    dict(),
-    dict(min_new_tokens=4),
-    dict(num_beams=4, length_penalty=1.5, early_stopping=False, min_new_tokens=2),
-    dict(num_beams=4, length_penalty=0.6, early_stopping=True, num_return_sequences=2),
-], ids=["greedy", "greedy-min-new", "beam4", "beam4-early-2-returned"])
+HF_SETTINGS = {
+    "greedy": dict(),
+    "beam4": dict(num_beams=4, length_penalty=1.5, early_stopping=False, min_new_tokens=2),
+    "greedy-min-new": dict(min_new_tokens=4),
+    "beam4-early-2-returned": dict(num_beams=4, length_penalty=0.6, early_stopping=True, num_return_sequences=2),
+}
+
+
+@pytest.mark.parametrize("name, settings", [(name, HF_SETTINGS[s]) for name in sorted(MODELS) for s in ("greedy", "beam4")]
+                         + [("llama", HF_SETTINGS[s]) for s in ("greedy-min-new", "beam4-early-2-returned")],
+                         ids=[f"{name}-{s}" for name in sorted(MODELS) for s in ("greedy", "beam4")]
+                         + ["llama-greedy-min-new", "llama-beam4-early-2-returned"])
 def test_static_cache_decoding_matches_hf_generate_token_for_token_with_left_padding(name, settings, monkeypatch):
     model = MODELS[name]()
     eos = [257, ending_token(model)]
