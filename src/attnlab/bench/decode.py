@@ -1,9 +1,9 @@
 """Decode throughput: attnlab's engine against HF `generate`, greedy and beam search.
 
 Rows are decoded with EOS disabled, so every row produces exactly `new_tokens` tokens and the
-timings compare equal work. On CUDA the engine decodes fixed-size-state models, and HF causal LMs
-over a static KV cache, through CUDA graphs; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
-`hf_model`.
+timings compare equal work. On CUDA the engine decodes fixed-size-state models, and HF causal
+LMs over a static KV cache, through CUDA graphs; HF `generate` runs the same model, or a peer
+model (fla's GLAForCausalLM) given as `hf_model`.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _step_kernels(model, prompts: torch.Tensor) -> dict | None:
         runner = StaticRunner(model, capture=False)
     elif isinstance(make_runner(model), HFStaticRunner):
         runner = HFStaticRunner(model, capture=False)
-        runner.reserve(4)
+        runner.reserve(16)  # the steps below and the profiler's
     else:
         return None
     _, state = runner.prefill(prompts, torch.ones_like(prompts))
