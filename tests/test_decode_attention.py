@@ -61,9 +61,10 @@ def test_softmax_decodes_statically_and_refuses_without_a_length_bound():
     assert static_decoding(model)
     runner = StaticRunner(model, capture=False)
     ids, mask = torch.randint(0, 64, (2, 7)), torch.ones(2, 7, dtype=torch.long)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="reserve"):
         runner.prefill(ids, mask)
-    logits, state = runner.prefill(ids, mask, max_new_tokens=3)
+    runner.reserve(3)
+    logits, state = runner.prefill(ids, mask)
     buffers = state.cache.states[0]
     assert buffers["key"].shape[1] == 256 and buffers["length"].tolist() == [7, 7]
     step = runner.step(logits.argmax(-1), state)

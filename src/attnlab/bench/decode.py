@@ -2,8 +2,8 @@
 
 Rows are decoded with EOS disabled, so every row produces exactly `new_tokens` tokens and the
 timings compare equal work. On CUDA the engine decodes through CUDA graphs the models whose
-layers keep fixed-size states or static KV buffers; HF `generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as
-`hf_model`.
+layers keep fixed-size states or static KV buffers, and HF causal LMs over a static KV cache; HF
+`generate` runs the same model, or a peer model (fla's GLAForCausalLM) given as `hf_model`.
 """
 
 from __future__ import annotations
@@ -47,19 +47,23 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, pad: int):
 
 @torch.no_grad()
 def _graph_step_ms(model, prompts: torch.Tensor, new_tokens: int, replays: int = 50) -> float | None:
-    """Milliseconds per replay of the captured one-token step (CUDA, models that decode over static
-    buffers), else None. KV buffers are sized for `new_tokens` after the prompts; the replays rewrite
-    one column (the timing is the step's at that fill)."""
+    """Milliseconds per replay of the captured one-token step (CUDA: attnlab models that decode over
+    static buffers, HF causal LMs over a static KV cache), else None. attnlab's KV buffers are sized
+    for `new_tokens` after the prompts and the replays rewrite one column (the step's time at that fill)."""
     from attnlab.generation.graphs import StaticRunner, make_runner
+    from attnlab.generation.hf_static import HFStaticRunner
 
     runner = make_runner(model)
-    if not isinstance(runner, StaticRunner):
+    if not isinstance(runner, (StaticRunner, HFStaticRunner)):
         return None
-    _, state = runner.prefill(prompts, torch.ones_like(prompts), new_tokens)
+    runner.reserve(max(new_tokens, replays + 3))  # an HF static cache advances one slot per replay
+    _, state = runner.prefill(prompts, torch.ones_like(prompts))
     tokens = prompts[:, -1]
     columns = [s["length"] for s in state.cache.states if "length" in s]
     for _ in range(3):
         state.cache.step(tokens)  # capture and warm up
+    if state.cache.graph is None:  # the capture failed (the runner said why): no graph to time
+        return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
@@ -75,12 +79,20 @@ def _graph_step_ms(model, prompts: torch.Tensor, new_tokens: int, replays: int =
 def _step_kernels(model, prompts: torch.Tensor, new_tokens: int) -> dict | None:
     """The one-token step run eagerly under the CUDA profiler: how many kernels it launches and
     their summed GPU time (what the captured graph replays, without the gaps between kernels)."""
-    from attnlab.generation.graphs import StaticRunner, static_decoding
+    from attnlab.generation.graphs import StaticRunner, make_runner, static_decoding
+    from attnlab.generation.hf_static import HFStaticRunner
 
-    if prompts.device.type != "cuda" or not static_decoding(model):
+    if prompts.device.type != "cuda":
         return None
-    runner = StaticRunner(model, capture=False)
-    _, state = runner.prefill(prompts, torch.ones_like(prompts), new_tokens)
+    if static_decoding(model):
+        runner = StaticRunner(model, capture=False)
+        runner.reserve(new_tokens)
+    elif isinstance(make_runner(model), HFStaticRunner):
+        runner = HFStaticRunner(model, capture=False)
+        runner.reserve(16)  # the steps below and the profiler's
+    else:
+        return None
+    _, state = runner.prefill(prompts, torch.ones_like(prompts))
     tokens = prompts[:, -1]
     state.cache.step(tokens)
     prof = profile_step(lambda: state.cache.step(tokens))

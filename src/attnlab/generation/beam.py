@@ -33,7 +33,7 @@ def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConf
     K, L, lp = cfg.num_beams, cfg.max_new_tokens, cfg.length_penalty
     device = runner.device
     input_ids, mask = left_pad(prompts, pad_id, device)
-    logits, state = runner.prefill(input_ids, mask, cfg.max_new_tokens)  # [B, V]
+    logits, state = runner.prefill(input_ids, mask)  # [B, V]
     B, V = logits.shape
     expand = torch.arange(B, device=device).repeat_interleave(K)
     runner.select(state, expand)  # every prompt's state copied to its K beams

@@ -144,6 +144,7 @@ def generate(
     was_training = model.training
     model.eval()
     runner = make_runner(model, cfg.cuda_graphs)
+    runner.reserve(cfg.max_new_tokens)
     try:
         # Decode in batches of similar lengths (less padding); results return in prompt order.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
@@ -194,7 +195,7 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
     n = cfg.num_return_sequences
     rows = [p for p in prompts for _ in range(n)]  # each prompt n times, like HF's expansion
     input_ids, mask = left_pad(rows, pad_id, runner.device)
-    logits, state = runner.prefill(input_ids, mask, cfg.max_new_tokens)
+    logits, state = runner.prefill(input_ids, mask)
     vocab = logits.shape[-1]
     eos_t = torch.tensor([e for e in eos if e < vocab], dtype=torch.long, device=runner.device)
     eos_set = set(eos)
@@ -259,7 +260,7 @@ def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], c
     n, device = cfg.num_return_sequences, runner.device
     rows = [p for p in prompts for _ in range(n)]
     input_ids, mask = left_pad(rows, pad_id, device)
-    logits, state = runner.prefill(input_ids, mask, cfg.max_new_tokens)
+    logits, state = runner.prefill(input_ids, mask)
     R, vocab = logits.shape
     eos_t = torch.tensor([e for e in eos if e < vocab], dtype=torch.long, device=device)
     seen = None

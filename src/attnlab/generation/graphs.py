@@ -163,6 +163,7 @@ class StaticRunner(ModelRunner):
         self.capture = capture
         self.steps: dict[int, StaticStep] = {}
         self.columns: frozenset[str] = frozenset()
+        self.reserved: int | None = None  # `reserve`
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def _static(self, states: list[dict[str, torch.Tensor]], prefix: int) -> StaticStep:
@@ -175,15 +176,19 @@ class StaticRunner(ModelRunner):
         step.prefix = prefix
         return step
 
+    def reserve(self, max_new_tokens: int) -> None:
+        """The most steps that follow each prefill: KV buffers are sized for them."""
+        self.reserved = max_new_tokens
+
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                max_new_tokens: int | None = None) -> tuple[torch.Tensor, DecodeState]:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
         logits, state = super().prefill(input_ids, attention_mask)
+        max_new_tokens = self.reserved
         states = state.cache.states
         layers = [block.attn for block in self.model.model.layers]
         if any(not getattr(attn, "fixed_size_state", False) for attn in layers):
             if max_new_tokens is None:
-                raise ValueError("static decoding of a KV-cache model needs max_new_tokens to size its buffers")
+                raise ValueError("static decoding of a KV-cache model sizes its buffers for the steps that follow: call reserve(max_new_tokens) first")
             capacity = kv_capacity(input_ids.shape[1], max_new_tokens)
             states = [s if getattr(attn, "fixed_size_state", False) else attn.static_state(s, capacity)
                       for attn, s in zip(layers, states)]
@@ -236,8 +241,15 @@ def release_graphs(model) -> None:
 
 def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:
     """The runner for `generate`: CUDA-graph steps for attnlab models that decode over static buffers
-    on CUDA (unless `cuda_graphs` is "off"), kept between calls; the plain runner otherwise."""
+    and for HF causal LMs over a static KV cache (hf_static.py) on CUDA (unless `cuda_graphs` is
+    "off"), kept between calls; the plain runner otherwise."""
     on_cuda = next(model.parameters()).device.type == "cuda"
     if cuda_graphs == "auto" and on_cuda and static_decoding(model) and not model.training:
         return cached_static_runner(model, capture=True)
+    from attnlab.models.modeling import AttnLabPreTrainedModel
+
+    if cuda_graphs == "auto" and on_cuda and not model.training and not isinstance(model, AttnLabPreTrainedModel):
+        from .hf_static import hf_static_runner
+
+        return hf_static_runner(model, capture=True)
     return ModelRunner(model)

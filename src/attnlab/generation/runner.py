@@ -48,6 +48,10 @@ class ModelRunner:
         # of several), in every step and on every path, so the graphed and eager paths stay equal
         self.fused = fuse_projections(model) if isinstance(model, AttnLabPreTrainedModel) else []
 
+    def reserve(self, new_tokens: int) -> None:
+        """Called before prefills that are followed by up to `new_tokens` steps (runners with
+        preallocated caches size them by it; this one grows its cache as it goes)."""
+
     def refresh_fused(self) -> None:
         """Copy the modules' current weights into the fused stacks (in place: captured graphs read them)."""
         with torch.no_grad():
@@ -71,9 +75,7 @@ class ModelRunner:
         return logits, out.past_key_values
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                max_new_tokens: int | None = None) -> tuple[torch.Tensor, DecodeState]:
-        """Run the prompts; `max_new_tokens` (the most steps that follow) lets a static runner size its buffers."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         logits, cache = self._forward(input_ids, attention_mask, positions, None)
         return logits, DecodeState(cache, attention_mask, positions[:, -1] + 1)
