@@ -29,6 +29,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile
 TARGET_PROGRAMS = 1024  # enough ranges in flight to keep every SM reading
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -138,7 +139,7 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, va
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         valid.stride(0), bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         H=heads, GROUP=heads // kv_heads, D=head_dim, BD=block_d, SPLIT=split, NS=splits, BN=BLOCK_N,
-        HAS_CLAMP=clamp is not None, HAS_BIAS=bias is not None, num_warps=4,
+        HAS_CLAMP=clamp is not None, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
     )
     o = torch.empty(batch, heads, head_dim, dtype=out_dtype or q.dtype, device=q.device)
     summary = torch.empty(batch, heads, 3, dtype=torch.float32, device=q.device) if stats else part_ml
