@@ -59,7 +59,7 @@ def _graph_step_ms(model, prompts: torch.Tensor, new_tokens: int, replays: int =
     runner.reserve(max(new_tokens, replays + 3))  # an HF static cache advances one slot per replay
     _, state = runner.prefill(prompts, torch.ones_like(prompts))
     tokens = prompts[:, -1]
-    columns = [s["length"] for s in state.cache.states if "length" in s]
+    columns = [s["length"] for s in getattr(state.cache, "states", []) if "length" in s]  # attnlab KV buffers
     for _ in range(3):
         state.cache.step(tokens)  # capture and warm up
     if state.cache.graph is None:  # the capture failed (the runner said why): no graph to time
