@@ -128,6 +128,16 @@ def test_the_step_runs_the_kernels_only_on_cuda_without_gradients():
         assert not mixer.fused_step_applies(x, conv_state, ssm_state)  # gradients wanted
 
 
+def test_a_conv_kernel_size_the_kernels_do_not_cover_falls_back_to_the_reference_with_a_warning():
+    with pytest.warns(UserWarning, match="decoding step run the PyTorch reference"):
+        mixer = make_mixer(16, 2, 8, 1, 9, kernels="auto")
+    if torch.cuda.is_available():
+        mixer.cuda()
+        conv_state, ssm_state = torch.zeros(1, mixer.conv_dim, 8, device="cuda"), torch.zeros(1, 2, 16, 8, device="cuda")
+        with torch.no_grad():
+            assert not mixer.fused_step_applies(torch.zeros(1, 1, 16, device="cuda"), conv_state, ssm_state)
+
+
 def tiny_model(device="cpu", kernels="auto", dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     config = AttnLabConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, mixer="mamba2", kernels=kernels,

@@ -116,7 +116,7 @@ class Mamba2(Mixer):
         self.conv_gap = kernels.causal_conv1d_gap(self.conv_kernel_size)
         if self.conv_gap and config.kernels != "torch" and layer_idx == 0:
             warnings.warn(f"mixer 'mamba2': attnlab's CUDA conv kernel does not cover {self.conv_gap}; on CUDA the "
-                          "convolution runs the PyTorch reference", stacklevel=2)
+                          "convolution and the decoding step run the PyTorch reference", stacklevel=2)
 
     def forward(
         self,
