@@ -180,6 +180,19 @@ def test_model_forward_on_the_fused_step_decodes_as_the_reference(monkeypatch):
     assert rel_err(logits, ref_logits) <= 1e-5
 
 
+@torch.no_grad()
+def test_a_step_whose_new_state_is_not_asked_for_leaves_the_cache_alone(monkeypatch):
+    monkeypatch.setattr(Mamba2, "fused_step_applies", lambda self, x, c, s: c is not None)
+    mixer = make_mixer(*SHAPES["one group"])
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(6))
+    _, cache = mixer(x[:, :5], use_cache=True)
+    before = {name: t.clone() for name, t in cache.items()}
+    out, none = mixer(x[:, 5:], cache=cache, use_cache=False)  # the reference step: nothing advanced in place
+    assert none is None and all(torch.equal(cache[name], before[name]) for name in before)
+    fused_out, _ = mixer(x[:, 5:], cache=cache, use_cache=True)
+    assert rel_err(fused_out, out) <= 1e-5 and not torch.equal(cache["recurrent_state"], before["recurrent_state"])
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 
 

@@ -128,8 +128,8 @@ class Mamba2(Mixer):
         batch, seq_len, _ = x.shape
         conv_state = cache["conv_state"] if cache is not None else None
         ssm_state = cache["recurrent_state"] if cache is not None else None
-        if seq_len == 1 and self.fused_step_applies(x, conv_state, ssm_state):
-            return self.fused_step(x, attention_mask, conv_state, ssm_state, use_cache)
+        if seq_len == 1 and use_cache and self.fused_step_applies(x, conv_state, ssm_state):  # the caller takes the new state
+            return self.fused_step(x, attention_mask, conv_state, ssm_state)
         z, xBC, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, H]
         if attention_mask is not None:
@@ -158,7 +158,7 @@ class Mamba2(Mixer):
         return self.out_proj(self.norm(y, z).to(x.dtype)), cached
 
     def fused_step_applies(self, x: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> bool:
-        """Whether this one-token step with a cache runs `kernels/mamba2_step.py`: CUDA tensors, kernels
+        """Whether a one-token step that continues a cache runs `kernels/mamba2_step.py`: CUDA tensors, kernels
         not "torch", a conv kernel size it covers, both states there (ssm_state fp32), no float64, and
         no gradient wanted (the kernels advance the states in place and have no backward)."""
         return (conv_state is not None and ssm_state is not None and ssm_state.dtype == torch.float32
@@ -166,7 +166,7 @@ class Mamba2(Mixer):
                 and kernels.use_triton(self.kernels, x, covered=not self.conv_gap))
 
     def fused_step(self, x: torch.Tensor, attention_mask: torch.Tensor | None, conv_state: torch.Tensor,
-                   ssm_state: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, dict | None]:
+                   ssm_state: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The decoding step on two Triton kernels between the two projections, the conv window and the
         SSM state advanced where they lie (the engine's buffers: nothing to copy back)."""
         from attnlab.models.kernels.mamba2_step import mamba2_step_
@@ -176,8 +176,7 @@ class Mamba2(Mixer):
         conv_state, ssm_state = conv_state.contiguous(), ssm_state.contiguous()  # copies only if they are views across rows
         y = mamba2_step_(xBC, z, dt, conv_state, ssm_state, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias,
                          self.A_log, self.D, self.norm.weight, self.norm.group_size, self.norm.eps, self.n_groups, keep)
-        cached = {"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None
-        return self.out_proj(y.to(x.dtype))[:, None], cached
+        return self.out_proj(y.to(x.dtype))[:, None], {"conv_state": conv_state, "recurrent_state": ssm_state}
 
     def _conv(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
         """Causal depthwise conv + SiLU over [B, T, conv_dim]; returns it and the last K - 1 inputs."""
