@@ -12,7 +12,9 @@ Parameter names match fla so checkpoints map one to one. The cache holds
 Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
 On CUDA (kernels not "torch") the parallel form runs the SSD on attnlab's chunked Triton kernels
 (`attnlab.models.kernels.ssd`) and, with fla installed, the gated norm with the output projection on
-fla's fused norm kernel (`attnlab.models.kernels.mamba2`); decoding steps stay `ssd_step`.
+fla's fused norm kernel (`attnlab.models.kernels.mamba2`); a decoding step (one token, a cache, no
+gradient) runs between its two projections on two Triton kernels that advance the conv window and the
+SSM state in place (`attnlab.models.kernels.mamba2_step`), and elsewhere on `ssd_step`.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class Mamba2(Mixer):
         self.conv_gap = kernels.causal_conv1d_gap(self.conv_kernel_size)
         if self.conv_gap and config.kernels != "torch" and layer_idx == 0:
             warnings.warn(f"mixer 'mamba2': attnlab's CUDA conv kernel does not cover {self.conv_gap}; on CUDA the "
-                          "convolution runs the PyTorch reference", stacklevel=2)
+                          "convolution and the decoding step run the PyTorch reference", stacklevel=2)
 
     def forward(
         self,
@@ -124,14 +126,16 @@ class Mamba2(Mixer):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         batch, seq_len, _ = x.shape
+        conv_state = cache["conv_state"] if cache is not None else None
+        ssm_state = cache["recurrent_state"] if cache is not None else None
+        if seq_len == 1 and use_cache and self.fused_step_applies(x, conv_state, ssm_state):  # the caller takes the new state
+            return self.fused_step(x, attention_mask, conv_state, ssm_state)
         z, xBC, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, H]
         if attention_mask is not None:
             is_token = attention_mask[:, -seq_len:, None].to(torch.bool)  # [B, T, 1]
             xBC, dt = xBC * is_token, dt * is_token
 
-        conv_state = cache["conv_state"] if cache is not None else None
-        ssm_state = cache["recurrent_state"] if cache is not None else None
         xBC, conv_state = self._conv(xBC, conv_state)
         xs, B, C = xBC.split(
             [self.intermediate_size, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1
@@ -152,6 +156,27 @@ class Mamba2(Mixer):
             # the norm and the projection in one autograd node that does not keep the normed tensor
             return gated_norm_linear(y, z, self.norm.weight, self.out_proj.weight, self.norm.group_size, self.norm.eps), cached
         return self.out_proj(self.norm(y, z).to(x.dtype)), cached
+
+    def fused_step_applies(self, x: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> bool:
+        """Whether a one-token step that continues a cache runs `kernels/mamba2_step.py`: CUDA tensors, kernels
+        not "torch", a conv kernel size it covers, both states there (ssm_state fp32), no float64, and
+        no gradient wanted (the kernels advance the states in place and have no backward)."""
+        return (conv_state is not None and ssm_state is not None and ssm_state.dtype == torch.float32
+                and x.dtype != torch.float64 and not torch.is_grad_enabled()
+                and kernels.use_triton(self.kernels, x, covered=not self.conv_gap))
+
+    def fused_step(self, x: torch.Tensor, attention_mask: torch.Tensor | None, conv_state: torch.Tensor,
+                   ssm_state: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The decoding step on two Triton kernels between the two projections, the conv window and the
+        SSM state advanced where they lie (the engine's buffers: nothing to copy back)."""
+        from attnlab.models.kernels.mamba2_step import mamba2_step_
+
+        z, xBC, dt = self.in_proj(x)[:, 0].split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        keep = None if attention_mask is None else attention_mask[:, -1]  # [B]: 0 for a padding position
+        conv_state, ssm_state = conv_state.contiguous(), ssm_state.contiguous()  # copies only if they are views across rows
+        y = mamba2_step_(xBC, z, dt, conv_state, ssm_state, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias,
+                         self.A_log, self.D, self.norm.weight, self.norm.group_size, self.norm.eps, self.n_groups, keep)
+        return self.out_proj(y.to(x.dtype))[:, None], {"conv_state": conv_state, "recurrent_state": ssm_state}
 
     def _conv(self, xBC: torch.Tensor, conv_state: torch.Tensor | None):
         """Causal depthwise conv + SiLU over [B, T, conv_dim]; returns it and the last K - 1 inputs."""
