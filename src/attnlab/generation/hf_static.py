@@ -94,6 +94,7 @@ class HFStaticStep:
         self.allowed = torch.ones(batch, self.max_len, dtype=torch.bool, device=device)  # False over left padding
         self.slots = torch.arange(self.max_len, device=device)
         self.length = 0  # tokens in the cache, counted on the host: the slot the next step writes
+        self.prefix = 0  # leading slots every beam of a prompt shares (the prompt's), set at prefill
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.additive = MASKS[self.model.config._attn_implementation] == "additive"
@@ -182,9 +183,10 @@ class HFStaticStep:
             yield layer.values
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Row r becomes old row rows[r] (beam search): a gather into the same buffers, over the written slots."""
+        """Row r becomes old row rows[r] (beam search: rows move among the beams of one prompt), in
+        place, over the slots written after the prompt: every beam of a prompt holds the same prompt."""
         for buf in self._buffers():
-            written = buf[:, :, :self.length]
+            written = buf[:, :, self.prefix:self.length]
             written.copy_(written.index_select(0, rows))
         self.positions.copy_(self.positions.index_select(0, rows))
         self.allowed.copy_(self.allowed.index_select(0, rows))
@@ -199,7 +201,7 @@ class HFStaticStep:
             mine.cumulative_length.copy_(theirs.cumulative_length)
         self.positions.copy_(source.positions.index_select(0, rows))
         self.allowed.copy_(source.allowed.index_select(0, rows))
-        self.length = source.length
+        self.length, self.prefix = source.length, source.prefix
 
 
 class HFStaticRunner(ModelRunner):
@@ -241,6 +243,7 @@ class HFStaticRunner(ModelRunner):
             self.max_len = length
         step = self._step(input_ids.shape[0])
         step.begin(attention_mask)
+        step.prefix = input_ids.shape[1]  # the prompt's slots, shared by the beams made from it
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         logits, _ = self._forward(input_ids, attention_mask, positions, step.cache)
         step.positions.copy_(positions[:, -1] + 1)
