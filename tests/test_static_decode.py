@@ -15,7 +15,7 @@ from attnlab.models import MIXERS, AttnLabConfig, AttnLabForCausalLM
 PROMPTS = ["Hello there, friend", "A", "The quick brown fox jumps", "Be"]
 FIXED = sorted(name for name, cls in MIXERS.items() if getattr(cls, "fixed_size_state", False))
 STATIC = FIXED + ["softmax"]  # fixed-size states, and KV caches in static buffers
-FAMILY_KV = ["2mamba-e", "gated_softmax", "softmax_taylor_80terms"]  # the attention family's KV variants: decay, counts, clamps
+FAMILY_KV = ["2mamba-e", "gated_softmax", "softmax_taylor_80terms", "nsa"]  # the attention family's KV variants (decay, counts, clamps) and NSA
 
 
 def model_for(mixer: str):
@@ -197,3 +197,18 @@ def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_th
     assert cached_static_runner(model, capture=False) is not first
     release_graphs(model)
     assert model not in _RUNNERS
+
+
+@pytest.mark.parametrize("compression", ["mean", "mlp"])
+@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[3]], ids=["greedy", "beam3"])
+def test_nsa_decodes_statically_as_dynamically_across_block_boundaries(compression, settings, monkeypatch):
+    """Blocks of 4 tokens: the static step recompresses the block its token falls in, and selection,
+    window and compressed attention read only complete blocks, as the dynamic cache does."""
+    torch.manual_seed(0)
+    options = dict(block_size=4, block_counts=3, window_size=6, compression=compression)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, mixer="nsa",
+                                             mixer_options=options)).eval()
+    settings = {**settings, "max_new_tokens": 14}
+    dynamic = run(model, False, monkeypatch, batch_size=4, **settings)
+    static = run(model, True, monkeypatch, batch_size=4, **settings)
+    assert [[c[:2] for c in r] for r in static] == [[c[:2] for c in r] for r in dynamic]

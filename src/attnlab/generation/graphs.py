@@ -193,7 +193,10 @@ class StaticRunner(ModelRunner):
             states = [s if getattr(attn, "fixed_size_state", False) else attn.static_state(s, capacity)
                       for attn, s in zip(layers, states)]
             self.columns = frozenset(getattr(layers[0], "static_columns", ())) | self.columns
-        state.cache = self._static(states, prefix=input_ids.shape[1])
+        prefix = input_ids.shape[1]  # every beam of a prompt holds the same prompt columns
+        if any(getattr(attn, "left_aligned", False) for attn in layers):  # ... up to the shortest prompt's length there
+            prefix = int(attention_mask.sum(1).min())
+        state.cache = self._static(states, prefix=prefix)
         return logits, state
 
     @torch.no_grad()

@@ -156,6 +156,67 @@ class NativeSparseAttention(Mixer):
         self.last_stats: dict[str, torch.Tensor | float] = {}
         self._stats_buffer: torch.Tensor | None = None  # the statistics' values; last_stats holds views of it
 
+    static_kv = True  # decodes over static buffers (`static_state`)
+    static_columns = ("key", "value")  # the static buffers whose prompt columns every beam of a prompt shares
+    left_aligned = True  # each row's tokens start at column 0 (no left padding): its prompt ends at its own length
+
+    def static_state(self, state: dict, capacity: int) -> dict:
+        """The cache after a prefill as the decode engine keeps it: each row's real tokens' keys and
+        values (left-aligned, as the dynamic cache keeps them) in buffers of `capacity` columns, the
+        compressed blocks in buffers of capacity / block_size, `length` [B] (tokens per row) and a
+        `static` flag. A step writes its token at its row's length and recompresses the block it falls
+        in, which the step's attention reads only once the block is complete."""
+        key, key_cmp = state["key"], state["key_cmp"]
+        batch, written = key.shape[:2]
+        if capacity < written:
+            raise ValueError(f"a static cache of {capacity} columns cannot hold {written} tokens")
+
+        def buffer(t: torch.Tensor, columns: int) -> torch.Tensor:
+            out = t.new_zeros(batch, columns, *t.shape[2:])
+            out[:, :t.shape[1]] = t
+            return out
+
+        blocks = -(-capacity // self.block_size)
+        return {"key": buffer(key, capacity), "value": buffer(state["value"], capacity),
+                "key_cmp": buffer(key_cmp, blocks), "value_cmp": buffer(state["value_cmp"], blocks),
+                "length": state["length"].clone(), "static": torch.ones(batch, dtype=torch.bool, device=key.device)}
+
+    def _static_step(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache: dict) -> torch.Tensor:
+        """One token per row over the static cache, written where it lies (see `static_state`)."""
+        batch, seq_len, _ = x.shape
+        if seq_len != 1 or attention_mask is not None:
+            raise ValueError("a static NSA cache takes one real token per row; prefill with a dynamic cache")
+        q = self.q_proj(x).view(batch, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
+        g_cmp, g_slc, g_swa = self.g_proj(x).view(batch, self.num_heads, 3).sigmoid().unbind(-1)
+        pos = cache["length"]  # each row's tokens so far: this token's position and column
+        cos, sin = rotary_cos_sin(pos[:, None], self.head_dim, self.rope_theta)
+        q, k = apply_rotary(q[:, None], cos, sin)[:, 0], apply_rotary(k, cos, sin)
+        key, value = cache["key"], cache["value"]
+        index = pos.view(-1, 1, 1, 1).expand(-1, 1, *k.shape[2:])
+        key.scatter_(1, index, k.to(key.dtype))
+        value.scatter_(1, index, v.to(value.dtype))
+        # the block this token falls in, compressed again from its columns (complete or not: the
+        # attention reads a block only once its last token is in)
+        bs = self.block_size
+        block = torch.div(pos, bs, rounding_mode="floor").clamp(max=cache["key_cmp"].shape[1] - 1)
+        columns = (block[:, None] * bs + torch.arange(bs, device=x.device)).clamp(max=key.shape[1] - 1)  # [B, bs]
+        gather = columns[..., None, None].expand(-1, -1, *key.shape[2:])
+        k_block, v_block = key.gather(1, gather)[:, None], value.gather(1, gather)[:, None]  # [B, 1, bs, Hkv, D]
+        if self.compress_key is None:
+            k_new, v_new = k_block.mean(2), v_block.mean(2)
+        else:
+            k_new, v_new = self.compress_key(k_block), self.compress_value(v_block)
+        at = block.view(-1, 1, 1, 1).expand(-1, 1, *k.shape[2:])
+        cache["key_cmp"].scatter_(1, at, k_new.to(cache["key_cmp"].dtype))
+        cache["value_cmp"].scatter_(1, at, v_new.to(cache["value_cmp"].dtype))
+        o, _ = nsa_step(q, key, value, cache["key_cmp"], cache["value_cmp"], g_cmp, g_slc, g_swa, q_pos=pos,
+                        block_size=bs, block_counts=self.block_counts, window_size=self.window_size,
+                        initial_blocks=self.initial_blocks, local_blocks=self.local_blocks)
+        pos.add_(1)
+        return self.o_proj(o.reshape(batch, 1, self.num_heads * self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -164,6 +225,8 @@ class NativeSparseAttention(Mixer):
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         batch, seq_len, _ = x.shape
+        if cache is not None and "static" in cache:  # the decode engine's static cache (`static_state`)
+            return self._static_step(x, attention_mask, cache), cache
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)

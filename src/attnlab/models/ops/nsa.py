@@ -196,7 +196,8 @@ def nsa_step(
     groups = heads // kv_heads
     scale = dim ** -0.5 if scale is None else scale
     qg = q.float().view(batch, kv_heads, groups, dim) * scale
-    k, v, k_cmp, v_cmp = (x.float().transpose(1, 2) for x in (k, v, k_cmp, v_cmp))  # [B, Hkv, L or C, D]
+    k_cmp, v_cmp = (x.float().transpose(1, 2) for x in (k_cmp, v_cmp))  # [B, Hkv, C, D]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D] views: only the gathered tokens are made fp32
     pos = q_pos[:, None, None]  # [B, 1, 1]
 
     def attend(keys, values, allowed):  # keys, values [B, Hkv, N, D]; allowed [B, Hkv or 1, N]
@@ -216,12 +217,12 @@ def nsa_step(
     token_idx = (block_indices[..., None] * block_size + torch.arange(block_size, device=q.device)).flatten(-2)
     token_ok = (block_indices[..., None] >= 0).expand(-1, -1, -1, block_size).flatten(-2) & (token_idx <= pos)
     gather_idx = token_idx.clamp(0, length - 1)[..., None].expand(-1, -1, -1, dim)
-    o_slc = attend(k.gather(2, gather_idx), v.gather(2, gather_idx), token_ok)
+    o_slc = attend(k.gather(2, gather_idx).float(), v.gather(2, gather_idx).float(), token_ok)
 
     window_idx = pos - torch.arange(window_size - 1, -1, -1, device=q.device)  # [B, 1, W], oldest first
     window_ok = window_idx >= 0
     gather_idx = window_idx.clamp(0, length - 1)[..., None].expand(-1, kv_heads, -1, dim)
-    o_swa = attend(k.gather(2, gather_idx), v.gather(2, gather_idx), window_ok)
+    o_swa = attend(k.gather(2, gather_idx).float(), v.gather(2, gather_idx).float(), window_ok)
 
     def gated(o, g):
         return o.reshape(batch, heads, dim) * g.float()[..., None]
