@@ -94,7 +94,7 @@ def train(
         run_dir = Path("runs") / f"{cfg.model.mixer}-{time.strftime('%Y%m%d-%H%M%S')}"
     console.quiet = rank() != 0  # one voice under torchrun
     console.print(Panel(Syntax(config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
-    report = run_preflight(cfg, run_dir, resume, check_run_dir=rank() == 0)
+    report = run_preflight(cfg, run_dir, resume, check_run_dir=rank() == 0, console=console)
     _print_report(report)
     _fail_on_errors(report)
     stats = report.data.stats
@@ -137,7 +137,7 @@ def preflight(
     from attnlab.config.preflight import run_preflight
 
     cfg = _load(config, set_, run_dir, resume)
-    report = run_preflight(cfg, run_dir, resume)
+    report = run_preflight(cfg, run_dir, resume, console=console)
     _print_report(report)
     _fail_on_errors(report)
 
