@@ -38,7 +38,7 @@ class ModelSection(Section):
 class DataSection(Section):
     """Where the text comes from, how it is tokenised and cut into blocks."""
 
-    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, or hf://NAME from the local cache")
+    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, hf://NAME from the local cache, or a directory written by attnlab data prepare (read lazily)")
     text_field: str = Field("text", description="field holding the text in JSONL/parquet/HF data")
     val_source: str | None = Field(None, description="separate validation data; null = hold out val_fraction of source")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of the corpus held out for validation")
