@@ -203,3 +203,20 @@ def test_a_raw_source_above_the_threshold_is_prepared_once_into_the_cache_and_re
 
     assert run_cli("preflight", *sets(TINY + [f"data.source={src}", f"data.cache_dir={cache}"])) == 0  # under the threshold: in memory
     assert "prepar" not in capsys.readouterr().out
+
+
+def test_validation_comes_from_the_manifest_split_or_from_a_separate_validation_source(tmp_path, prepared):
+    from attnlab.config import load_config
+    from attnlab.config.preflight import run_preflight
+
+    report = run_preflight(load_config(None, TINY + [f"data.source={prepared}", "data.val_fraction=0.2"]))
+    assert not report.errors and not report.problems
+    corpus = PreparedCorpus(prepared)
+    held_out = np.concatenate([corpus.tokens(s, e) for s, e in corpus.val_ranges])
+    assert torch.equal(report.data.val.reshape(-1), torch.from_numpy(held_out[: report.data.val.numel()].astype(np.int64)))
+    assert report.data.val.shape == (2 * 4, 32) and 0.9 < report.data.stats["val_bytes_per_token"] <= 1.0
+
+    val = _jsonl(tmp_path / "val.jsonl", n_docs=5, seed=1)
+    report = run_preflight(load_config(None, TINY + [f"data.source={prepared}", f"data.val_source={val}"]))
+    assert not report.errors
+    assert torch.equal(report.data.val, pack_documents(read_documents(str(val)), load_tokenizer("byte"), 32)[: 2 * 4])
