@@ -553,7 +553,8 @@ def bench_data_cmd(
     def start(row: dict, prefix: str = "") -> str:
         return f"{row[prefix + 'first_step_s']} ({row[prefix + 'import_s']}; {row[prefix + 'preflight_s']}; {row[prefix + 'first_step_cpu_s']})"
 
-    grid.add_row("shakespeare (in memory)", "", "", start(base), start(base, "resume_"), f"{base['peak_rss_mib']:,.0f}")
+    for name, row in base.items():
+        grid.add_row(f"shakespeare, {name} (in memory)", "", "", start(row), start(row, "resume_"), f"{row['peak_rss_mib']:,.0f}")
     for key, row in result["results"].items():
         grid.add_row(key, f"{row['tokens']:,}", f"{row['prepare_mb_s']:,.1f} ({row['prepare_mb_s_per_worker']:,.1f} x {row['workers']}; "
                      f"{row['prepare_mb_per_cpu_s']:,.1f})", start(row), start(row, "resume_"),

@@ -10,16 +10,21 @@ ids trained here with HF `tokenizers` on the corpus's own words, so nothing is d
 * ``train``: `attnlab train` of a tiny model on the prepared directory, in a fresh process: seconds
   from the launch of the process to the end of its first step (imports, preflight, opening the
   corpus, building the model, one step), the peak resident memory of the process (ru_maxrss), and
-  the same run on the built-in Shakespeare corpus (packed in memory) as the baseline of both;
+  the same run on the built-in Shakespeare corpus (packed in memory, same tokenizer) as its baseline;
 * ``resume``: that run resumed from its checkpoint in a fresh process, launch to first step.
 
 The result is one JSON file:
 
     {"env": {"cpu", "cores", "python", "torch", "transformers", "tokenizers", "command"},
-     "model": {run overrides}, "baseline": {"first_step_s", "peak_rss_mib"},
+     "model": [run overrides], "baseline": {TOKENIZER: {"first_step_s", "import_s", "preflight_s", "first_step_cpu_s",
+                                                          "peak_rss_mib", "resume_first_step_s", ...}},
      "results": {"TOKENIZER@SIZE": {"text_mb", "documents", "tokens", "workers", "prepare_s",
-                 "prepare_mb_s", "prepare_mb_s_per_worker", "first_step_s", "resume_first_step_s",
-                 "peak_rss_mib", "rss_vs_baseline"}}}
+                 "prepare_mb_s", "prepare_mb_s_per_worker", "prepare_cpu_s", "prepare_mb_per_cpu_s", the
+                 baseline's keys, "rss_vs_baseline"}}}
+
+`import_s` is the part of `first_step_s` spent importing torch, transformers and the trainer,
+`preflight_s` the checks with reading (or opening) the data; `*_cpu_s` are CPU seconds, which say
+more than wall seconds on a machine shared with other work.
 """
 
 from __future__ import annotations
@@ -246,12 +251,13 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1) + "\n")
 
-    console.print("baseline: the same run on the built-in Shakespeare corpus (packed in memory)", highlight=False)
-    result["baseline"] = train_and_resume("shakespeare", "byte", work_dir, "shakespeare")
-    save()
     specs = {"byte": "byte"}
     if "bpe" in tokenizers:
         specs["bpe"] = str(bpe_tokenizer(work_dir))
+    for name in tokenizers:
+        console.print(f"baseline: the same run on the built-in Shakespeare corpus with the {name} tokenizer (packed in memory)", highlight=False)
+        result["baseline"][name] = train_and_resume("shakespeare", specs[name], work_dir, f"shakespeare-{name}")
+        save()
     for size in sizes:
         with Progress(TextColumn(f"[bold]corpus {size_name(size)}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(), console=console, transient=True) as bar:
@@ -279,7 +285,7 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
                    "load_average": [round(x, 2) for x in os.getloadavg()]}
             console.print(f"{key}: train and resume on the prepared corpus", highlight=False)
             row.update(train_and_resume(str(prepared), specs[name], work_dir, key.replace("@", "-")))
-            base = result["baseline"]["peak_rss_mib"]
+            base = result["baseline"][name]["peak_rss_mib"]
             row["rss_vs_baseline"] = round(row["peak_rss_mib"] / base, 3) if base else None
             result["results"][key] = row
             save()
