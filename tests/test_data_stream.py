@@ -220,3 +220,11 @@ def test_validation_comes_from_the_manifest_split_or_from_a_separate_validation_
     report = run_preflight(load_config(None, TINY + [f"data.source={prepared}", f"data.val_source={val}"]))
     assert not report.errors
     assert torch.equal(report.data.val, pack_documents(read_documents(str(val)), load_tokenizer("byte"), 32)[: 2 * 4])
+
+
+def test_a_preparation_that_did_not_finish_is_refused_not_read_as_raw_files(tmp_path, prepared, capsys):
+    copy = tmp_path / "prep"
+    shutil.copytree(prepared, copy)
+    (copy / "manifest.json").unlink()
+    assert run_cli("preflight", *sets(TINY + [f"data.source={copy}"])) == 1
+    assert "preparation did not finish" in capsys.readouterr().out.replace("\n", " ")

@@ -264,16 +264,16 @@ def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
     except AttnLabError as e:
         report.error("data.tokenizer", str(e))
         return None
-    val_blocks = None
+    val_blocks, val_docs = None, []
     if d.val_source:
         from attnlab.data.corpus import read_documents
         from attnlab.data.packing import _blocks, tokenize_documents
 
-        val_blocks = _blocks(tokenize_documents(read_documents(d.val_source, text_field=d.text_field), tokenizer), d.seq_len,
-                             f"validation data in {d.val_source!r}")
+        val_docs = read_documents(d.val_source, text_field=d.text_field)
+        val_blocks = _blocks(tokenize_documents(val_docs, tokenizer), d.seq_len, f"validation data in {d.val_source!r}")
         val_blocks = val_blocks[: cfg.train.eval_batches * cfg.train.batch_size]
     elif is_prepared(d.source) and manifest["validation"]["fraction"] != d.val_fraction:
         report.warn("data.val_fraction", f"validation holds out the documents {directory} was prepared with (--val-fraction "
                     f"{manifest['validation']['fraction']:g}), not data.val_fraction={d.val_fraction:g}: prepare it again to change the split.")
     return build_prepared(directory, tokenizer, d.seq_len, cfg.train.seed, cfg.train.eval_batches * cfg.train.batch_size,
-                          verify=d.verify_shards, val_blocks=val_blocks)
+                          verify=d.verify_shards, val_blocks=val_blocks, val_documents=len(val_docs))

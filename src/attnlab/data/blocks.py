@@ -40,9 +40,10 @@ _ROUNDS = 4
 
 
 def is_prepared(source: str) -> bool:
-    """Whether `source` names a directory written by `attnlab data prepare`."""
+    """Whether `source` names a directory written by `attnlab data prepare` (finished or not: one whose
+    preparation did not finish is refused by `PreparedCorpus`, never read as raw JSON files)."""
     path = Path(str(source)).expanduser()
-    return path.is_dir() and (path / MANIFEST).is_file()
+    return path.is_dir() and ((path / MANIFEST).is_file() or any(path.glob("shard-[0-9]*.bin*")))
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -221,8 +222,9 @@ def _val_bytes_per_token(tokenizer, rows: torch.Tensor) -> float:
 
 
 def build_prepared(directory: str | Path, tokenizer, seq_len: int, seed: int, eval_rows: int, verify: bool = False,
-                   val_blocks: torch.Tensor | None = None) -> PreparedData:
-    """Open a prepared corpus for training; `val_blocks` (from data.val_source) replaces its validation split."""
+                   val_blocks: torch.Tensor | None = None, val_documents: int | None = None) -> PreparedData:
+    """Open a prepared corpus for training; `val_blocks` (from data.val_source, of `val_documents`
+    documents) replaces its validation split."""
     corpus = PreparedCorpus(directory, verify=verify)
     train = PreparedBlocks(corpus, seq_len, seed)
     m = corpus.manifest
@@ -237,7 +239,7 @@ def build_prepared(directory: str | Path, tokenizer, seq_len: int, seed: int, ev
         "train_tokens": corpus.train_tokens,
         "train_bytes": None,
         "train_blocks": train.n_blocks,
-        "val_documents": m["validation"]["documents"] if val_blocks is None else None,
+        "val_documents": m["validation"]["documents"] if val_blocks is None else val_documents,
         "val_tokens": corpus.val_tokens if val_blocks is None else int(val_blocks.numel()),
         "val_bytes": None,
         "val_blocks": 0 if val is None else int(val.shape[0]),
