@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -94,7 +95,7 @@ def train(
         run_dir = Path("runs") / f"{cfg.model.mixer}-{time.strftime('%Y%m%d-%H%M%S')}"
     console.quiet = rank() != 0  # one voice under torchrun
     console.print(Panel(Syntax(config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
-    report = run_preflight(cfg, run_dir, resume, check_run_dir=rank() == 0)
+    report = run_preflight(cfg, run_dir, resume, check_run_dir=rank() == 0, console=console)
     _print_report(report)
     _fail_on_errors(report)
     stats = report.data.stats
@@ -137,7 +138,7 @@ def preflight(
     from attnlab.config.preflight import run_preflight
 
     cfg = _load(config, set_, run_dir, resume)
-    report = run_preflight(cfg, run_dir, resume)
+    report = run_preflight(cfg, run_dir, resume, console=console)
     _print_report(report)
     _fail_on_errors(report)
 
@@ -523,6 +524,49 @@ def bench_zoo_cmd(
         from attnlab.bench.plot import plot_zoo
 
         console.print(f"wrote {out} and {plot_zoo(result, out.with_suffix('.png'))}")
+
+
+@bench_app.command("data")
+def bench_data_cmd(
+    size: list[str] = typer.Option(["2GB"], "--size", help="Size of the synthetic corpus (repeatable), e.g. 100MB, 2GB: written once into --work-dir, then reused."),
+    workers: int = typer.Option(max(1, os.cpu_count() or 1), "--workers", "-w", min=1, help="Tokenizer processes of the preparation (the byte tokenizer always tokenizes in one).",
+                                show_default="CPU cores"),
+    tokenizer: list[str] = typer.Option(["byte", "bpe"], "--tokenizer", "-t", help="byte, or bpe (a byte-level BPE tokenizer of 8,192 ids trained offline on the corpus's words); repeatable."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Where the synthetic corpora, the BPE tokenizer and the prepared corpora go. Default: the user cache (~/.cache/attnlab/bench-data).", show_default=False),
+    out: Path = typer.Option(Path("benchmarks/results/cpu-data.json"), "--out", help="JSON result, rewritten after every row."),
+):
+    """What a corpus costs: prepare throughput (MB/s of text per worker), time from launch to the first training step,
+    peak resident memory (against the same run on Shakespeare) and resume time, per corpus size and tokenizer."""
+    from attnlab.bench.data import TOKENIZERS, default_work_dir, parse_size, run_bench, size_name
+
+    for name in tokenizer:
+        if name not in TOKENIZERS:
+            raise PreflightError(f"--tokenizer takes {' or '.join(TOKENIZERS)}, not {name!r}")
+    sizes = [parse_size(spec) for spec in size]
+    result = run_bench(sizes, list(dict.fromkeys(tokenizer)), workers, work_dir or default_work_dir(), out, console)
+    base = result["baseline"]
+    grid = Table(title=f"data: prepare, start and resume on {result['env']['cpu']} ({result['env']['cores']} cores)")
+    for col in ("corpus", "tokens", "prepare MB/s (per worker; per CPU s)", "first step s (imports; data+checks; CPU s)",
+                "resume s (imports; data+checks; CPU s)", "peak RSS MiB (x Shakespeare)"):
+        grid.add_column(col, justify="left" if col == "corpus" else "right")
+
+    def start(row: dict, prefix: str = "") -> str:
+        return f"{row[prefix + 'first_step_s']} ({row[prefix + 'import_s']}; {row[prefix + 'preflight_s']}; {row[prefix + 'first_step_cpu_s']})"
+
+    for name, row in base.items():
+        grid.add_row(f"shakespeare, {name} (in memory)", "", "", start(row), start(row, "resume_"), f"{row['peak_rss_mib']:,.0f}")
+    for key, row in result["results"].items():
+        grid.add_row(key, f"{row['tokens']:,}", f"{row['prepare_mb_s']:,.1f} ({row['prepare_mb_s_per_worker']:,.1f} x {row['workers']}; "
+                     f"{row['prepare_mb_per_cpu_s']:,.1f})", start(row), start(row, "resume_"),
+                     f"{row['peak_rss_mib']:,.0f} ({row['rss_vs_baseline']:.2f}x)")
+    console.print(grid, width=None if console.is_terminal else 200)
+    names = [size_name(s) for s in sizes]
+    if len(names) > 1:
+        for name in dict.fromkeys(tokenizer):
+            small, large = result["results"].get(f"{name}@{names[0]}"), result["results"].get(f"{name}@{names[-1]}")
+            if small and large and small["first_step_s"]:
+                console.print(f"{name}: first step at {names[-1]} takes {large['first_step_s'] / small['first_step_s']:.2f}x the time at {names[0]}", highlight=False)
+    console.print(f"wrote {out}")
 
 
 def main() -> None:

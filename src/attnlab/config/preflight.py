@@ -62,9 +62,10 @@ def resolve_device(cfg: RunConfig) -> tuple[str, str]:
 
 
 def run_preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False, load_data: bool = True,
-                  check_run_dir: bool = True) -> PreflightReport:
+                  check_run_dir: bool = True, console=None) -> PreflightReport:
     """check_run_dir=False (ranks other than 0 under torchrun): rank 0 judges the run directory;
-    the others only find the checkpoint to resume from."""
+    the others only find the checkpoint to resume from. `console` (rich) hears about a raw corpus
+    being prepared into the cache (data.prepare_above_mb), with a progress bar."""
     report = PreflightReport()
     report.device, report.precision = resolve_device(cfg)
     if check_run_dir:
@@ -77,7 +78,7 @@ def run_preflight(cfg: RunConfig, run_dir: Path | None = None, resume: bool = Fa
     _check_cadence(cfg, report)
     _check_device(cfg, report)
     _check_strategy(cfg, report)
-    _check_model_and_data(cfg, report, load_data)
+    _check_model_and_data(cfg, report, load_data, console)
     return report
 
 
@@ -181,8 +182,8 @@ def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
                      "train.strategy=fsdp cannot do. Use train.strategy=ddp, or evaluate the final model with attnlab eval.")
 
 
-def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bool) -> None:
-    from attnlab.data import build_datasets, load_tokenizer
+def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bool, console=None) -> None:
+    from attnlab.data import load_tokenizer
     from attnlab.train.build import model_config_from
 
     try:
@@ -200,17 +201,79 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
     if not load_data:
         return
     try:
-        report.data = build_datasets(
-            cfg.data.source, tokenizer, cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed,
-            text_field=cfg.data.text_field, val_source=cfg.data.val_source,
-        )
+        report.data = _load_data(cfg, tokenizer, report, console)
     except AttnLabError as e:
         report.error("data", str(e))
         return
+    if report.data is None:
+        return
     data = report.data
     if data.val is None or len(data.val) == 0:
-        if cfg.data.val_fraction > 0 or cfg.data.val_source:
+        prepared = data.stats.get("prepared")
+        if prepared and not cfg.data.val_source:
+            if data.corpus.manifest["validation"]["fraction"] > 0:
+                report.error("data.seq_len", f"the validation split of {prepared} is shorter than one block of data.seq_len={cfg.data.seq_len} tokens. "
+                             "Lower data.seq_len, or prepare the corpus again with a larger --val-fraction.")
+        elif cfg.data.val_fraction > 0 or cfg.data.val_source:
             report.error("data.seq_len", f"the validation split is shorter than one block of data.seq_len={cfg.data.seq_len} tokens. Lower data.seq_len or raise data.val_fraction.")
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     if len(data.train) < per_step:
         report.warn("train.batch_size", f"the training data holds {len(data.train)} blocks, fewer than one step's {per_step}: every step repeats data")
+
+
+def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
+    """The training data: a prepared corpus read lazily (data.source is one, or raw text larger than
+    data.prepare_above_mb, prepared once into the cache), else the documents packed in memory."""
+    import os
+
+    from attnlab.data import build_datasets
+    from attnlab.data.blocks import build_prepared, check_tokenizer, is_prepared
+    from attnlab.data.cache import MB, prepared_cache, source_size
+
+    d = cfg.data
+    say = (lambda text: console.print(text, highlight=False, soft_wrap=True)) if console is not None else (lambda text: None)
+    directory = None
+    if is_prepared(d.source):
+        directory = Path(d.source).expanduser()
+    elif d.prepare_above_mb is not None:
+        size, fingerprints = source_size(d.source, d.text_field)
+        if size is not None and size > d.prepare_above_mb * MB:
+            say(f"data: {d.source} holds {size / MB:,.0f} MB of text, more than data.prepare_above_mb={d.prepare_above_mb:g}: "
+                "training reads it from a prepared corpus")
+            reporter = None
+            if console is not None:
+                from attnlab.data.cli import _Reporter
+
+                reporter = _Reporter(console)
+            try:
+                directory = prepared_cache(
+                    d.source, tokenizer, d.tokenizer, d.text_field, 0.0 if d.val_source else d.val_fraction, cfg.train.seed,
+                    d.cache_dir, fingerprints, workers=max(1, min(8, os.cpu_count() or 1)), say=say, progress=reporter)
+            finally:
+                if reporter is not None:
+                    reporter.stop()
+    if directory is None:
+        return build_datasets(d.source, tokenizer, d.seq_len, d.val_fraction, cfg.train.seed,
+                              text_field=d.text_field, val_source=d.val_source)
+
+    from attnlab.data.prepared import _read_manifest
+
+    manifest = _read_manifest(directory)
+    try:
+        check_tokenizer(manifest, tokenizer, d.tokenizer, directory)
+    except AttnLabError as e:
+        report.error("data.tokenizer", str(e))
+        return None
+    val_blocks, val_docs = None, []
+    if d.val_source:
+        from attnlab.data.corpus import read_documents
+        from attnlab.data.packing import _blocks, tokenize_documents
+
+        val_docs = read_documents(d.val_source, text_field=d.text_field)
+        val_blocks = _blocks(tokenize_documents(val_docs, tokenizer), d.seq_len, f"validation data in {d.val_source!r}")
+        val_blocks = val_blocks[: cfg.train.eval_batches * cfg.train.batch_size]
+    elif is_prepared(d.source) and manifest["validation"]["fraction"] != d.val_fraction:
+        report.warn("data.val_fraction", f"validation holds out the documents {directory} was prepared with (--val-fraction "
+                    f"{manifest['validation']['fraction']:g}), not data.val_fraction={d.val_fraction:g}: prepare it again to change the split.")
+    return build_prepared(directory, tokenizer, d.seq_len, cfg.train.seed, cfg.train.eval_batches * cfg.train.batch_size,
+                          verify=d.verify_shards, val_blocks=val_blocks, val_documents=len(val_docs))

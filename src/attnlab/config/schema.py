@@ -38,12 +38,15 @@ class ModelSection(Section):
 class DataSection(Section):
     """Where the text comes from, how it is tokenised and cut into blocks."""
 
-    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, or hf://NAME from the local cache")
+    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, hf://NAME from the local cache, or a directory written by attnlab data prepare (read lazily)")
     text_field: str = Field("text", description="field holding the text in JSONL/parquet/HF data")
     val_source: str | None = Field(None, description="separate validation data; null = hold out val_fraction of source")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of the corpus held out for validation")
     tokenizer: str = Field("byte", description="'byte' or a local HF tokenizer directory")
     seq_len: int = Field(128, gt=1, description="tokens per training block")
+    prepare_above_mb: float | None = Field(64.0, ge=0, description="raw text sources larger than this (MB) are prepared once into data.cache_dir and read lazily from memory maps; 0 = always, null = never (a prepared directory as data.source is always read lazily)")
+    cache_dir: str | None = Field(None, description="where data.prepare_above_mb prepares raw sources; null = $XDG_CACHE_HOME/attnlab/prepared (else ~/.cache/attnlab/prepared)")
+    verify_shards: bool = Field(False, description="check the SHA-256 of every shard of a prepared corpus before training (reads the whole corpus once); sizes are always checked")
 
 
 class TrainSection(Section):

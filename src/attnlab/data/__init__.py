@@ -26,6 +26,8 @@ _EXPORTS = {
     "load_tokenizer": "tokenizer",
     "register_auto_tokenizer": "tokenizer",
     "PreparedCorpus": "prepared",
+    "PreparedBlocks": "blocks",
+    "build_prepared": "blocks",
     "prepare_corpus": "prepare",
 }
 from attnlab.errors import DataError  # light: no third-party imports
@@ -39,8 +41,10 @@ __all__ = [
     "ByteTokenizer",
     "DataError",
     "PackedData",
+    "PreparedBlocks",
     "PreparedCorpus",
     "build_datasets",
+    "build_prepared",
     "load_tokenizer",
     "markdown_to_text",
     "pack_documents",

@@ -391,7 +391,7 @@ class Progress:
     shards: int = 0
     kept_shards: int = 0
     total_bytes: int | None = None  # of the source files, when known
-    source_bytes: int = 0  # of the source files read completely so far
+    source_bytes: int = 0  # of the source read so far: whole files, and the text so far of the file being read
     workers: int = 1  # processes that tokenize (see effective_workers)
 
 
@@ -485,7 +485,9 @@ def prepare_corpus(
                     writer = None
                     state.shards = len(records)
                 start = stop
-            state.source_bytes = int(sizes[: doc_units[-1]].sum())
+            # Files read completely, and within the file being read its text so far (about its bytes).
+            done_files = int(sizes[: doc_units[-1]].sum())
+            state.source_bytes = max(done_files, min(state.text_bytes, done_files + int(sizes[doc_units[-1]])))
             if progress:
                 progress(state)
         if writer is not None and writer.tokens:

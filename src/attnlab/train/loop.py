@@ -26,6 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 import attnlab
 from attnlab.config import RunConfig, config_to_yaml, save_config
 from attnlab.config.preflight import PreflightReport
+from attnlab.data.blocks import DATA_STATE
 from attnlab.errors import TrainingDivergedError
 from attnlab.launch import rank, world_size
 
@@ -58,7 +59,9 @@ class AttnLabTrainer(Trainer):
     """
 
     def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, cuda_graphs: bool = False,
-                 say=print, **kwargs):
+                 say=print, train_sampler=None, data_state=None, **kwargs):
+        self.train_sampler = train_sampler  # the block stream of a prepared corpus (data/blocks.py), else the Trainer's
+        self.data_state = data_state  # step -> the data state a checkpoint records (data_state.json), or None
         super().__init__(*args, **kwargs)
         self.checkpoints = checkpoints
         self.run_config_yaml = run_config_yaml
@@ -66,6 +69,11 @@ class AttnLabTrainer(Trainer):
         self.say = say
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
+
+    def _get_train_sampler(self, train_dataset=None):
+        if self.train_sampler is not None:
+            return self.train_sampler
+        return super()._get_train_sampler(train_dataset)
 
     def _captured_loss(self, model, inputs) -> CapturedLoss | None:
         """The captured loss for this batch, capturing it on first use; None where the step runs eagerly."""
@@ -111,7 +119,10 @@ class AttnLabTrainer(Trainer):
         if self.is_world_process_zero():
             step = self.state.global_step
             staged = self.checkpoints.staging / f"checkpoint-{step}"
-            self.checkpoints.publish(staged, step, extra_files={"run_config.yaml": self.run_config_yaml})
+            extra = {"run_config.yaml": self.run_config_yaml}
+            if self.data_state is not None:
+                extra[DATA_STATE] = json.dumps(self.data_state(step), indent=1) + "\n"
+            self.checkpoints.publish(staged, step, extra_files=extra)
         self.accelerator.wait_for_everyone()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -238,7 +249,9 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool) -> TrainingArguments:
+def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool, stream: bool = False) -> TrainingArguments:
+    """`stream`: the training data is a prepared corpus's block stream, whose sampler starts a resume at the
+    recorded position itself: the Trainer must not skip batches by reading them."""
     t = cfg.train
     scheduler, scheduler_kwargs = {
         "cosine": ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
@@ -273,6 +286,7 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         disable_tqdm=True,
         seed=t.seed,
         data_seed=t.seed,
+        ignore_data_skip=stream,
         dataloader_drop_last=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
@@ -309,6 +323,7 @@ def _strategy_arguments(cfg: RunConfig) -> dict:
 def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console: Console | None = None) -> TrainResult:
     """Train as `cfg` says into `run_dir`. `report` is a passed preflight (it holds the tokenizer and data)."""
     from attnlab.data import BlockDataset
+    from attnlab.data.blocks import PositionSampler, PreparedBlocks
     from attnlab.models import AttnLabForCausalLM
 
     is_main = rank() == 0
@@ -341,6 +356,17 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         cfg, logger, tokenizer, data.stats["val_bytes_per_token"] if has_val else None, console,
         tokens_per_step, _elapsed_at(run_dir, start_step), start_step,
     )
+    say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
+    rows_per_step = cfg.train.batch_size * cfg.train.grad_accum  # global: every rank's share together
+    stream = isinstance(data.train, PreparedBlocks)
+    sampler, data_state = None, None
+    if stream:
+        start = _stream_start(resume_from, start_step, rows_per_step, data.train, say)
+        sampler = PositionSampler(start, cfg.train.max_steps * rows_per_step)
+        identity = data.train.identity()
+        data_state = lambda step: {"position": step * rows_per_step, "step": step, **identity}  # noqa: E731
+        say(f"data: {data.train.n_blocks:,} blocks of {cfg.data.seq_len} tokens read lazily from {data.stats['prepared']}, "
+            f"seeded order, from position {start:,}")
     callbacks: list[TrainerCallback] = [telemetry]
     if cfg.eval.tasks and is_main:
         from attnlab.eval.callback import EvalDuringTraining
@@ -348,8 +374,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console))
     trainer = AttnLabTrainer(
         model=model,
-        args=training_arguments(cfg, report, checkpoints.staging, has_val),
-        train_dataset=BlockDataset(data.train),
+        args=training_arguments(cfg, report, checkpoints.staging, has_val, stream=stream),
+        train_dataset=data.train if stream else BlockDataset(data.train),
         eval_dataset=BlockDataset(val_rows) if has_val else None,
         data_collator=default_data_collator,
         processing_class=tokenizer,
@@ -357,7 +383,9 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
         cuda_graphs=cfg.train.cuda_graphs and report.device == "cuda",
-        say=lambda text: console.print(f"[dim]{text}[/dim]"),
+        say=say,
+        train_sampler=sampler,
+        data_state=data_state,
     )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     t0 = time.perf_counter()
@@ -384,6 +412,23 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
             _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s,
                           world_size=world_size())
     return TrainResult(run_dir, trainer.state.global_step, wall_s, telemetry.val_loss, telemetry.val_bpb, telemetry.sample)
+
+
+def _stream_start(resume_from: Path | None, step: int, rows_per_step: int, blocks, say) -> int:
+    """Where a prepared corpus's block stream starts: 0, or the position a resumed checkpoint recorded."""
+    if resume_from is None:
+        return 0
+    path = resume_from / DATA_STATE
+    if not path.is_file():
+        say(f"{resume_from} records no data position ({DATA_STATE}): the block stream continues at step {step}'s, {step * rows_per_step:,}")
+        return step * rows_per_step
+    state = json.loads(path.read_text())
+    changed = {k: (state.get(k), v) for k, v in blocks.identity().items() if state.get(k) != v}
+    if changed:
+        what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+        say(f"the prepared corpus differs from the one this run trained on ({what}): the run continues at position "
+            f"{state['position']:,} of the new block order, not with the batches it would have seen")
+    return int(state["position"])
 
 
 def _wandb_run(cfg: RunConfig, run_dir: Path):
