@@ -5,6 +5,7 @@
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), zoo-nsa-stats (NSA with and without its health statistics),
+# decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
@@ -17,7 +18,7 @@ run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; loc
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
-  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_mamba2_step.py tests/test_ssd_kernels.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py ;;
+  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_mamba2_step.py tests/test_ssd_kernels.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py tests/test_decode_attention.py tests/test_hf_static.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model attnlab-gla-eager --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --saved --out "$OUT/train-gla-8x2048.json" ;;
   zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"
@@ -32,6 +33,24 @@ for stage in "$@"; do case $stage in
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
+  decode-zoo)
+    for arch in ${DECODE_ARCHS:-attnlab-softmax hf-llama attnlab-nsa attnlab-2mamba-e attnlab-gated_softmax attnlab-mamba2 attnlab-2mamba attnlab-linear__output_norm attnlab-linear_elu attnlab-gla}; do
+      case $arch in attnlab-softmax) hf="--hf-arch hf-llama";; hf-llama) hf="";; *) hf="--no-hf";; esac
+      run "decode-$arch" "${DECODE_LIMIT:-240}" $AL bench decode --arch "$arch" $hf --hidden 1024 --layers 20 --heads 16 --batch-size 8 \
+        --prompt-len 2048 --new-tokens 256 --repeats 2 --hf-repeats 1 --beams 4 --profile --out "$OUT/decode-$arch.json"
+    done
+    python - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+print(f"{'model':34s} {'new tok/s':>10s} {'step ms':>8s} {'kernels':>8s} {'HF tok/s':>9s} {'speed-up':>9s} {'beam/greedy':>12s}")
+for path in sorted(Path(sys.argv[1]).glob("decode-*.json")):
+    data = json.loads(path.read_text())
+    for r in data["results"]:
+        print(f"{path.stem.removeprefix('decode-'):34s} {r['attnlab_new_tok_per_s']:>10,.0f} {r.get('graph_step_ms', float('nan')):>8.3f} "
+              f"{r.get('step_kernels', 0):>8d} {r.get('hf_generate_new_tok_per_s', float('nan')):>9.1f} {r.get('speedup', float('nan')):>9.2f} "
+              f"{r.get('beam_cost_ratio', float('nan')):>12.2f}")
+PY
+    ;;
   decode) run decode "${DECODE_LIMIT:-240}" $AL bench decode --arch attnlab-gla --hf-arch fla-gla --batch-size 8 --prompt-len 2048 --new-tokens 256 --repeats 2 --hf-repeats 1 --beams 4 --profile --out "$OUT/decode-8x2048.json" ;;
   train-run)  # `attnlab train` itself, the bench model's shape on the built-in corpus, with and without CUDA graphs
     for graphs in true false; do
