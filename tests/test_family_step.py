@@ -1,0 +1,128 @@
+"""The linearizable attention family's decoding: the fused step kernel and the chunked prefill
+against the PyTorch reference, and a tiny model decoding with the engine.
+
+On CPU the step kernel runs through Triton's interpreter (tests/conftest.py) on tiny shapes; the
+CUDA tests at the end hold the captured engine to the reference path token for token.
+"""
+
+import pytest
+import torch
+
+from attnlab.models.kernels.attention_family_step import attention_family_step_
+from attnlab.models.ops.attention_family import (
+    DENOMINATORS,
+    SUM_DENOMINATORS,
+    chunk_linear_attention,
+    linear_feature_count,
+    linear_features,
+    recurrent_step,
+    unpack_power2_state,
+)
+
+B, H = 2, 2
+
+
+def step_inputs(gen, d, dv, decay, denominator, similarity):
+    """One step's q, k, v and log-decay; row 1 is padding (zero k, v and log-decay) on odd calls."""
+    q = torch.randn(B, H, d, generator=gen)
+    k = torch.randn(B, H, d, generator=gen)
+    if similarity == "power1" and denominator in SUM_DENOMINATORS:  # non-negative features (elu + 1)
+        q, k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    v = torch.randn(B, H, dv, generator=gen)
+    log_decay = -torch.rand(B, H, generator=gen) if decay else None
+    return q, k, v, log_decay
+
+
+@pytest.mark.parametrize("similarity,packed", [("power1", False), ("power2", True), ("power2", False)])
+@pytest.mark.parametrize("denominator", DENOMINATORS)
+@pytest.mark.parametrize("decay", [False, True])
+def test_step_kernel_matches_recurrent_step_over_several_steps(similarity, packed, denominator, decay):
+    gen = torch.Generator().manual_seed(hash((similarity, packed, denominator, decay)) % 1000)
+    d, dv, scale = (8, 8, 0.4) if similarity == "power1" else (4, 8, 0.6)
+    count_power = torch.tensor([0.3, 0.8]) if denominator == "count_power" else None
+    features = linear_feature_count(d, similarity, packed)
+    state = torch.randn(B, H, features, dv, generator=gen) * 0.1
+    normalizer = torch.rand(B, H, features, generator=gen) if denominator in SUM_DENOMINATORS else None
+    if normalizer is not None and similarity == "power2":  # a normaliser that some keys summed to: phi(q) . z >= 0
+        normalizer = linear_features(torch.randn(B, H, 3, d, generator=gen), "power2", packed).sum(2)
+    full = (lambda t: unpack_power2_state(t, d, -2)) if packed else (lambda t: t)
+    full_z = (lambda t: unpack_power2_state(t, d, -1)) if packed else (lambda t: t)
+    ref_state = full(state).clone()
+    ref_norm = None if normalizer is None else full_z(normalizer).clone()
+    count = torch.tensor([5, 3])
+    kwargs = dict(similarity=similarity, scale=scale, denominator=denominator, count_power=count_power)
+    for i in range(3):
+        q, k, v, log_decay = step_inputs(gen, d, dv, decay, denominator, similarity)
+        padded = i == 1
+        if padded:  # row 1 is padding: no write, no decay, no token counted
+            k[1], v[1] = 0, 0
+            if log_decay is not None:
+                log_decay[1] = 0
+        count = count + torch.tensor([1, 0 if padded else 1])
+        o = attention_family_step_(q, k, v, log_decay, state, normalizer, count, packed=packed, **kwargs)
+        ref_o, ref_state, ref_norm = recurrent_step(q, k, v, log_decay, ref_state, ref_norm, count, **kwargs)
+        torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(full(state), ref_state, rtol=1e-5, atol=1e-6)
+        if normalizer is not None:
+            torch.testing.assert_close(full_z(normalizer), ref_norm, rtol=1e-5, atol=1e-6)
+
+
+def test_step_kernel_takes_strided_rows_and_writes_the_values_dtype():
+    gen = torch.Generator().manual_seed(1)
+    d = 4
+    qkv = torch.randn(B, 1, 3, H, d, generator=gen)  # as the mixer splits its projection
+    q, k, v = (t[:, 0] for t in qkv.unbind(2))
+    state = torch.zeros(B, H, linear_feature_count(d, "power2", True), d)
+    normalizer = torch.zeros(B, H, state.shape[2])
+    o = attention_family_step_(q, k, v.to(torch.bfloat16), None, state, normalizer, torch.ones(B, dtype=torch.long),
+                               similarity="power2", scale=0.5, packed=True)
+    ref, _, _ = recurrent_step(q, k, v.to(torch.bfloat16), None, None, None, torch.ones(B), similarity="power2", scale=0.5)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o.float(), ref, rtol=8e-3, atol=1e-3)  # one rounding to bf16
+
+
+def test_packed_power2_features_keep_the_dot_products_and_unpack_to_the_full_state():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(5, 6, generator=gen), torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+    packed = linear_features(q, "power2", True, query=True) @ linear_features(k, "power2", True).T
+    torch.testing.assert_close(packed, (q @ k.T) ** 2)
+    state = linear_features(k, "power2", True).T @ v  # [21, 3]
+    torch.testing.assert_close(unpack_power2_state(state, 6), linear_features(k, "power2").T @ v)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("denominator", ["sum", "count_power", "none"])
+def test_chunked_power2_prefill_matches_the_whole_prompt_as_one_chunk_at_an_odd_length(packed, denominator):
+    gen = torch.Generator().manual_seed(3)
+    T, d = 13, 4
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for _ in range(3))
+    log_decay = -torch.rand(B, T, H, generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :4] = False  # left padding: zero k, v and log-decay there
+    k, v, log_decay = k * mask[..., None, None], v * mask[..., None, None], log_decay * mask[..., None]
+    state = torch.randn(B, H, linear_feature_count(d, "power2", packed), d, generator=gen) * 0.1
+    normalizer = linear_features(torch.randn(B, H, 3, d, generator=gen), "power2", packed).sum(2)
+    if denominator not in SUM_DENOMINATORS:
+        normalizer = None
+    full = (lambda t, dim: unpack_power2_state(t, d, dim)) if packed else (lambda t, dim: t)
+    kwargs = dict(similarity="power2", scale=0.5, denominator=denominator, token_mask=mask,
+                  count_power=torch.tensor([0.4, 0.9]) if denominator == "count_power" else None)
+    before = torch.tensor([2, 7])
+    o_ref, s_ref, z_ref = chunk_linear_attention(q, k, v, log_decay, full(state, -2),
+                                                 None if normalizer is None else full(normalizer, -1), before,
+                                                 chunk_size=T, **kwargs)
+    o, s, z = chunk_linear_attention(q, k, v, log_decay, state, normalizer, before, chunk_size=4, packed=packed, **kwargs)
+    assert s.shape == state.shape
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(full(s, -2), s_ref, rtol=1e-4, atol=1e-5)
+    if normalizer is not None:
+        torch.testing.assert_close(full(z, -1), z_ref, rtol=1e-4, atol=1e-5)
+    else:
+        assert z is None and z_ref is None
+
+
+def test_power2_prefill_chunks_bound_the_features_of_a_long_prompt():
+    from attnlab.models.ops.attention_family import POWER2_CHUNK_ELEMENTS, power2_chunk_size
+
+    chunk = power2_chunk_size(8, 16, 64 * 65 // 2)  # the 2mamba benchmark's shape
+    assert 16 <= chunk <= 256 and 8 * chunk * 16 * 64 * 65 // 2 <= POWER2_CHUNK_ELEMENTS
