@@ -50,7 +50,7 @@ def test_step_kernel_matches_recurrent_step_over_several_steps(similarity, packe
     ref_state = full(state).clone()
     ref_norm = None if normalizer is None else full_z(normalizer).clone()
     count = torch.tensor([5, 3])
-    kwargs = dict(similarity=similarity, scale=scale, denominator=denominator, count_power=count_power)
+    kwargs = {"similarity": similarity, "scale": scale, "denominator": denominator, "count_power": count_power}
     for i in range(3):
         q, k, v, log_decay = step_inputs(gen, d, dv, decay, denominator, similarity)
         padded = i == 1
@@ -105,8 +105,8 @@ def test_chunked_power2_prefill_matches_the_whole_prompt_as_one_chunk_at_an_odd_
     if denominator not in SUM_DENOMINATORS:
         normalizer = None
     full = (lambda t, dim: unpack_power2_state(t, d, dim)) if packed else (lambda t, dim: t)
-    kwargs = dict(similarity="power2", scale=0.5, denominator=denominator, token_mask=mask,
-                  count_power=torch.tensor([0.4, 0.9]) if denominator == "count_power" else None)
+    kwargs = {"similarity": "power2", "scale": 0.5, "denominator": denominator, "token_mask": mask,
+              "count_power": torch.tensor([0.4, 0.9]) if denominator == "count_power" else None}
     before = torch.tensor([2, 7])
     o_ref, s_ref, z_ref = chunk_linear_attention(q, k, v, log_decay, full(state, -2),
                                                  None if normalizer is None else full(normalizer, -1), before,
@@ -122,7 +122,143 @@ def test_chunked_power2_prefill_matches_the_whole_prompt_as_one_chunk_at_an_odd_
 
 
 def test_power2_prefill_chunks_bound_the_features_of_a_long_prompt():
-    from attnlab.models.ops.attention_family import POWER2_CHUNK_ELEMENTS, power2_chunk_size
+    from attnlab.models.ops.attention_family import (
+        POWER2_CHUNK_ELEMENTS,
+        power2_chunk_size,
+    )
 
     chunk = power2_chunk_size(8, 16, 64 * 65 // 2)  # the 2mamba benchmark's shape
     assert 16 <= chunk <= 256 and 8 * chunk * 16 * 64 * 65 // 2 <= POWER2_CHUNK_ELEMENTS
+
+
+# ---------------------------------------------------------------- the mixer and the engine
+
+FAMILY_FIXED = ["2mamba", "linear__output_norm", "linear_elu", "linear_cosine"]
+PROMPTS = ["Hello there, friend", "A", "The quick brown fox"]
+
+
+def family_model(mixer: str, kernels: str = "auto", hidden: int = 16, device: str = "cpu"):
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    config = AttnLabConfig(vocab_size=259, hidden_size=hidden, num_layers=2, num_heads=2, mixer=mixer, kernels=kernels)
+    return AttnLabForCausalLM(config).to(device).eval()
+
+
+def decode(model, **settings):
+    from attnlab.data import ByteTokenizer
+    from attnlab.generation import generate
+
+    out = generate(model, ByteTokenizer(), PROMPTS, **{"max_new_tokens": 8, **settings})
+    return [[c.token_ids for c in r.candidates] for r in out]
+
+
+def test_linearizable_layers_decode_over_a_fixed_size_state_and_kv_variants_do_not():
+    from attnlab.generation.graphs import fixed_size_decoding
+
+    assert all(fixed_size_decoding(family_model(name)) for name in FAMILY_FIXED)
+    assert not fixed_size_decoding(family_model("2mamba-e"))
+
+
+@pytest.mark.parametrize("mixer", ["2mamba", "linear__output_norm"])
+def test_static_buffers_decode_as_the_dynamic_engine(mixer, monkeypatch):
+    from attnlab.generation import engine
+    from attnlab.generation.graphs import StaticRunner
+
+    model = family_model(mixer)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": engine.ModelRunner(m))
+    dynamic = decode(model, num_beams=2)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
+    assert decode(model, num_beams=2) == dynamic
+
+
+@pytest.mark.parametrize("mixer", ["2mamba", "linear_cosine"])
+def test_the_fused_step_in_the_model_decodes_as_the_reference(mixer, monkeypatch):
+    """The mixer's fast path (packed power2 prefill, the kernel advancing the engine's buffers in
+    place) on CPU through the interpreter, against kernels="torch"."""
+    from attnlab.generation import engine
+    from attnlab.generation.graphs import StaticRunner
+    from attnlab.models import kernels
+
+    reference = decode(family_model(mixer, kernels="torch"), max_new_tokens=5)
+    monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: None if choice == "torch" else attention_family_step_)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
+    model = family_model(mixer)
+    assert decode(model, max_new_tokens=5) == reference
+    layer = model.model.layers[0].attn
+    cache = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+    features = linear_feature_count(layer.head_dim, layer.options["similarity"], packed=True)
+    assert cache.states[0]["state"].shape[2] == features
+
+
+# ---------------------------------------------------------------- CUDA
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("similarity,denominator", [("power2", "sum"), ("power2", "none"), ("power1", "count_power")])
+def test_bf16_step_kernel_on_cuda_matches_the_fp32_reference_over_many_steps(similarity, denominator):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, d = 8, 16, 64
+    packed = similarity == "power2"
+    features = linear_feature_count(d, similarity, packed)
+    state = torch.zeros(batch, heads, features, d, device="cuda")
+    normalizer = torch.zeros(batch, heads, features, device="cuda") if denominator in SUM_DENOMINATORS else None
+    ref_state = ref_norm = None
+    count_power = torch.full((heads,), 0.6, device="cuda") if denominator == "count_power" else None
+    kwargs = {"similarity": similarity, "scale": d**-0.5, "denominator": denominator, "count_power": count_power}
+    for t in range(1, 65):
+        q, k, v = (torch.randn(batch, heads, d, device="cuda", generator=g) for _ in range(3))
+        if similarity == "power1":
+            q, k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+        log_decay = -torch.rand(batch, heads, device="cuda", generator=g) * 0.1
+        count = torch.full((batch,), t, device="cuda")
+        o = attention_family_step_(q.bfloat16(), k.bfloat16(), v.bfloat16(), log_decay, state, normalizer, count,
+                                   packed=packed, **kwargs)
+        ref, ref_state, ref_norm = recurrent_step(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(),
+                                                  log_decay.double(), ref_state, ref_norm, count, **kwargs)
+    assert o.dtype == torch.bfloat16
+    assert rel_err(o, ref) < 1e-2
+    full = unpack_power2_state(state, d) if packed else state
+    assert rel_err(full, ref_state) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mixer", ["2mamba", "linear__output_norm"])
+def test_captured_decoding_on_cuda_matches_the_reference_path_token_for_token(mixer):
+    from attnlab.generation.graphs import make_runner
+
+    fast = family_model(mixer, hidden=256, device="cuda")
+    reference = family_model(mixer, kernels="torch", hidden=256, device="cuda")
+    assert type(make_runner(fast)).__name__ == "StaticRunner"
+    assert decode(fast, max_new_tokens=24) == decode(reference, max_new_tokens=24, cuda_graphs="off")
+    assert decode(fast, max_new_tokens=12, num_beams=3) == decode(reference, max_new_tokens=12, num_beams=3, cuda_graphs="off")
+    states = fast.model.layers[0].attn
+    if states.options["similarity"] == "power2":  # the packed layout where the kernel runs
+        cache = fast(input_ids=torch.tensor([[1, 2, 3]], device="cuda"), use_cache=True).past_key_values
+        assert cache.states[0]["state"].shape[2] == states.head_dim * (states.head_dim + 1) // 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.no_grad()
+def test_2mamba_prefill_on_cuda_never_holds_the_features_of_the_whole_prompt():
+    """At 2 x 2048 tokens, 16 heads of dim 64, the whole prompt's power2 features are 1 GiB per
+    copy in fp32; the chunked prefill holds one chunk's (and the packed states) at a time."""
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    config = AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=16, mixer="2mamba")
+    model = AttnLabForCausalLM(config).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 259, (2, 2048), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+    extra = torch.cuda.max_memory_allocated() - before
+    assert cache.states[0]["state"].shape == (2, 16, 64 * 65 // 2, 64)
+    assert extra < 0.5 * 2**30, f"prefill took {extra / 2**30:.2f} GiB beyond the weights"

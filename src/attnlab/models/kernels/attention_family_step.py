@@ -147,7 +147,10 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     [B, H, F, Dv] and normalizer fp32 [B, H, F] (the sum denominators), contiguous; count [B]
     (tokens so far, this one included); count_power [H] or None. F is D (power1), D (D + 1) / 2
     (power2, packed) or D^2 (power2). Returns o [B, H, Dv] in v's dtype."""
-    from attnlab.models.ops.attention_family import SUM_DENOMINATORS, linear_feature_count
+    from attnlab.models.ops.attention_family import (
+        SUM_DENOMINATORS,
+        linear_feature_count,
+    )
 
     batch, heads, head_dim = q.shape
     value_dim = v.shape[-1]

@@ -95,8 +95,13 @@ def linear_features(x: torch.Tensor, similarity: str, packed: bool = False, quer
     if not packed:
         return (x[..., :, None] * x[..., None, :]).flatten(-2)  # [..., d * d]
     a, b = torch.triu_indices(x.shape[-1], x.shape[-1], device=x.device)
-    features = x[..., a] * x[..., b]  # [..., d (d + 1) / 2]
-    return features * torch.where(a == b, 1.0, 2.0).to(features.dtype) if query else features
+    in_place = not (torch.is_grad_enabled() and x.requires_grad)  # a fresh tensor: no second copy
+    features = x[..., a]
+    features = features.mul_(x[..., b]) if in_place else features * x[..., b]  # [..., d (d + 1) / 2]
+    if query:
+        doubled = torch.where(a == b, 1.0, 2.0).to(features.dtype)
+        features = features.mul_(doubled) if in_place else features * doubled
+    return features
 
 
 def linear_feature_count(head_dim: int, similarity: str, packed: bool = False) -> int:
@@ -279,14 +284,15 @@ def _linear_attention_chunk(
     token_mask, terms, packed,
 ):
     """`chunk_linear_attention` for one chunk: the quadratic form inside, the state through phi(q)."""
-    batch, seq_len, heads, _ = q.shape
+    batch, _, heads, _ = q.shape
     power = 1 if similarity == "power1" else 2
     c = log_decay_cumsum(log_decay)  # [B, T, H]
     num, den = terms(
         q, k, v, similarity=similarity, scale=scale, denominator=denominator,
         query_log_decay=c, key_log_decay=c, key_mask=token_mask,
     )
-    phi_q = linear_features(q.float(), similarity, packed, query=True)  # [B, T, H, F]
+    # features in [B, H, T, F], so that the products below read them as they lie
+    phi_q = linear_features(q.float().transpose(1, 2), similarity, packed, query=True)  # [B, H, T, F]
     want_normalizer = denominator in SUM_DENOMINATORS
     if state is None:
         state = q.new_zeros(batch, heads, phi_q.shape[-1], v.shape[-1], dtype=torch.float32)
@@ -295,10 +301,10 @@ def _linear_attention_chunk(
 
     # what the state carries in: decayed from the chunk start to each query
     if c is not None:
-        phi_q = phi_q * c.exp()[..., None]
-    num = num + torch.einsum("bthf,bhfv->bhtv", phi_q, state)
+        phi_q = phi_q * c.exp().transpose(1, 2)[..., None]
+    num = num + phi_q @ state  # [B, H, T, Dv]
     if want_normalizer:
-        den = den + torch.einsum("bthf,bhf->bht", phi_q, normalizer)[..., None]
+        den = den + phi_q @ normalizer[..., None]
     elif den is not None:  # counts
         den = den + count_before.float().view(-1, 1, 1, 1)
     del phi_q
@@ -307,19 +313,19 @@ def _linear_attention_chunk(
     o = _divide(num, den).transpose(1, 2)
 
     # the state after the chunk
-    phi_k = linear_features(k.float(), similarity, packed) * scale**power  # [B, T, H, F]
+    phi_k = linear_features(k.float().transpose(1, 2), similarity, packed) * scale**power  # [B, H, T, F]
     if c is None:
         chunk_decay = None
     else:
-        phi_k = phi_k * (c[:, -1:] - c).exp()[..., None]  # decayed to the chunk's end
+        phi_k = phi_k * (c[:, -1:] - c).exp().transpose(1, 2)[..., None]  # decayed to the chunk's end
         chunk_decay = c[:, -1].exp()  # [B, H]
     if chunk_decay is not None:
         state = state * chunk_decay[..., None, None]
-    state = state + torch.einsum("bthf,bthv->bhfv", phi_k, v.float())
+    state = state + phi_k.transpose(-1, -2) @ v.float().transpose(1, 2)
     if want_normalizer:
         if chunk_decay is not None:
             normalizer = normalizer * chunk_decay[..., None]
-        normalizer = normalizer + phi_k.sum(1)
+        normalizer = normalizer + phi_k.sum(2)
     return o, state, (normalizer if want_normalizer else None)
 
 
