@@ -121,6 +121,55 @@ def test_chunked_power2_prefill_matches_the_whole_prompt_as_one_chunk_at_an_odd_
         assert z is None and z_ref is None
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("decay,carry_state", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("want_normalizer", [False, True])
+def test_state_kernel_matches_the_reference_state_after_a_prompt(packed, decay, carry_state, want_normalizer):
+    from attnlab.models.kernels.attention_family_step import (
+        linear_state_update as fused,
+    )
+    from attnlab.models.ops.attention_family import (
+        linear_state_update,
+        log_decay_cumsum,
+    )
+
+    gen = torch.Generator().manual_seed(4)
+    T, d, dv = 13, 4, 8
+    k, v = torch.randn(B, T, H, d, generator=gen), torch.randn(B, T, H, dv, generator=gen)
+    log_decay = -torch.rand(B, T, H, generator=gen)
+    k[1, :5], v[1, :5], log_decay[1, :5] = 0, 0, 0  # left padding
+    c = log_decay_cumsum(log_decay) if decay else None
+    features = linear_feature_count(d, "power2", packed)
+    state = torch.randn(B, H, features, dv, generator=gen) if carry_state else None
+    normalizer = torch.rand(B, H, features, generator=gen) if carry_state else None
+    kwargs = {"similarity": "power2", "scale": 0.5, "packed": packed, "want_normalizer": want_normalizer}
+    s, z = fused(k.bfloat16(), v.bfloat16(), c, state, normalizer, **kwargs)
+    s_ref, z_ref = linear_state_update(k.bfloat16(), v.bfloat16(), c, state, normalizer, **kwargs)
+    torch.testing.assert_close(s, s_ref, rtol=1e-3, atol=1e-4)  # the interpreter's tf32 product is fp32's
+    if want_normalizer:
+        torch.testing.assert_close(z, z_ref, rtol=1e-4, atol=1e-5)
+    else:
+        assert z is None and z_ref is None
+
+
+def test_a_prompt_with_the_fused_state_runs_as_one_chunk_and_matches_the_chunked_reference():
+    from attnlab.models.kernels.attention_family_step import (
+        linear_state_update as fused,
+    )
+
+    gen = torch.Generator().manual_seed(5)
+    T, d = 11, 4
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for _ in range(3))
+    log_decay = -torch.rand(B, T, H, generator=gen)
+    kwargs = {"similarity": "power2", "scale": 0.5, "denominator": "sum", "chunk_size": 4}
+    before = torch.zeros(B, dtype=torch.long)
+    o_ref, s_ref, z_ref = chunk_linear_attention(q, k, v, log_decay, None, None, before, **kwargs)
+    o, s, z = chunk_linear_attention(q, k, v, log_decay, None, None, before, packed=True, state_update=fused, **kwargs)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(unpack_power2_state(s, d), s_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(unpack_power2_state(z, d, -1), z_ref, rtol=1e-4, atol=1e-5)
+
+
 def test_power2_prefill_chunks_bound_the_features_of_a_long_prompt():
     from attnlab.models.ops.attention_family import (
         POWER2_CHUNK_ELEMENTS,
@@ -137,19 +186,19 @@ FAMILY_FIXED = ["2mamba", "linear__output_norm", "linear_elu", "linear_cosine"]
 PROMPTS = ["Hello there, friend", "A", "The quick brown fox"]
 
 
-def family_model(mixer: str, kernels: str = "auto", hidden: int = 16, device: str = "cpu"):
+def family_model(mixer: str, kernels: str = "auto", hidden: int = 16, device: str = "cpu", layers: int = 2):
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 
     torch.manual_seed(0)
-    config = AttnLabConfig(vocab_size=259, hidden_size=hidden, num_layers=2, num_heads=2, mixer=mixer, kernels=kernels)
+    config = AttnLabConfig(vocab_size=259, hidden_size=hidden, num_layers=layers, num_heads=2, mixer=mixer, kernels=kernels)
     return AttnLabForCausalLM(config).to(device).eval()
 
 
-def decode(model, **settings):
+def decode(model, prompts=PROMPTS, **settings):
     from attnlab.data import ByteTokenizer
     from attnlab.generation import generate
 
-    out = generate(model, ByteTokenizer(), PROMPTS, **{"max_new_tokens": 8, **settings})
+    out = generate(model, ByteTokenizer(), prompts, **{"max_new_tokens": 8, **settings})
     return [[c.token_ids for c in r.candidates] for r in out]
 
 
@@ -174,17 +223,21 @@ def test_static_buffers_decode_as_the_dynamic_engine(mixer, monkeypatch):
 
 @pytest.mark.parametrize("mixer", ["2mamba", "linear_cosine"])
 def test_the_fused_step_in_the_model_decodes_as_the_reference(mixer, monkeypatch):
-    """The mixer's fast path (packed power2 prefill, the kernel advancing the engine's buffers in
-    place) on CPU through the interpreter, against kernels="torch"."""
+    """The mixer's fast path (power2's packed state built by the state kernel, the step kernel
+    advancing the engine's buffers in place) on CPU through the interpreter, against kernels="torch"."""
     from attnlab.generation import engine
     from attnlab.generation.graphs import StaticRunner
     from attnlab.models import kernels
 
-    reference = decode(family_model(mixer, kernels="torch"), max_new_tokens=5)
+    reference = decode(family_model(mixer, kernels="torch", layers=1), PROMPTS[1:], max_new_tokens=4)
+    from attnlab.models.kernels.attention_family_step import linear_state_update
+
     monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: None if choice == "torch" else attention_family_step_)
+    monkeypatch.setattr(kernels, "attention_family_state_update_fn",
+                        lambda choice, x: None if choice == "torch" else linear_state_update)
     monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
-    model = family_model(mixer)
-    assert decode(model, max_new_tokens=5) == reference
+    model = family_model(mixer, layers=1)
+    assert decode(model, PROMPTS[1:], max_new_tokens=4) == reference
     layer = model.model.layers[0].attn
     cache = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
     features = linear_feature_count(layer.head_dim, layer.options["similarity"], packed=True)
@@ -262,3 +315,29 @@ def test_2mamba_prefill_on_cuda_never_holds_the_features_of_the_whole_prompt():
     extra = torch.cuda.max_memory_allocated() - before
     assert cache.states[0]["state"].shape == (2, 16, 64 * 65 // 2, 64)
     assert extra < 0.5 * 2**30, f"prefill took {extra / 2**30:.2f} GiB beyond the weights"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_state_kernel_on_cuda_matches_the_fp32_reference(head_dim):
+    from attnlab.models.kernels.attention_family_step import (
+        linear_state_update as fused,
+    )
+    from attnlab.models.ops.attention_family import (
+        linear_state_update,
+        log_decay_cumsum,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, T, heads = 2, 1000, 4
+    k = torch.randn(batch, T, heads, head_dim, device="cuda", generator=g).bfloat16()
+    v = torch.randn(batch, T, heads, head_dim, device="cuda", generator=g).bfloat16()
+    c = log_decay_cumsum(-torch.rand(batch, T, heads, device="cuda", generator=g) * 0.01)
+    state = torch.randn(batch, heads, head_dim * (head_dim + 1) // 2, head_dim, device="cuda", generator=g)
+    normalizer = torch.rand(batch, heads, state.shape[2], device="cuda", generator=g)
+    kwargs = {"similarity": "power2", "scale": head_dim**-0.5, "packed": True, "want_normalizer": True}
+    s, z = fused(k, v, c, state, normalizer, **kwargs)
+    s_ref, z_ref = linear_state_update(k.float(), v.float(), c, state, normalizer, **kwargs)  # fp32 products
+    assert rel_err(s, s_ref) < 2e-3  # products in tf32
+    assert rel_err(z, z_ref) < 1e-5

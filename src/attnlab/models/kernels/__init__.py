@@ -91,6 +91,17 @@ def attention_family_step_fn(choice: str, x: torch.Tensor):
     return attention_family_step_
 
 
+def attention_family_state_update_fn(choice: str, x: torch.Tensor):
+    """attnlab's kernel for a linearizable attention-family layer's state after a prompt (power2's
+    d^2 features formed in registers only; `kernels/attention_family_step.py`) for this CUDA tensor,
+    or None: the prefill runs the PyTorch reference `linear_state_update`, a chunk of features at a time."""
+    if not use_triton(choice, x) or x.dtype == torch.float64:
+        return None
+    from attnlab.models.kernels.attention_family_step import linear_state_update
+
+    return linear_state_update
+
+
 CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: its backward unrolls one dweight sum per tap, up to 8
 
 

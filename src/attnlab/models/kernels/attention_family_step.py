@@ -13,14 +13,26 @@ never written to memory. The state of power2 may be packed (the d (d + 1) / 2 ro
 reads. power2's programs write partial sums over their rows; a second, small kernel adds them,
 divides and writes the output. power1 (one program per head) finishes in the first.
 
-The PyTorch reference is `attnlab.models.ops.attention_family.recurrent_step`.
+A prompt's state (the prefill) is `linear_state_update`: for power2 one program per first index a
+and head multiplies the keys' tile, scaled by scale^2 k_a and the decay to the prompt's end, with
+the values' tile (tf32 products from 16-bit inputs, fp32 ones from fp32), so the d^2 features of
+the prompt's tokens never exist in memory; the outputs are the quadratic form's.
+
+The PyTorch references are `recurrent_step` and `linear_state_update` in
+`attnlab.models.ops.attention_family`.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5}
 
@@ -191,3 +203,105 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
             H=heads, DV=value_dim, MODE=mode, BG=min(64, triton.next_power_of_2(groups)), BV=block_v, num_warps=4,
         )
     return o
+
+
+# ---------------------------------------------------------------- the prefill's state
+
+@triton.jit
+def _state_kernel(K, V, C, S_IN, Z_IN, S_OUT, Z_OUT, T, skb, skt, skh, svb, svt, svh, scb, sct, sch, scale_k,
+                  H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, PACKED: tl.constexpr,
+                  HAS_DECAY: tl.constexpr, HAS_STATE: tl.constexpr, HAS_Z: tl.constexpr, WANT_Z: tl.constexpr,
+                  PRECISION: tl.constexpr, BT: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
+    """Rows (a, b) of power2's state after T tokens, for one first index a and a block of values:
+    sum_t (w_t k_ta k_tb) v_t as a product of the keys' tile scaled by w_t k_ta with the values'."""
+    i_a, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_b = tl.arange(0, BB)
+    m_b = offs_b < D
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_v = offs_v < DV
+    k_rows = K + i_b * skb + i_h * skh
+    v_rows = V + i_b * svb + i_h * svh
+    c_rows = C + i_b * scb + i_h * sch
+    c_end = 0.0
+    if HAS_DECAY:
+        c_end = tl.load(c_rows + (T - 1) * sct)
+    acc = tl.zeros([BB, BV], tl.float32)
+    z = tl.zeros([BB], tl.float32)
+    for t0 in range(0, T, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        m_t = offs_t < T
+        k_t = tl.load(k_rows + offs_t[:, None] * skt + offs_b[None, :], mask=m_t[:, None] & m_b[None, :], other=0.0).to(tl.float32)
+        w = tl.load(k_rows + offs_t * skt + i_a, mask=m_t, other=0.0).to(tl.float32) * scale_k  # scale^2 k_ta
+        if HAS_DECAY:  # decayed to the last token
+            w = w * tl.exp(c_end - tl.load(c_rows + offs_t * sct, mask=m_t, other=0.0))
+        x = k_t * w[:, None]  # [BT, BB]: the features (a, b) of each token, weighted
+        v_t = tl.load(v_rows + offs_t[:, None] * svt + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(tl.trans(x), v_t, input_precision=PRECISION)
+        if WANT_Z:
+            z += tl.sum(x, 0)
+    lo = 0
+    first_row = i_a * D
+    if PACKED:
+        lo = i_a
+        first_row = i_a * D - i_a * (i_a - 1) // 2
+    rows = first_row + offs_b - lo
+    m_r = m_b & (offs_b >= lo)
+    p_s = i_bh.to(tl.int64) * F * DV + rows[:, None] * DV + offs_v[None, :]
+    m_s = m_r[:, None] & m_v[None, :]
+    decay_all = 1.0
+    if HAS_DECAY:
+        decay_all = tl.exp(c_end)
+    if HAS_STATE:
+        acc += tl.load(S_IN + p_s, mask=m_s, other=0.0) * decay_all
+    tl.store(S_OUT + p_s, acc, mask=m_s)
+    if WANT_Z:
+        p_z = i_bh.to(tl.int64) * F + rows
+        m_z = m_r & (i_v == 0)
+        if HAS_Z:
+            z += tl.load(Z_IN + p_z, mask=m_z, other=0.0) * decay_all
+        tl.store(Z_OUT + p_z, z, mask=m_z)
+
+
+def linear_state_update(k, v, c, state, normalizer, *, similarity: str, scale: float, packed: bool = False,
+                        want_normalizer: bool = True):
+    """As `attnlab.models.ops.attention_family.linear_state_update` (same arguments and results),
+    power2 through `_state_kernel`: its d^2 features of a token are formed in registers only, so
+    a prompt's state takes no memory beyond itself. power1 (d features) runs the reference."""
+    from attnlab.models.ops.attention_family import linear_feature_count
+    from attnlab.models.ops.attention_family import linear_state_update as reference
+
+    if similarity != "power2" or torch.float64 in (k.dtype, v.dtype):
+        return reference(k, v, c, state, normalizer, similarity=similarity, scale=scale, packed=packed,
+                         want_normalizer=want_normalizer)
+    batch, seq_len, heads, head_dim = k.shape
+    value_dim = v.shape[-1]
+    features = linear_feature_count(head_dim, similarity, packed)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    out = torch.empty(batch, heads, features, value_dim, dtype=torch.float32, device=k.device)
+    out_z = torch.empty(batch, heads, features, dtype=torch.float32, device=k.device) if want_normalizer else None
+    if state is not None:
+        state = state.float().contiguous()
+    if want_normalizer and normalizer is not None:
+        normalizer = normalizer.float().contiguous()
+    has_z = want_normalizer and normalizer is not None
+    c_args = (c, c.stride(0), c.stride(1), c.stride(2)) if c is not None else (out, 0, 0, 0)
+    block_v = min(64, max(16, triton.next_power_of_2(value_dim)))
+    grid = (head_dim, triton.cdiv(value_dim, block_v), batch * heads)
+    _state_kernel[grid](
+        k, v, c_args[0], state if state is not None else out, normalizer if has_z else out, out,
+        out_z if out_z is not None else out, seq_len, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), *c_args[1:], float(scale) ** 2,
+        H=heads, D=head_dim, DV=value_dim, F=features, PACKED=bool(packed), HAS_DECAY=c is not None,
+        HAS_STATE=state is not None, HAS_Z=has_z, WANT_Z=want_normalizer,
+        PRECISION="ieee" if k.dtype == torch.float32 and v.dtype == torch.float32 else "tf32",
+        BT=16 if _interpreting() else 32 if head_dim > 64 else 64, BB=max(16, triton.next_power_of_2(head_dim)),
+        BV=block_v, num_warps=8 if head_dim > 32 else 4,
+    )
+    return out, out_z
+
+
+linear_state_update.fused = True  # forms no features in memory: `chunk_linear_attention` may take a whole prompt at once

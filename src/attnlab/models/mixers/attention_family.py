@@ -352,7 +352,8 @@ class AttentionFamily(Mixer):
             )
             return o[:, None], {"state": state, "normalizer": normalizer}
         o, state, normalizer = chunk_linear_attention(
-            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed, **kwargs
+            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
+            state_update=kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
         )
         return o, {"state": state, "normalizer": normalizer}
 

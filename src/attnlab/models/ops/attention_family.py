@@ -242,7 +242,7 @@ def power2_chunk_size(batch: int, heads: int, features: int) -> int:
 
 def chunk_linear_attention(
     q, k, v, log_decay, state, normalizer, count_before, *, similarity, scale, denominator="sum",
-    count_power=None, token_mask=None, terms=attention_terms, packed=False, chunk_size=None,
+    count_power=None, token_mask=None, terms=attention_terms, packed=False, chunk_size=None, state_update=None,
 ):
     """Linearizable variants (power1, power2; no clamp): T tokens continuing from a recurrent state.
 
@@ -253,80 +253,93 @@ def chunk_linear_attention(
 
     power2 runs over chunks of `chunk_size` tokens (default `power2_chunk_size`), one after the
     other, so that its features (d^2 per token) exist for one chunk at a time; power1 takes all T
-    tokens as one chunk.
+    tokens as one chunk. `state_update`: `linear_state_update` (default) or a kernel with its
+    contract; a kernel that forms no features (`fused`) lets a prompt without a state before it
+    run as one chunk of up to `FUSED_FIRST_CHUNK` tokens (the quadratic form alone, no features at all).
     """
     batch, seq_len, heads, head_dim = q.shape
+    state_update = state_update or linear_state_update
     if chunk_size is None:
         chunk_size = seq_len
         if similarity == "power2":
             chunk_size = power2_chunk_size(batch, heads, linear_feature_count(head_dim, similarity, packed))
-    if seq_len <= chunk_size:
-        return _linear_attention_chunk(q, k, v, log_decay, state, normalizer, count_before, similarity=similarity,
-                                       scale=scale, denominator=denominator, count_power=count_power,
-                                       token_mask=token_mask, terms=terms, packed=packed)
+    first = chunk_size
+    if state is None and getattr(state_update, "fused", False):
+        first = max(chunk_size, FUSED_FIRST_CHUNK)
+    kwargs = {"similarity": similarity, "scale": scale, "denominator": denominator, "count_power": count_power,
+              "terms": terms, "packed": packed, "state_update": state_update}
+    if seq_len <= first:
+        return _linear_attention_chunk(q, k, v, log_decay, state, normalizer, count_before, token_mask=token_mask, **kwargs)
     outputs = []
     count = count_before
-    for start in range(0, seq_len, chunk_size):
-        part = slice(start, start + chunk_size)
+    start = 0
+    while start < seq_len:
+        part = slice(start, start + (first if start == 0 else chunk_size))
         mask = None if token_mask is None else token_mask[:, part]
         o, state, normalizer = _linear_attention_chunk(
             q[:, part], k[:, part], v[:, part], None if log_decay is None else log_decay[:, part], state, normalizer,
-            count, similarity=similarity, scale=scale, denominator=denominator, count_power=count_power,
-            token_mask=mask, terms=terms, packed=packed,
+            count, token_mask=mask, **kwargs,
         )
         outputs.append(o)
         count = count + (o.shape[1] if mask is None else mask.long().sum(-1))
+        start += o.shape[1]
     return torch.cat(outputs, dim=1), state, normalizer
+
+
+FUSED_FIRST_CHUNK = 8192  # tokens of a prompt's first chunk when no features are formed (the quadratic form's cost grows as T^2)
 
 
 def _linear_attention_chunk(
     q, k, v, log_decay, state, normalizer, count_before, *, similarity, scale, denominator, count_power,
-    token_mask, terms, packed,
+    token_mask, terms, packed, state_update,
 ):
     """`chunk_linear_attention` for one chunk: the quadratic form inside, the state through phi(q)."""
-    batch, _, heads, _ = q.shape
-    power = 1 if similarity == "power1" else 2
     c = log_decay_cumsum(log_decay)  # [B, T, H]
     num, den = terms(
         q, k, v, similarity=similarity, scale=scale, denominator=denominator,
         query_log_decay=c, key_log_decay=c, key_mask=token_mask,
     )
-    # features in [B, H, T, F], so that the products below read them as they lie
-    phi_q = linear_features(q.float().transpose(1, 2), similarity, packed, query=True)  # [B, H, T, F]
     want_normalizer = denominator in SUM_DENOMINATORS
-    if state is None:
-        state = q.new_zeros(batch, heads, phi_q.shape[-1], v.shape[-1], dtype=torch.float32)
-    if want_normalizer and normalizer is None:
-        normalizer = q.new_zeros(batch, heads, phi_q.shape[-1], dtype=torch.float32)
-
-    # what the state carries in: decayed from the chunk start to each query
-    if c is not None:
-        phi_q = phi_q * c.exp().transpose(1, 2)[..., None]
-    num = num + phi_q @ state  # [B, H, T, Dv]
-    if want_normalizer:
-        den = den + phi_q @ normalizer[..., None]
-    elif den is not None:  # counts
+    if state is not None:  # what the state carries in: decayed from the chunk start to each query
+        # features in [B, H, T, F], so that the products read them as they lie
+        phi_q = linear_features(q.float().transpose(1, 2), similarity, packed, query=True)  # [B, H, T, F]
+        if c is not None:
+            phi_q = phi_q * c.exp().transpose(1, 2)[..., None]
+        num = num + phi_q @ state  # [B, H, T, Dv]
+        if want_normalizer and normalizer is not None:
+            den = den + phi_q @ normalizer[..., None]
+        del phi_q
+    if den is not None and not want_normalizer:  # counts
         den = den + count_before.float().view(-1, 1, 1, 1)
-    del phi_q
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
     o = _divide(num, den).transpose(1, 2)
+    state, normalizer = state_update(k, v, c, state, normalizer, similarity=similarity, scale=scale, packed=packed,
+                                     want_normalizer=want_normalizer)
+    return o, state, normalizer
 
-    # the state after the chunk
-    phi_k = linear_features(k.float().transpose(1, 2), similarity, packed) * scale**power  # [B, H, T, F]
-    if c is None:
-        chunk_decay = None
-    else:
-        phi_k = phi_k * (c[:, -1:] - c).exp().transpose(1, 2)[..., None]  # decayed to the chunk's end
-        chunk_decay = c[:, -1].exp()  # [B, H]
-    if chunk_decay is not None:
-        state = state * chunk_decay[..., None, None]
-    state = state + phi_k.transpose(-1, -2) @ v.float().transpose(1, 2)
-    if want_normalizer:
-        if chunk_decay is not None:
-            normalizer = normalizer * chunk_decay[..., None]
-        normalizer = normalizer + phi_k.sum(2)
-    return o, state, (normalizer if want_normalizer else None)
+
+def linear_state_update(k, v, c, state, normalizer, *, similarity, scale, packed=False, want_normalizer=True):
+    """The state (and normaliser) after T more tokens: S exp(c_T) + sum_t exp(c_T - c_t) phi(k_t)^T v_t.
+
+    k [B, T, H, K], v [B, T, H, Dv]; c [B, T, H]: the running sum of the log-decays over these
+    tokens, or None; state [B, H, F, Dv] or None (zeros); normalizer [B, H, F] or None (zeros).
+    Returns (state, normalizer or None), fp32."""
+    power = 1 if similarity == "power1" else 2
+    weight = torch.full(k.shape[:3], float(scale) ** power, device=k.device)  # [B, T, H]: scale^p, decay to the end
+    if c is not None:
+        weight = weight * (c[:, -1:] - c).exp()
+    weight = weight.transpose(1, 2)[..., None]  # [B, H, T, 1]
+    phi_k = linear_features(k.float().transpose(1, 2), similarity, packed)  # [B, H, T, F]
+    new_state = phi_k.transpose(-1, -2) @ (v.float().transpose(1, 2) * weight)  # [B, H, F, Dv]
+    new_normalizer = (phi_k.transpose(-1, -2) @ weight)[..., 0] if want_normalizer else None  # [B, H, F]
+    del phi_k
+    chunk_decay = None if c is None else c[:, -1].exp()  # [B, H]
+    if state is not None:
+        new_state = new_state + (state if chunk_decay is None else state * chunk_decay[..., None, None])
+    if want_normalizer and normalizer is not None:
+        new_normalizer = new_normalizer + (normalizer if chunk_decay is None else normalizer * chunk_decay[..., None])
+    return new_state, new_normalizer
 
 
 def recurrent_step(
