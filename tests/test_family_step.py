@@ -244,6 +244,28 @@ def test_the_fused_step_in_the_model_decodes_as_the_reference(mixer, monkeypatch
     assert cache.states[0]["state"].shape[2] == features
 
 
+def test_with_a_gradient_to_carry_the_cached_forms_run_the_reference_on_the_packed_state(monkeypatch):
+    from attnlab.models import kernels
+
+    def fails(*args, **kwargs):
+        raise AssertionError("a kernel without a backward ran where a gradient was wanted")
+
+    fails.fused = True
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    grads = []
+    for fast in (False, True):
+        if fast:
+            monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: fails)
+            monkeypatch.setattr(kernels, "attention_family_state_update_fn", lambda choice, x: fails)
+        model = family_model("2mamba", layers=1).train()
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        step = model(input_ids=ids[:, 5:], past_key_values=first.past_key_values, use_cache=True)
+        step.logits.square().sum().backward()
+        grads.append(model.model.layers[0].attn.qkv_proj.weight.grad)
+    assert first.past_key_values.states[0]["state"].shape[2] == 8 * 9 // 2  # packed, as where the kernels run
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------- CUDA
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -332,13 +332,14 @@ class AttentionFamily(Mixer):
             o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms,
                                    out_dtype=v.dtype, **kwargs)
             return o, None
-        # the one choice between the reference step and the fused kernel (CUDA), which advances the
-        # state where it lies and keeps power2's state packed (half the rows)
+        # the one choice between the reference and the fused kernels (CUDA): the step advances the state
+        # where it lies, power2's state is packed (half the rows); the kernels have no backward, so with
+        # a gradient to carry the reference runs, on the same layout
         step = kernels.attention_family_step_fn(self.kernels, q)
         packed = self._packed_state(state, fast=step is not None)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, log_decay, state, normalizer, kwargs["count_power"]))
         if "state" in cache and q.shape[1] == 1:  # step form
-            needs_grad = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (q, k, v, log_decay, kwargs["count_power"]))
             if step is not None and not needs_grad:
                 state = state.contiguous()  # a copy only if it is a view across rows
                 if normalizer is not None:
@@ -353,7 +354,7 @@ class AttentionFamily(Mixer):
             return o[:, None], {"state": state, "normalizer": normalizer}
         o, state, normalizer = chunk_linear_attention(
             q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
-            state_update=kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
+            state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
         )
         return o, {"state": state, "normalizer": normalizer}
 
