@@ -118,7 +118,7 @@ class GenerateConfig(Section):
     num_return_sequences: int = Field(1, gt=0, description="candidates returned per prompt")
     batch_size: int = Field(8, gt=0, description="prompts decoded together")
     output_scores: bool = Field(False, description="also return each sequence's log-probability score")
-    cuda_graphs: Literal["auto", "off"] = Field("auto", description="auto = on CUDA, decode models whose layers keep fixed-size states (GLA, Mamba-2), and HF causal LMs over a static KV cache, through CUDA graphs; off = eager steps")
+    cuda_graphs: Literal["auto", "off"] = Field("auto", description="auto = on CUDA, decode attnlab models (fixed-size states and static KV buffers) and HF causal LMs over a static KV cache through CUDA graphs; off = eager steps")
 
     @model_validator(mode="after")
     def _coherent(self) -> "GenerateConfig":

@@ -76,6 +76,32 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
     return fused
 
 
+def attention_family_step_fn(choice: str, x: torch.Tensor):
+    """attnlab's fused decoding step for linearizable attention-family layers (power1, power2
+    without a clamp; `kernels/attention_family_step.py`: the state advanced in place) for this CUDA
+    tensor, or None: the mixer runs the PyTorch reference `recurrent_step`. It covers every
+    similarity, decay and denominator of those layers; float64 runs the reference (with a warning)."""
+    if not use_triton(choice, x):
+        return None
+    if x.dtype == torch.float64:  # the kernel computes in fp32
+        warnings.warn("attnlab's attention-family step kernel takes no float64: the step runs the PyTorch reference", stacklevel=3)
+        return None
+    from attnlab.models.kernels.attention_family_step import attention_family_step_
+
+    return attention_family_step_
+
+
+def attention_family_state_update_fn(choice: str, x: torch.Tensor):
+    """attnlab's kernel for a linearizable attention-family layer's state after a prompt (power2's
+    d^2 features formed in registers only; `kernels/attention_family_step.py`) for this CUDA tensor,
+    or None: the prefill runs the PyTorch reference `linear_state_update`, a chunk of features at a time."""
+    if not use_triton(choice, x) or x.dtype == torch.float64:
+        return None
+    from attnlab.models.kernels.attention_family_step import linear_state_update
+
+    return linear_state_update
+
+
 CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: its backward unrolls one dweight sum per tap, up to 8
 
 

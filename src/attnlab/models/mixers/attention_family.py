@@ -155,6 +155,9 @@ class AttentionFamily(Mixer):
         self.rope_theta = config.rope_theta
         self.scale = opts["qk_scale"] if opts["qk_scale"] is not None else self.head_dim**-0.5
         self.linearizable = is_linearizable(opts)
+        # a recurrent state of fixed size while decoding (and a step without host synchronisation):
+        # the engine captures the one-token step as a CUDA graph; KV variants keep a cache that grows
+        self.fixed_size_state = self.linearizable
         self.static_kv = not self.linearizable  # KV variants decode over static buffers (`static_state`)
         hidden, heads, inner = config.hidden_size, self.num_heads, self.num_heads * self.head_dim
 
@@ -317,25 +320,42 @@ class AttentionFamily(Mixer):
         if not use_cache:
             return y, None
         state.update(num_tokens=num_tokens, conv_state=conv_state)
+        if self.linearizable:  # only tensors: the engine keeps each one in a static buffer
+            state = {name: t for name, t in state.items() if t is not None}
         return y, state
 
     def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms):
         """Linearizable variants: the quadratic form for training, a fixed-size state for decoding."""
         kwargs = self._attention_kwargs()
         state, normalizer = cache.get("state"), cache.get("normalizer")
-        if "state" in cache and q.shape[1] == 1:  # step form
-            o, state, normalizer = recurrent_step(
-                q[:, 0], k[:, 0], v[:, 0], None if log_decay is None else log_decay[:, 0],
-                state, normalizer, num_tokens, **kwargs,
-            )
-            return o[:, None], {"state": state, "normalizer": normalizer}
         if "state" not in cache and not use_cache:  # training: quadratic form only
             c = log_decay_cumsum(log_decay)
             o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms,
                                    out_dtype=v.dtype, **kwargs)
             return o, None
+        # the one choice between the reference and the fused kernels (CUDA): the step advances the state
+        # where it lies, power2's state is packed (half the rows); the kernels have no backward, so with
+        # a gradient to carry the reference runs, on the same layout
+        step = kernels.attention_family_step_fn(self.kernels, q)
+        packed = self._packed_state(state, fast=step is not None)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, log_decay, state, normalizer, kwargs["count_power"]))
+        if "state" in cache and q.shape[1] == 1:  # step form
+            if step is not None and not needs_grad:
+                state = state.contiguous()  # a copy only if it is a view across rows
+                if normalizer is not None:
+                    normalizer = normalizer.contiguous()
+                o = step(q[:, 0], k[:, 0], v[:, 0], None if log_decay is None else log_decay[:, 0], state, normalizer,
+                         num_tokens, packed=packed, **kwargs)
+                return o[:, None], {"state": state, "normalizer": normalizer}
+            o, state, normalizer = recurrent_step(
+                q[:, 0], k[:, 0], v[:, 0], None if log_decay is None else log_decay[:, 0],
+                state, normalizer, num_tokens, packed=packed, **kwargs,
+            )
+            return o[:, None], {"state": state, "normalizer": normalizer}
         o, state, normalizer = chunk_linear_attention(
-            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, **kwargs
+            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
+            state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
         )
         return o, {"state": state, "normalizer": normalizer}
 
@@ -403,6 +423,15 @@ class AttentionFamily(Mixer):
                 den = _finish_denominator(den[..., None, None], denominator, kwargs["count_power"])[..., 0, 0]
                 o = _divide(o, den[..., None])
         return o[:, None]
+
+    def _packed_state(self, state: torch.Tensor | None, fast: bool) -> bool:
+        """Whether power2's recurrent state is (or, new, will be) in its packed layout of d (d + 1) / 2
+        rows: that of a given state, else packed where the fused step runs."""
+        if self.options["similarity"] != "power2":
+            return False
+        if state is not None:
+            return state.shape[-2] != self.head_dim**2
+        return fast
 
     def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache, terms):
         """Other variants: attention over a cache of keys, values and each key's decay so far."""

@@ -17,6 +17,11 @@ so without a clamp they also have a recurrent form with a fixed-size state per h
     S_i = exp(A_i) S_{i-1} + phi(k_i)^T v_i      z_i = exp(A_i) z_{i-1} + phi(k_i)
     o_i = phi(q_i) S_i / den_i                   ("sum": den_i = phi(q_i) . z_i)
 
+For power2 the state is symmetric in its two key indices (row (a, b) equals row (b, a)), so it may
+also be kept "packed": only the d (d + 1) / 2 rows a <= b, in the row-major order of
+`torch.triu_indices`, with the query's features x_a x_b doubled off the diagonal. The fast
+decoding step keeps that layout (half the bytes to stream per token); `packed=True` selects it.
+
 Layout: q, k [batch, time, heads, key_dim]; v [batch, time, heads, value_dim]; log-decays
 [batch, time, heads]; recurrent state [batch, heads, features, value_dim]. Computed in fp32.
 """
@@ -78,13 +83,44 @@ def truncated_exp(x: torch.Tensor, terms: int) -> torch.Tensor:
     return _TruncatedExp.apply(x, terms)
 
 
-def linear_features(x: torch.Tensor, similarity: str) -> torch.Tensor:
-    """phi with phi(q) . phi(k) = sim(q . k): x for power1, the flattened outer product x x^T for power2."""
+def linear_features(x: torch.Tensor, similarity: str, packed: bool = False, query: bool = False) -> torch.Tensor:
+    """phi with phi(q) . phi(k) = sim(q . k): x for power1, the flattened outer product x x^T for power2.
+
+    packed (power2): only the products x_a x_b with a <= b ([..., d (d + 1) / 2]), those with a < b
+    doubled for the query side (`query`), so that phi(q) . phi(k) is unchanged."""
     if similarity == "power1":
         return x
-    if similarity == "power2":
+    if similarity != "power2":
+        raise ValueError(f"similarity {similarity!r} has no finite feature map")
+    if not packed:
         return (x[..., :, None] * x[..., None, :]).flatten(-2)  # [..., d * d]
-    raise ValueError(f"similarity {similarity!r} has no finite feature map")
+    a, b = torch.triu_indices(x.shape[-1], x.shape[-1], device=x.device)
+    in_place = not (torch.is_grad_enabled() and x.requires_grad)  # a fresh tensor: no second copy
+    features = x[..., a]
+    features = features.mul_(x[..., b]) if in_place else features * x[..., b]  # [..., d (d + 1) / 2]
+    if query:
+        doubled = torch.where(a == b, 1.0, 2.0).to(features.dtype)
+        features = features.mul_(doubled) if in_place else features * doubled
+    return features
+
+
+def linear_feature_count(head_dim: int, similarity: str, packed: bool = False) -> int:
+    """The number of features of `linear_features` (the rows of one head's recurrent state)."""
+    if similarity == "power1":
+        return head_dim
+    return head_dim * (head_dim + 1) // 2 if packed else head_dim * head_dim
+
+
+def unpack_power2_state(state: torch.Tensor, head_dim: int, dim: int = -2) -> torch.Tensor:
+    """A packed power2 state, whose dim `dim` holds the d (d + 1) / 2 rows a <= b (-2 for the state
+    [..., F, Dv], -1 for the normaliser [..., F]), in the full layout of d * d rows: rows (a, b)
+    and (b, a) both hold packed row (min(a, b), max(a, b))."""
+    a, b = torch.triu_indices(head_dim, head_dim, device=state.device)
+    index = torch.empty(head_dim, head_dim, dtype=torch.long, device=state.device)
+    rows = torch.arange(a.numel(), device=state.device)
+    index[a, b] = rows
+    index[b, a] = rows
+    return state.index_select(dim % state.dim(), index.flatten())
 
 
 def log_decay_cumsum(log_decay: torch.Tensor | None) -> torch.Tensor | None:
@@ -192,67 +228,130 @@ def parallel_attention(
     return o if out_dtype is None else o.to(out_dtype)
 
 
+POWER2_CHUNK_ELEMENTS = 2**25  # a prefill chunk's power2 features [B, C, H, F] stay under this many elements
+
+
+def power2_chunk_size(batch: int, heads: int, features: int) -> int:
+    """Tokens per chunk of a power2 prefill: the largest power of two (16 to 256) whose features
+    [batch, chunk, heads, features] fit in `POWER2_CHUNK_ELEMENTS` (128 MB in fp32)."""
+    chunk = 256
+    while chunk > 16 and batch * chunk * heads * features > POWER2_CHUNK_ELEMENTS:
+        chunk //= 2
+    return chunk
+
+
 def chunk_linear_attention(
     q, k, v, log_decay, state, normalizer, count_before, *, similarity, scale, denominator="sum",
-    count_power=None, token_mask=None, terms=attention_terms,
+    count_power=None, token_mask=None, terms=attention_terms, packed=False, chunk_size=None, state_update=None,
 ):
     """Linearizable variants (power1, power2; no clamp): T tokens continuing from a recurrent state.
 
-    Inside the chunk the quadratic form is used; the state enters through phi(q). Padded tokens
+    Inside a chunk the quadratic form is used; the state enters through phi(q). Padded tokens
     (token_mask False) must come with zero k, v and log-decay. log_decay [B, T, H] or None;
     state [B, H, F, Dv] or None; normalizer [B, H, F] or None; count_before [B] tokens before the chunk.
-    Returns (o [B, T, H, Dv], state, normalizer).
+    packed: power2's state in its packed layout (see the module's doc). Returns (o [B, T, H, Dv], state, normalizer).
+
+    power2 runs over chunks of `chunk_size` tokens (default `power2_chunk_size`), one after the
+    other, so that its features (d^2 per token) exist for one chunk at a time; power1 takes all T
+    tokens as one chunk. `state_update`: `linear_state_update` (default) or a kernel with its
+    contract; a kernel that forms no features (`fused`) lets a prompt without a state before it
+    run as one chunk of up to `FUSED_FIRST_CHUNK` tokens (the quadratic form alone, no features at all).
     """
-    batch, seq_len, heads, _ = q.shape
-    power = 1 if similarity == "power1" else 2
+    batch, seq_len, heads, head_dim = q.shape
+    state_update = state_update or linear_state_update
+    if chunk_size is None:
+        chunk_size = seq_len
+        if similarity == "power2":
+            chunk_size = power2_chunk_size(batch, heads, linear_feature_count(head_dim, similarity, packed))
+    first = chunk_size
+    if state is None and getattr(state_update, "fused", False):
+        first = max(chunk_size, FUSED_FIRST_CHUNK)
+    kwargs = {"similarity": similarity, "scale": scale, "denominator": denominator, "count_power": count_power,
+              "terms": terms, "packed": packed, "state_update": state_update}
+    if seq_len <= first:
+        return _linear_attention_chunk(q, k, v, log_decay, state, normalizer, count_before, token_mask=token_mask, **kwargs)
+    outputs = []
+    count = count_before
+    start = 0
+    while start < seq_len:
+        part = slice(start, start + (first if start == 0 else chunk_size))
+        mask = None if token_mask is None else token_mask[:, part]
+        o, state, normalizer = _linear_attention_chunk(
+            q[:, part], k[:, part], v[:, part], None if log_decay is None else log_decay[:, part], state, normalizer,
+            count, token_mask=mask, **kwargs,
+        )
+        outputs.append(o)
+        count = count + (o.shape[1] if mask is None else mask.long().sum(-1))
+        start += o.shape[1]
+    return torch.cat(outputs, dim=1), state, normalizer
+
+
+FUSED_FIRST_CHUNK = 8192  # tokens of a prompt's first chunk when no features are formed (the quadratic form's cost grows as T^2)
+
+
+def _linear_attention_chunk(
+    q, k, v, log_decay, state, normalizer, count_before, *, similarity, scale, denominator, count_power,
+    token_mask, terms, packed, state_update,
+):
+    """`chunk_linear_attention` for one chunk: the quadratic form inside, the state through phi(q)."""
     c = log_decay_cumsum(log_decay)  # [B, T, H]
     num, den = terms(
         q, k, v, similarity=similarity, scale=scale, denominator=denominator,
         query_log_decay=c, key_log_decay=c, key_mask=token_mask,
     )
-    phi_q = linear_features(q.float(), similarity)  # [B, T, H, F]
-    phi_k = linear_features(k.float(), similarity) * scale**power
     want_normalizer = denominator in SUM_DENOMINATORS
-    if state is None:
-        state = q.new_zeros(batch, heads, phi_q.shape[-1], v.shape[-1], dtype=torch.float32)
-    if want_normalizer and normalizer is None:
-        normalizer = q.new_zeros(batch, heads, phi_q.shape[-1], dtype=torch.float32)
-
-    # what the state carries in: decayed from the chunk start to each query
-    phi_q_from_start = phi_q if c is None else phi_q * c.exp()[..., None]
-    num = num + torch.einsum("bthf,bhfv->bhtv", phi_q_from_start, state)
-    if want_normalizer:
-        den = den + torch.einsum("bthf,bhf->bht", phi_q_from_start, normalizer)[..., None]
-    elif den is not None:  # counts
+    if state is not None:  # what the state carries in: decayed from the chunk start to each query
+        # features in [B, H, T, F], so that the products read them as they lie
+        phi_q = linear_features(q.float().transpose(1, 2), similarity, packed, query=True)  # [B, H, T, F]
+        if c is not None:
+            phi_q = phi_q * c.exp().transpose(1, 2)[..., None]
+        num = num + phi_q @ state  # [B, H, T, Dv]
+        if want_normalizer and normalizer is not None:
+            den = den + phi_q @ normalizer[..., None]
+        del phi_q
+    if den is not None and not want_normalizer:  # counts
         den = den + count_before.float().view(-1, 1, 1, 1)
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
     o = _divide(num, den).transpose(1, 2)
+    state, normalizer = state_update(k, v, c, state, normalizer, similarity=similarity, scale=scale, packed=packed,
+                                     want_normalizer=want_normalizer)
+    return o, state, normalizer
 
-    # the state after the chunk
-    if c is None:
-        phi_k_to_end, chunk_decay = phi_k, None
-    else:
-        phi_k_to_end = phi_k * (c[:, -1:] - c).exp()[..., None]
-        chunk_decay = c[:, -1].exp()  # [B, H]
-    if chunk_decay is not None:
-        state = state * chunk_decay[..., None, None]
-    state = state + torch.einsum("bthf,bthv->bhfv", phi_k_to_end, v.float())
-    if want_normalizer:
-        if chunk_decay is not None:
-            normalizer = normalizer * chunk_decay[..., None]
-        normalizer = normalizer + phi_k_to_end.sum(1)
-    return o, state, (normalizer if want_normalizer else None)
+
+def linear_state_update(k, v, c, state, normalizer, *, similarity, scale, packed=False, want_normalizer=True):
+    """The state (and normaliser) after T more tokens: S exp(c_T) + sum_t exp(c_T - c_t) phi(k_t)^T v_t.
+
+    k [B, T, H, K], v [B, T, H, Dv]; c [B, T, H]: the running sum of the log-decays over these
+    tokens, or None; state [B, H, F, Dv] or None (zeros); normalizer [B, H, F] or None (zeros).
+    Returns (state, normalizer or None), fp32."""
+    power = 1 if similarity == "power1" else 2
+    weight = torch.full(k.shape[:3], float(scale) ** power, device=k.device)  # [B, T, H]: scale^p, decay to the end
+    if c is not None:
+        weight = weight * (c[:, -1:] - c).exp()
+    weight = weight.transpose(1, 2)[..., None]  # [B, H, T, 1]
+    phi_k = linear_features(k.float().transpose(1, 2), similarity, packed)  # [B, H, T, F]
+    new_state = phi_k.transpose(-1, -2) @ (v.float().transpose(1, 2) * weight)  # [B, H, F, Dv]
+    new_normalizer = (phi_k.transpose(-1, -2) @ weight)[..., 0] if want_normalizer else None  # [B, H, F]
+    del phi_k
+    chunk_decay = None if c is None else c[:, -1].exp()  # [B, H]
+    if state is not None:
+        new_state = new_state + (state if chunk_decay is None else state * chunk_decay[..., None, None])
+    if want_normalizer and normalizer is not None:
+        new_normalizer = new_normalizer + (normalizer if chunk_decay is None else normalizer * chunk_decay[..., None])
+    return new_state, new_normalizer
 
 
 def recurrent_step(
     q, k, v, log_decay, state, normalizer, count, *, similarity, scale, denominator="sum", count_power=None,
+    packed=False,
 ):
     """One decoding step of a linearizable variant. q, k [B, H, K]; v [B, H, Dv]; log_decay [B, H] or None;
-    count [B]: tokens so far, this one included. Returns (o [B, H, Dv], state, normalizer)."""
+    count [B]: tokens so far, this one included. packed: power2's state in its packed layout.
+    Returns (o [B, H, Dv], state, normalizer)."""
     power = 1 if similarity == "power1" else 2
-    phi_q = linear_features(q.float(), similarity)  # [B, H, F]
-    phi_k = linear_features(k.float(), similarity) * scale**power
+    phi_q = linear_features(q.float(), similarity, packed, query=True)  # [B, H, F]
+    phi_k = linear_features(k.float(), similarity, packed) * scale**power
     batch, heads, features = phi_q.shape
     want_normalizer = denominator in SUM_DENOMINATORS
     if state is None:

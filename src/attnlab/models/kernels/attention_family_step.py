@@ -1,0 +1,307 @@
+"""One decoding step of a linearizable attention-family layer (power1, power2 without a clamp) as
+Triton kernels: features, decay, the state and normaliser advanced in place, the denominator and
+the output, for every (batch row, head).
+
+    phi(k) = scale^p k  or  scale^2 k (x) k          phi(q) = q  or  q (x) q   (p = 1, 2)
+    S = exp(A) S + phi(k)^T v                        z = exp(A) z + phi(k)     (fp32, where they lie)
+    o = phi(q) S / den                               den: phi(q) . z, clamped, the count, count^c, or 1
+
+The step reads and writes the state once: for power2 one program holds the rows (a, b) of one
+first index a (its query and key features are x_a x_b for a block of b), so the features are
+never written to memory. The state of power2 may be packed (the d (d + 1) / 2 rows a <= b, see
+`attnlab.models.ops.attention_family`): half the bytes of the full d^2 rows, which the kernel also
+reads. power2's programs write partial sums over their rows; a second, small kernel adds them,
+divides and writes the output. power1 (one program per head) finishes in the first.
+
+A prompt's state (the prefill) is `linear_state_update`: for power2 one program per first index a
+and head multiplies the keys' tile, scaled by scale^2 k_a and the decay to the prompt's end, with
+the values' tile (tf32 products from 16-bit inputs, fp32 ones from fp32), so the d^2 features of
+the prompt's tokens never exist in memory; the outputs are the quadratic form's.
+
+The PyTorch references are `recurrent_step` and `linear_state_update` in
+`attnlab.models.ops.attention_family`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5}
+
+
+@triton.jit
+def _finish(acc, den, count, power, MODE: tl.constexpr):
+    """acc / the finished denominator (1 where it is 0), as `_finish_denominator` then `_divide`."""
+    if MODE == 0:
+        return acc
+    if MODE == 1:
+        f = den
+    elif MODE == 4:
+        f = count
+    elif MODE == 5:  # count ** power, 0 for no token
+        f = tl.where(count > 0, tl.exp2(power * tl.log2(tl.maximum(count, 1.0))), 0.0)
+    else:
+        f = tl.maximum(den, 1.0)
+    return acc / tl.where(f == 0.0, 1.0, f)
+
+
+@triton.jit
+def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
+                 sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
+                 H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr,
+                 POWER: tl.constexpr, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr, MODE: tl.constexpr,
+                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr):
+    i_a, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_v = offs_v < DV
+    b_v = tl.load(V + i_b * svb + i_h * svh + offs_v, mask=m_v, other=0.0).to(tl.float32)
+    decay = 1.0
+    if HAS_DECAY:
+        decay = tl.exp(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32))
+    q_row = Q + i_b * sqb + i_h * sqh
+    k_row = K + i_b * skb + i_h * skh
+    # this program's rows: (a, b) for b in [lo, D) (power2), or b in [0, D) (power1)
+    lo = 0
+    first_row = 0
+    q_a = 1.0
+    k_a = 1.0
+    if POWER == 2:
+        q_a = tl.load(q_row + i_a).to(tl.float32)
+        k_a = tl.load(k_row + i_a).to(tl.float32)
+        if PACKED:
+            lo = i_a
+            first_row = i_a * D - i_a * (i_a - 1) // 2
+        else:
+            first_row = i_a * D
+    p_state = STATE + i_bh.to(tl.int64) * F * DV
+    p_norm = NORM + i_bh.to(tl.int64) * F
+    acc = tl.zeros([BV], tl.float32)
+    den = tl.zeros([BJ], tl.float32)
+    for j0 in range((lo // BJ) * BJ, D, BJ):
+        offs_j = j0 + tl.arange(0, BJ)
+        m_j = (offs_j >= lo) & (offs_j < D)
+        q_j = tl.load(q_row + offs_j, mask=m_j, other=0.0).to(tl.float32)
+        k_j = tl.load(k_row + offs_j, mask=m_j, other=0.0).to(tl.float32)
+        phi_q = q_a * q_j
+        phi_k = k_a * k_j * scale_k
+        if PACKED:  # the rows a < b stand for (a, b) and (b, a)
+            phi_q = tl.where(offs_j > i_a, 2.0 * phi_q, phi_q)
+        rows = first_row + offs_j - lo
+        p_s = p_state + rows[:, None] * DV + offs_v[None, :]
+        m_s = m_j[:, None] & m_v[None, :]
+        b_s = tl.load(p_s, mask=m_s, other=0.0)
+        b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
+        tl.store(p_s, b_s, mask=m_s)
+        acc += tl.sum(phi_q[:, None] * b_s, 0)
+        if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
+            m_z = m_j & (i_v == 0)
+            b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
+            b_z = b_z * decay + phi_k
+            tl.store(p_norm + rows, b_z, mask=m_z)
+            den += tl.where(m_z, phi_q * b_z, 0.0)
+    if FINISH:
+        count = tl.load(COUNT + i_b).to(tl.float32)
+        power = tl.load(CPOW + i_h).to(tl.float32)
+        o = _finish(acc, tl.sum(den, 0), count, power, MODE)
+        tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
+    else:
+        part = i_a.to(tl.int64) * tl.num_programs(2) + i_bh
+        tl.store(PART + part * DV + offs_v, acc, mask=m_v)
+        if i_v == 0:
+            tl.store(PART_DEN + part, tl.sum(den, 0))
+
+
+@triton.jit
+def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.constexpr, MODE: tl.constexpr,
+                   BG: tl.constexpr, BV: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = tl.num_programs(1)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_v = offs_v < DV
+    acc = tl.zeros([BV], tl.float32)
+    den = tl.zeros([BG], tl.float32)
+    for g0 in range(0, G, BG):
+        offs_g = g0 + tl.arange(0, BG)
+        m_g = offs_g < G
+        part = offs_g.to(tl.int64) * rows + i_bh
+        acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
+        if MODE >= 1 and MODE <= 3:
+            den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
+    count = tl.load(COUNT + i_b).to(tl.float32)
+    power = tl.load(CPOW + i_h).to(tl.float32)
+    o = _finish(acc, tl.sum(den, 0), count, power, MODE)
+    tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
+
+
+def _heads(x: torch.Tensor, name: str) -> tuple[int, int]:
+    """Batch and head strides of a [B, H, D] tensor whose last dim is contiguous."""
+    if x.dim() != 3 or (x.stride(2) != 1 and x.shape[2] > 1):
+        raise ValueError(f"{name} must be [B, H, D] with a contiguous last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+    return x.stride(0), x.stride(1)
+
+
+def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, similarity: str, scale: float,
+                           denominator: str = "sum", count_power: torch.Tensor | None = None,
+                           packed: bool = False) -> torch.Tensor:
+    """As `recurrent_step` (same arguments), the state and normaliser advanced in place.
+
+    q, k [B, H, D]; v [B, H, Dv] (last dims contiguous); log_decay [B, H] or None; state fp32
+    [B, H, F, Dv] and normalizer fp32 [B, H, F] (the sum denominators), contiguous; count [B]
+    (tokens so far, this one included); count_power [H] or None. F is D (power1), D (D + 1) / 2
+    (power2, packed) or D^2 (power2). Returns o [B, H, Dv] in v's dtype."""
+    from attnlab.models.ops.attention_family import (
+        SUM_DENOMINATORS,
+        linear_feature_count,
+    )
+
+    batch, heads, head_dim = q.shape
+    value_dim = v.shape[-1]
+    power = 1 if similarity == "power1" else 2
+    features = linear_feature_count(head_dim, similarity, packed)
+    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != (batch, heads, features, value_dim):
+        raise ValueError(f"state must be a contiguous fp32 [{batch}, {heads}, {features}, {value_dim}] tensor, "
+                         f"got {state.dtype} {tuple(state.shape)}")
+    want_normalizer = denominator in SUM_DENOMINATORS
+    if want_normalizer and (normalizer is None or normalizer.dtype != torch.float32 or not normalizer.is_contiguous()
+                            or tuple(normalizer.shape) != (batch, heads, features)):
+        raise ValueError(f"normalizer must be a contiguous fp32 [{batch}, {heads}, {features}] tensor")
+    mode = DENOMINATOR_MODES[denominator]
+    o = torch.empty(batch, heads, value_dim, dtype=v.dtype, device=v.device)
+    block_j = min(64, triton.next_power_of_2(head_dim))
+    block_v = min(64, triton.next_power_of_2(value_dim))
+    groups = head_dim if power == 2 else 1  # programs per head and block of values: one per first index a
+    finish = groups == 1
+    part = part_den = o  # not read when `finish`
+    if not finish:
+        part = torch.empty(groups, batch * heads, value_dim, dtype=torch.float32, device=v.device)
+        part_den = torch.empty(groups, batch * heads, dtype=torch.float32, device=v.device)
+    if count_power is not None:
+        count_power = count_power.float().contiguous()
+    count = count.contiguous()
+    sdb, sdh = (log_decay.stride(0), log_decay.stride(1)) if log_decay is not None else (0, 0)
+    grid = (groups, triton.cdiv(value_dim, block_v), batch * heads)
+    _step_kernel[grid](
+        q, k, v, log_decay if log_decay is not None else state, state, normalizer if want_normalizer else state, count,
+        count_power if count_power is not None else state, part, part_den, o,
+        *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
+        H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
+        HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, num_warps=4,
+    )
+    if not finish:
+        _finish_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
+            part, part_den, count, count_power if count_power is not None else state, o, groups,
+            H=heads, DV=value_dim, MODE=mode, BG=min(64, triton.next_power_of_2(groups)), BV=block_v, num_warps=4,
+        )
+    return o
+
+
+# ---------------------------------------------------------------- the prefill's state
+
+@triton.jit
+def _state_kernel(K, V, C, S_IN, Z_IN, S_OUT, Z_OUT, T, skb, skt, skh, svb, svt, svh, scb, sct, sch, scale_k,
+                  H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, PACKED: tl.constexpr,
+                  HAS_DECAY: tl.constexpr, HAS_STATE: tl.constexpr, HAS_Z: tl.constexpr, WANT_Z: tl.constexpr,
+                  PRECISION: tl.constexpr, BT: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
+    """Rows (a, b) of power2's state after T tokens, for one first index a and a block of values:
+    sum_t (w_t k_ta k_tb) v_t as a product of the keys' tile scaled by w_t k_ta with the values'."""
+    i_a, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_b = tl.arange(0, BB)
+    m_b = offs_b < D
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_v = offs_v < DV
+    k_rows = K + i_b * skb + i_h * skh
+    v_rows = V + i_b * svb + i_h * svh
+    c_rows = C + i_b * scb + i_h * sch
+    c_end = 0.0
+    if HAS_DECAY:
+        c_end = tl.load(c_rows + (T - 1) * sct)
+    acc = tl.zeros([BB, BV], tl.float32)
+    z = tl.zeros([BB], tl.float32)
+    for t0 in range(0, T, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        m_t = offs_t < T
+        k_t = tl.load(k_rows + offs_t[:, None] * skt + offs_b[None, :], mask=m_t[:, None] & m_b[None, :], other=0.0).to(tl.float32)
+        w = tl.load(k_rows + offs_t * skt + i_a, mask=m_t, other=0.0).to(tl.float32) * scale_k  # scale^2 k_ta
+        if HAS_DECAY:  # decayed to the last token
+            w = w * tl.exp(c_end - tl.load(c_rows + offs_t * sct, mask=m_t, other=0.0))
+        x = k_t * w[:, None]  # [BT, BB]: the features (a, b) of each token, weighted
+        v_t = tl.load(v_rows + offs_t[:, None] * svt + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(tl.trans(x), v_t, input_precision=PRECISION)
+        if WANT_Z:
+            z += tl.sum(x, 0)
+    lo = 0
+    first_row = i_a * D
+    if PACKED:
+        lo = i_a
+        first_row = i_a * D - i_a * (i_a - 1) // 2
+    rows = first_row + offs_b - lo
+    m_r = m_b & (offs_b >= lo)
+    p_s = i_bh.to(tl.int64) * F * DV + rows[:, None] * DV + offs_v[None, :]
+    m_s = m_r[:, None] & m_v[None, :]
+    decay_all = 1.0
+    if HAS_DECAY:
+        decay_all = tl.exp(c_end)
+    if HAS_STATE:
+        acc += tl.load(S_IN + p_s, mask=m_s, other=0.0) * decay_all
+    tl.store(S_OUT + p_s, acc, mask=m_s)
+    if WANT_Z:
+        p_z = i_bh.to(tl.int64) * F + rows
+        m_z = m_r & (i_v == 0)
+        if HAS_Z:
+            z += tl.load(Z_IN + p_z, mask=m_z, other=0.0) * decay_all
+        tl.store(Z_OUT + p_z, z, mask=m_z)
+
+
+def linear_state_update(k, v, c, state, normalizer, *, similarity: str, scale: float, packed: bool = False,
+                        want_normalizer: bool = True):
+    """As `attnlab.models.ops.attention_family.linear_state_update` (same arguments and results),
+    power2 through `_state_kernel`: its d^2 features of a token are formed in registers only, so
+    a prompt's state takes no memory beyond itself. power1 (d features) runs the reference."""
+    from attnlab.models.ops.attention_family import linear_feature_count
+    from attnlab.models.ops.attention_family import linear_state_update as reference
+
+    if similarity != "power2" or torch.float64 in (k.dtype, v.dtype):
+        return reference(k, v, c, state, normalizer, similarity=similarity, scale=scale, packed=packed,
+                         want_normalizer=want_normalizer)
+    batch, seq_len, heads, head_dim = k.shape
+    value_dim = v.shape[-1]
+    features = linear_feature_count(head_dim, similarity, packed)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    out = torch.empty(batch, heads, features, value_dim, dtype=torch.float32, device=k.device)
+    out_z = torch.empty(batch, heads, features, dtype=torch.float32, device=k.device) if want_normalizer else None
+    if state is not None:
+        state = state.float().contiguous()
+    if want_normalizer and normalizer is not None:
+        normalizer = normalizer.float().contiguous()
+    has_z = want_normalizer and normalizer is not None
+    c_args = (c, c.stride(0), c.stride(1), c.stride(2)) if c is not None else (out, 0, 0, 0)
+    block_v = min(64, max(16, triton.next_power_of_2(value_dim)))
+    grid = (head_dim, triton.cdiv(value_dim, block_v), batch * heads)
+    _state_kernel[grid](
+        k, v, c_args[0], state if state is not None else out, normalizer if has_z else out, out,
+        out_z if out_z is not None else out, seq_len, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), *c_args[1:], float(scale) ** 2,
+        H=heads, D=head_dim, DV=value_dim, F=features, PACKED=bool(packed), HAS_DECAY=c is not None,
+        HAS_STATE=state is not None, HAS_Z=has_z, WANT_Z=want_normalizer,
+        PRECISION="ieee" if k.dtype == torch.float32 and v.dtype == torch.float32 else "tf32",
+        BT=16 if _interpreting() else 32 if head_dim > 64 else 64, BB=max(16, triton.next_power_of_2(head_dim)),
+        BV=block_v, num_warps=8 if head_dim > 32 else 4,
+    )
+    return out, out_z
+
+
+linear_state_update.fused = True  # forms no features in memory: `chunk_linear_attention` may take a whole prompt at once
