@@ -18,7 +18,7 @@ run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; loc
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
-  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_mamba2_step.py tests/test_ssd_kernels.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py tests/test_decode_attention.py tests/test_hf_static.py ;;
+  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_mamba2_step.py tests/test_ssd_kernels.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py tests/test_decode_attention.py tests/test_hf_static.py tests/test_family_step.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model attnlab-gla-eager --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --saved --out "$OUT/train-gla-8x2048.json" ;;
   zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"
