@@ -42,12 +42,12 @@ for stage in "$@"; do case $stage in
     python - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
-print(f"{'model':34s} {'new tok/s':>10s} {'step ms':>8s} {'kernels':>8s} {'HF tok/s':>9s} {'speed-up':>9s} {'beam/greedy':>12s}")
+print(f"{'model':34s} {'new tok/s':>10s} {'step ms':>8s} {'kernels':>8s} {'peak GiB':>9s} {'HF tok/s':>9s} {'speed-up':>9s} {'beam/greedy':>12s}")
 for path in sorted(Path(sys.argv[1]).glob("decode-*.json")):
     data = json.loads(path.read_text())
     for r in data["results"]:
         print(f"{path.stem.removeprefix('decode-'):34s} {r['attnlab_new_tok_per_s']:>10,.0f} {r.get('graph_step_ms', float('nan')):>8.3f} "
-              f"{r.get('step_kernels', 0):>8d} {r.get('hf_generate_new_tok_per_s', float('nan')):>9.1f} {r.get('speedup', float('nan')):>9.2f} "
+              f"{r.get('step_kernels', 0):>8d} {r.get('peak_gib', float('nan')):>9.2f} {r.get('hf_generate_new_tok_per_s', float('nan')):>9.1f} {r.get('speedup', float('nan')):>9.2f} "
               f"{r.get('beam_cost_ratio', float('nan')):>12.2f}")
 PY
     ;;

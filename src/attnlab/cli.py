@@ -361,7 +361,7 @@ def bench_decode_cmd(
                "greedy_rows_x_beams_s": "greedy BxN s", "beam_s": "beam s", "beam_cost_ratio": "beam/greedy",
                "graph_step_ms": "graph step ms", "engine_step_ms": "engine ms/step", "step_kernels": "kernels/step",
                "step_kernel_ms": "kernel ms/step",
-               "prefill_ms": "prefill ms"}
+               "prefill_ms": "prefill ms", "peak_gib": "peak GiB"}
     columns = [col for col in rows[0] if col != "step_profile"]
     for col in columns:
         table.add_column(headers.get(col, col), justify="right")

@@ -118,9 +118,14 @@ def bench_decode(model, tokenizer, batch_sizes: list[int], prompt_len: int, new_
     for batch in batch_sizes:
         prompts = torch.randint(0, min(vocab, 256), (batch, prompt_len), generator=gen)
         as_lists = prompts.tolist()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         engine_s = _timed(lambda: _engine(model, tokenizer, as_lists, new_tokens), lambda: _engine(model, tokenizer, as_lists, 4), device, repeats)
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "attnlab_s": round(engine_s, 4), "attnlab_new_tok_per_s": round(batch * new_tokens / engine_s, 1)}
+        if device.type == "cuda":  # weights, prefill, static buffers and captured graphs together
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         step_ms = _graph_step_ms(model, prompts.to(device), new_tokens)
         if step_ms is not None:
             # the captured step alone, replayed back to back: what the engine's per-step work adds is the rest
