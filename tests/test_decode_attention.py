@@ -167,3 +167,19 @@ def test_rotary_and_cache_write_in_one_kernel_match_the_separate_steps(dtype):
     torch.testing.assert_close(fused["key"], ref["key"], **tol)
     torch.testing.assert_close(fused["value"], ref["value"], rtol=0, atol=0)
     assert torch.equal(fused["valid"], ref["valid"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_one_kernel_matches_the_reference(dtype):
+    from attnlab.models.kernels.decode_attention import rope_
+    from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq
+
+    torch.manual_seed(0)
+    qkv = torch.randn(3, 3, 4, 8).to(dtype)  # q, k, v of 4 heads as views of one projection
+    q, k = qkv[:, 0], qkv[:, 1, :2]  # grouped: 2 key heads
+    position = torch.tensor([0, 7, 1000])
+    q_rot, k_rot = rope_(q, k, rotary_inv_freq(8, 10000.0), position)
+    cos, sin = rotary_cos_sin(position[:, None], 8, 10000.0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(q_rot, apply_rotary(q[:, None], cos, sin)[:, 0], **tol)
+    torch.testing.assert_close(k_rot, apply_rotary(k[:, None], cos, sin)[:, 0], **tol)

@@ -26,7 +26,14 @@ import torch.nn.functional as F
 
 from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
-from attnlab.models.mixers.softmax import SoftmaxAttention, apply_rotary, rotary_cos_sin, static_kv_state, write_static_kv
+from attnlab.models.mixers.softmax import (
+    SoftmaxAttention,
+    apply_rotary,
+    rotary_cos_sin,
+    rotary_inv_freq,
+    static_kv_state,
+    write_static_kv,
+)
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.attention_family import (
     DENOMINATORS,
@@ -279,7 +286,14 @@ class AttentionFamily(Mixer):
         if opts["conv_size"]:
             qkv, conv_state = self._conv(qkv, cache.get("conv_state"))
         q, k, v = qkv.view(batch, seq_len, 3, heads, head_dim).unbind(2)  # each [B, T, H, D]
-        if opts["rope"]:
+        if opts["rope"] and seq_len == 1 and cache and token_mask is None and kernels.use_triton(self.kernels, x):
+            # a decode step: q and k rotated in one kernel (the eager form takes about twenty)
+            from attnlab.models.kernels.decode_attention import rope_
+
+            if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
+                self._inv_freq = rotary_inv_freq(head_dim, self.rope_theta, x.device)
+            q, k = (t[:, None] for t in rope_(q[:, 0], k[:, 0], self._inv_freq, positions[:, 0]))
+        elif opts["rope"]:
             cos, sin = rotary_cos_sin(positions, head_dim, self.rope_theta)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
