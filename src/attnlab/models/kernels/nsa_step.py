@@ -228,8 +228,11 @@ def nsa_step_kernel(
     importance = torch.empty(batch * kv_heads, max(num_cmp, 1), dtype=torch.float32, device=q.device)
     q_pos = q_pos.contiguous()
     BT = max(16, triton.next_power_of_2(block_size))
-    BC = max(16, min(64, triton.next_power_of_2(max(num_cmp, 1))))
+    BC = max(16, min(32, triton.next_power_of_2(max(num_cmp, 1))))  # compressed keys per tile
     BSEL = max(16, min(1024, triton.next_power_of_2(max(num_cmp, 1))))
+    # 4 warps hold a bf16 layer of head dim 64 without spilling (sm_90: ~230 registers a thread); wider
+    # heads and fp32 operands take 8
+    num_warps = 4 if k.element_size() <= 2 and dim <= 64 else 8
     _nsa_step_kernel[(batch * kv_heads,)](
         q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, o, block_indices, importance,
         *_strides(q, "q"), *_strides(k, "k"), *_strides(v, "v"), *_strides(k_cmp, "k_cmp"), *_strides(v_cmp, "v_cmp"),
@@ -237,6 +240,6 @@ def nsa_step_kernel(
         length, num_cmp, window_size, scale * LOG2E,
         HKV=kv_heads, G=groups, D=dim, BS=block_size, S=block_counts, INITIAL=initial_blocks, LOCAL=local_blocks,
         BG=max(16, triton.next_power_of_2(groups)), BD=max(16, triton.next_power_of_2(dim)), BT=BT, BC=BC, BSEL=BSEL,
-        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     return o, block_indices
