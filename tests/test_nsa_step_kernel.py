@@ -81,6 +81,19 @@ def test_nsa_step_kernel_fills_unused_slots_and_padding_rows():
     assert o[1].eq(0).all()
 
 
+def test_nsa_step_kernel_walks_many_tiles_of_compressed_keys_and_importances(monkeypatch):
+    """40 complete blocks: two tiles of compressed keys, three of importances (16 at a time)."""
+    from attnlab.models.kernels import nsa_step as module
+
+    monkeypatch.setattr(module, "SELECT_TILE", 16)
+    args = static_buffers(2, 4, 2, 8, 4, 168, [163, 99], seed=11)
+    check_against_reference(args, block_size=4, block_counts=8, window_size=6)
+    args = list(args)
+    args[3] = torch.zeros_like(args[3])  # equal importances in every tile
+    _, idx = module.nsa_step_kernel(*args[:8], q_pos=args[8], block_size=4, block_counts=20, window_size=6)
+    assert idx[0, 0].tolist() == [0, 39, 40, *range(1, 18)]  # the picks run on from the first tile into the second
+
+
 def test_nsa_step_kernel_breaks_importance_ties_toward_the_lower_block():
     """Equal compressed keys give equal importances: the kernel takes the lowest blocks first."""
     args = list(static_buffers(1, 1, 1, 8, 4, 48, [43], seed=9))

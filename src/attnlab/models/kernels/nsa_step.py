@@ -37,6 +37,7 @@ from attnlab.models.kernels import nsa_step_gap
 from attnlab.models.ops.nsa import check_selection_counts
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel works in base 2
+SELECT_TILE = 1024  # importances read at a time while choosing a block
 
 
 @triton.jit
@@ -229,7 +230,7 @@ def nsa_step_kernel(
     q_pos = q_pos.contiguous()
     BT = max(16, triton.next_power_of_2(block_size))
     BC = max(16, min(32, triton.next_power_of_2(max(num_cmp, 1))))  # compressed keys per tile
-    BSEL = max(16, min(1024, triton.next_power_of_2(max(num_cmp, 1))))
+    BSEL = max(16, min(SELECT_TILE, triton.next_power_of_2(max(num_cmp, 1))))
     # 4 warps hold a bf16 layer of head dim 64 without spilling (sm_90: ~230 registers a thread); wider
     # heads and fp32 operands take 8
     num_warps = 4 if k.element_size() <= 2 and dim <= 64 else 8
