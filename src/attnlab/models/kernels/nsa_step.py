@@ -231,8 +231,8 @@ def nsa_step_kernel(
     BT = max(16, triton.next_power_of_2(block_size))
     BC = max(16, min(32, triton.next_power_of_2(max(num_cmp, 1))))  # compressed keys per tile
     BSEL = max(16, min(SELECT_TILE, triton.next_power_of_2(max(num_cmp, 1))))
-    # 4 warps hold a bf16 layer of head dim 64 without spilling (sm_90: ~230 registers a thread); wider
-    # heads and fp32 operands take 8
+    # sm_90, compiled ahead: 4 warps hold bf16 head dims up to 64 without spilling (128 registers a
+    # thread at 64, blocks of 16); wider heads and fp32 operands spill with 4 and take 8
     num_warps = 4 if k.element_size() <= 2 and dim <= 64 else 8
     _nsa_step_kernel[(batch * kv_heads,)](
         q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, o, block_indices, importance,
