@@ -154,6 +154,37 @@ def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
     return fused
 
 
+NSA_STEP_MAX_HEAD_DIM = 128  # kernels/nsa_step.py: the group's rows, a tile of keys and three fp32 outputs in registers
+NSA_STEP_MAX_BLOCK_SIZE = 64  # a selected block is one tile of keys
+NSA_STEP_MAX_GROUP = 64  # the group's query heads are the rows of every tile
+
+
+def nsa_step_gap(head_dim: int, block_size: int, groups: int) -> str | None:
+    """None when attnlab's NSA decoding-step kernel covers a layer with these sizes, else what it does not cover."""
+    for name, value, most in (("head dims", head_dim, NSA_STEP_MAX_HEAD_DIM), ("block sizes", block_size, NSA_STEP_MAX_BLOCK_SIZE),
+                              ("query heads per kv head", groups, NSA_STEP_MAX_GROUP)):
+        if value > most:
+            return f"{name} above {most} (this model has {value})"
+    return None
+
+
+def nsa_step_fn(choice: str, x: torch.Tensor, covered: bool = True):
+    """NSA's one-token decoding step over the static cache's buffers for this call: attnlab's Triton
+    kernel (`kernels/nsa_step.py`, one launch) for CUDA tensors in bf16, fp16 or fp32, else the PyTorch
+    reference `ops.nsa.nsa_step`. `covered`: whether the kernel covers the layer's sizes (the layer
+    says why not when it is built)."""
+    from attnlab.models.ops.nsa import nsa_step as reference
+
+    if not use_triton(choice, x, covered):
+        return reference
+    if x.dtype == torch.float64:  # Triton's kernel accumulates in fp32
+        warnings.warn("attnlab's NSA step kernel takes no float64: the step runs the PyTorch reference", stacklevel=3)
+        return reference
+    from attnlab.models.kernels.nsa_step import nsa_step_kernel
+
+    return nsa_step_kernel
+
+
 def _log_forget_gate(logits: torch.Tensor, normalizer: float, keep: torch.Tensor | None) -> torch.Tensor:
     gate = torch.nn.functional.logsigmoid(logits.float()).div_(normalizer)
     return gate if keep is None else gate.mul_(keep)

@@ -6,7 +6,8 @@ attention over the tokens of `block_counts` selected blocks per query and key/va
 and sliding-window attention. The math lives in `attnlab.models.ops.nsa`; parameter names follow
 fla's `NativeSparseAttention`. On CUDA the parallel form (training, prefill) runs attnlab's Triton
 kernels (`attnlab.models.kernels.nsa`, memory linear in the sequence length) unless
-`config.kernels` is "torch"; decoding steps run `nsa_step`.
+`config.kernels` is "torch"; decoding steps over the decode engine's static cache run one Triton
+kernel (`attnlab.models.kernels.nsa_step`), other decoding steps `nsa_step`.
 
 Block selection is the paper's (section 3.3.2) and fla's (`naive_nsa_topk`, `parallel_nsa_topk`):
 the first `initial_blocks` blocks and the `local_blocks` blocks ending at the query's own block
@@ -139,6 +140,10 @@ class NativeSparseAttention(Mixer):
         if self.kernel_gap and config.kernels != "torch" and layer_idx == 0:
             warnings.warn(f"mixer 'nsa': attnlab's CUDA kernels do not cover {self.kernel_gap}; on CUDA it runs the "
                           "PyTorch reference (memory quadratic in the sequence length)", stacklevel=2)
+        self.step_gap = kernels.nsa_step_gap(self.head_dim, self.block_size, self.num_heads // self.num_kv_heads)
+        if self.step_gap and config.kernels != "torch" and layer_idx == 0:
+            warnings.warn(f"mixer 'nsa': attnlab's CUDA decoding-step kernel does not cover {self.step_gap}; decoding "
+                          "over a static cache on CUDA runs the PyTorch reference `nsa_step`", stacklevel=2)
 
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
@@ -211,9 +216,11 @@ class NativeSparseAttention(Mixer):
         at = block.view(-1, 1, 1, 1).expand(-1, 1, *k.shape[2:])
         cache["key_cmp"].scatter_(1, at, k_new.to(cache["key_cmp"].dtype))
         cache["value_cmp"].scatter_(1, at, v_new.to(cache["value_cmp"].dtype))
-        o, _ = nsa_step(q, key, value, cache["key_cmp"], cache["value_cmp"], g_cmp, g_slc, g_swa, q_pos=pos,
-                        block_size=bs, block_counts=self.block_counts, window_size=self.window_size,
-                        initial_blocks=self.initial_blocks, local_blocks=self.local_blocks)
+        # the one choice between the reference and the CUDA kernel for the static step
+        step = kernels.nsa_step_fn(self.kernels, x, covered=not self.step_gap)
+        o, _ = step(q, key, value, cache["key_cmp"], cache["value_cmp"], g_cmp, g_slc, g_swa, q_pos=pos,
+                    block_size=bs, block_counts=self.block_counts, window_size=self.window_size,
+                    initial_blocks=self.initial_blocks, local_blocks=self.local_blocks)
         pos.add_(1)
         return self.o_proj(o.reshape(batch, 1, self.num_heads * self.head_dim))
 
