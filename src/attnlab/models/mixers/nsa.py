@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from attnlab.models import kernels
 from attnlab.models.mixers import Mixer, register_mixer
-from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
+from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from attnlab.models.ops.nsa import check_selection_counts, mean_pool_blocks, nsa_step
 
 COMPRESSIONS = ("mean", "mlp")
@@ -196,8 +196,16 @@ class NativeSparseAttention(Mixer):
         v = self.v_proj(x).view(batch, 1, self.num_kv_heads, self.head_dim)
         g_cmp, g_slc, g_swa = self.g_proj(x).view(batch, self.num_heads, 3).sigmoid().unbind(-1)
         pos = cache["length"]  # each row's tokens so far: this token's position and column
-        cos, sin = rotary_cos_sin(pos[:, None], self.head_dim, self.rope_theta)
-        q, k = apply_rotary(q[:, None], cos, sin)[:, 0], apply_rotary(k, cos, sin)
+        if kernels.use_triton(self.kernels, x):  # q and k rotated in one kernel (the eager form takes about twenty)
+            from attnlab.models.kernels.decode_attention import rope_
+
+            if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
+                self._inv_freq = rotary_inv_freq(self.head_dim, self.rope_theta, x.device)
+            q, k = rope_(q, k[:, 0], self._inv_freq, pos)
+            k = k[:, None]
+        else:
+            cos, sin = rotary_cos_sin(pos[:, None], self.head_dim, self.rope_theta)
+            q, k = apply_rotary(q[:, None], cos, sin)[:, 0], apply_rotary(k, cos, sin)
         key, value = cache["key"], cache["value"]
         index = pos.view(-1, 1, 1, 1).expand(-1, 1, *k.shape[2:])
         key.scatter_(1, index, k.to(key.dtype))
