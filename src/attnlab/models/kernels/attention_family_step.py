@@ -103,7 +103,7 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
         tl.store(p_s, b_s, mask=m_s)
         acc += tl.sum(phi_q[:, None] * b_s, 0)
         if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
-            m_z = m_j & (i_v == 0)
+            m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
             b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
             b_z = b_z * decay + phi_k
             tl.store(p_norm + rows, b_z, mask=m_z)
@@ -257,7 +257,7 @@ def _state_kernel(K, V, C, S_IN, Z_IN, S_OUT, Z_OUT, T, skb, skt, skh, svb, svt,
     tl.store(S_OUT + p_s, acc, mask=m_s)
     if WANT_Z:
         p_z = i_bh.to(tl.int64) * F + rows
-        m_z = m_r & (i_v == 0)
+        m_z = m_r & ((rows * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
         if HAS_Z:
             z += tl.load(Z_IN + p_z, mask=m_z, other=0.0) * decay_all
         tl.store(Z_OUT + p_z, z, mask=m_z)
