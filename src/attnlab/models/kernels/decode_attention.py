@@ -30,54 +30,75 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile
 TARGET_PROGRAMS = 1024  # enough ranges in flight to keep every SM reading
 NUM_WARPS = 4
+NUM_STAGES = 3  # key and value tiles in flight per program
 
 
 @triton.jit
-def _partial_kernel(q, k, v, valid, length, bias, part_o, part_ml, scale, clamp,
-                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid, sb_b, sb_h,
-                    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+def _partial_kernel(q, k, v, valid, length, bias, step_bias, part_o, part_ml, scale, clamp,
+                    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, s_valid, sb_b, sb_h, ss_b,
+                    H: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                     SPLIT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr, HAS_CLAMP: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
-    i_bh, i_s = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_hk = i_h // GROUP
+                    HAS_BIAS: tl.constexpr, STEP_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    # one program per (row, kv head, range): the kv head's GROUP query heads are the rows of one
+    # tile (padded to BM >= 16 for the tensor cores), so each key and value tile is read once and
+    # the loop is pipelined like a matrix product's
+    i_bk, i_s = tl.program_id(0), tl.program_id(1)
+    i_b, i_hk = i_bk // (H // GROUP), i_bk % (H // GROUP)
+    o_m = tl.arange(0, BM)
+    m_m = o_m < GROUP
+    heads = i_hk * GROUP + o_m
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_q = tl.load(q + i_b * sq_b + i_h * sq_h + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_q = tl.load(q + i_b * sq_b + heads[:, None] * sq_h + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0)
+    b_q = b_q.to(k.dtype.element_ty)
     n = tl.load(length + i_b)
     start = i_s * SPLIT
     end = tl.minimum(start + SPLIT, n)
-    b_m = tl.full([1], -1.0e30, tl.float32)  # finite: a tile with no valid key leaves the sums at zero
-    b_l = tl.zeros([1], tl.float32)
-    b_c = tl.zeros([1], tl.float32)  # keys attended (the count denominators)
-    b_acc = tl.zeros([BD], tl.float32)
+    b_m = tl.full([BM], -1.0e30, tl.float32)  # finite: a tile with no valid key leaves the sums at zero
+    b_l = tl.zeros([BM], tl.float32)
+    b_c = tl.zeros([BM], tl.float32)  # keys attended (the count denominators)
+    b_acc = tl.zeros([BM, BD], tl.float32)
     k_b = k + i_b.to(tl.int64) * sk_b + i_hk * sk_h
     v_b = v + i_b.to(tl.int64) * sv_b + i_hk * sv_h
+    p_bias = bias + i_b.to(tl.int64) * sb_b + heads[:, None] * sb_h
+    if STEP_BIAS:  # this step's log-decay per head, added to every earlier key's (the newest key's is 0)
+        b_step = tl.load(step_bias + i_b * ss_b + heads, mask=m_m, other=0.0)
     for c0 in range(start, end, BN):
         cols = c0 + tl.arange(0, BN)
         m_c = cols < end
         ok = m_c & (tl.load(valid + i_b * s_valid + cols, mask=m_c, other=0) != 0)
         m_t = m_c[:, None] & m_d[None, :]
-        b_k = tl.load(k_b + cols[:, None].to(tl.int64) * sk_t + o_d[None, :], mask=m_t, other=0.0).to(tl.float32)
-        s = tl.sum(b_k * b_q[None, :], axis=1) * scale  # [BN]
+        b_k = tl.load(k_b + cols[:, None].to(tl.int64) * sk_t + o_d[None, :], mask=m_t, other=0.0)
+        if IEEE:
+            s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale  # [BM, BN]
+        else:
+            s = tl.dot(b_q, tl.trans(b_k)) * scale
         if HAS_CLAMP:
             s = tl.minimum(s, clamp)
         if HAS_BIAS:  # each key's log-decay through this query
-            s += tl.load(bias + i_b.to(tl.int64) * sb_b + i_h * sb_h + cols, mask=m_c, other=0.0)
-        s = tl.where(ok, s * 1.4426950408889634, float("-inf"))  # log2 units
-        m_new = tl.maximum(b_m, tl.max(s, axis=0))
+            m_b = m_m[:, None] & m_c[None, :]
+            b_b = tl.load(p_bias + cols[None, :], mask=m_b, other=0.0)
+            if STEP_BIAS:
+                b_b = tl.where(cols[None, :] == n - 1, 0.0, b_b + b_step[:, None])
+                tl.store(p_bias + cols[None, :], b_b, mask=m_b)
+            s += b_b
+        s = tl.where(ok[None, :], s * 1.4426950408889634, float("-inf"))  # log2 units
+        m_new = tl.maximum(b_m, tl.max(s, axis=1))
         alpha = tl.exp2(b_m - m_new)
-        p = tl.exp2(s - m_new)  # 0 where masked
-        b_v = tl.load(v_b + cols[:, None].to(tl.int64) * sv_t + o_d[None, :], mask=m_t, other=0.0).to(tl.float32)
-        b_acc = b_acc * alpha + tl.sum(p[:, None] * b_v, axis=0)
-        b_l = b_l * alpha + tl.sum(p, axis=0)
+        p = tl.exp2(s - m_new[:, None])  # 0 where masked
+        b_v = tl.load(v_b + cols[:, None].to(tl.int64) * sv_t + o_d[None, :], mask=m_t, other=0.0)
+        if IEEE:
+            b_acc = b_acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision="ieee")
+        else:
+            b_acc = b_acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+        b_l = b_l * alpha + tl.sum(p, axis=1)
         b_c += tl.sum(ok.to(tl.float32), axis=0)
         b_m = m_new
-    base = i_bh * NS + i_s
-    tl.store(part_o + base * D + o_d, b_acc, mask=m_d)
+    base = (i_b * H + heads) * NS + i_s  # [BM]
+    tl.store(part_o + base[:, None] * D + o_d[None, :], b_acc, mask=m_m[:, None] & m_d[None, :])
     o_3 = tl.arange(0, 4)
-    stats = tl.where(o_3 == 0, tl.sum(b_m, axis=0), tl.where(o_3 == 1, tl.sum(b_l, axis=0), tl.sum(b_c, axis=0)))
-    tl.store(part_ml + base * 3 + o_3, stats, mask=o_3 < 3)
+    stats = tl.where(o_3[None, :] == 0, b_m[:, None], tl.where(o_3[None, :] == 1, b_l[:, None], b_c[:, None]))
+    tl.store(part_ml + base[:, None] * 3 + o_3[None, :], stats, mask=m_m[:, None] & (o_3[None, :] < 3))
 
 
 @triton.jit
@@ -112,10 +133,12 @@ def splits_for(rows: int, capacity: int) -> int:
 
 def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, length: torch.Tensor,
                      scale: float, clamp: float | None = None, bias: torch.Tensor | None = None, stats: bool = False,
-                     out_dtype: torch.dtype | None = None):
+                     out_dtype: torch.dtype | None = None, step_bias: torch.Tensor | None = None):
     """q [B, H, D]; key, value [B, capacity, Hkv, D] (last dim contiguous); valid [B, capacity]
     (nonzero: a real token); length [B] int64 (columns written). Scores are scale * q.k, clamped
     from above at `clamp`, plus `bias` [B, H, capacity] fp32 (each key's log-decay) when given.
+    With `step_bias` [B, H] fp32 the bias is first advanced in place, as the step reads it: this
+    step's value is added to every written column's and the newest column's (length - 1) set to 0.
     Returns o [B, H, D] (the softmax-weighted values) in `out_dtype` (q's dtype by default), and
     with `stats` also [B, H, 3] fp32: (log2 of the reference weight, sum of weights relative to it,
     keys attended): the raw sum of exp(scores) is stats[..., 1] * 2 ** stats[..., 0]."""
@@ -125,21 +148,27 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, va
         raise ValueError(f"q {tuple(q.shape)} does not match key {tuple(key.shape)} / value {tuple(value.shape)}")
     if q.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1 or valid.stride(-1) != 1:
         raise ValueError("decode_attention needs q, key, value and valid contiguous in their last dim")
-    splits = splits_for(batch * heads, capacity)
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (batch, heads, capacity) or bias.stride(2) != 1):
+        raise ValueError(f"bias must be fp32 [{batch}, {heads}, {capacity}] with its columns contiguous")
+    if step_bias is not None and (bias is None or step_bias.dtype != torch.float32 or step_bias.shape != (batch, heads)
+                                  or step_bias.stride(1) != 1):
+        raise ValueError(f"step_bias must be fp32 [{batch}, {heads}] with its heads contiguous, beside a bias")
+    group = heads // kv_heads
+    splits = splits_for(batch * kv_heads, capacity)
     split = triton.cdiv(triton.cdiv(capacity, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(capacity, split)
     part_o = torch.empty(batch * heads * splits, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * heads * splits, 3, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (batch, heads, capacity) or bias.stride(2) != 1):
-        raise ValueError(f"bias must be fp32 [{batch}, {heads}, {capacity}] with its columns contiguous")
-    _partial_kernel[(batch * heads, splits)](
-        q, key, value, valid, length, bias if bias is not None else part_ml, part_o, part_ml, scale,
-        clamp if clamp is not None else 0.0,
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _partial_kernel[(batch * kv_heads, splits)](
+        q, key, value, valid, length, bias if bias is not None else part_ml, step_bias if step_bias is not None else part_ml,
+        part_o, part_ml, scale, clamp if clamp is not None else 0.0,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         valid.stride(0), bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        H=heads, GROUP=heads // kv_heads, D=head_dim, BD=block_d, SPLIT=split, NS=splits, BN=BLOCK_N,
-        HAS_CLAMP=clamp is not None, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
+        step_bias.stride(0) if step_bias is not None else 0,
+        H=heads, GROUP=group, BM=max(16, triton.next_power_of_2(group)), D=head_dim, BD=block_d, SPLIT=split, NS=splits,
+        BN=BLOCK_N, HAS_CLAMP=clamp is not None, HAS_BIAS=bias is not None, STEP_BIAS=step_bias is not None,
+        IEEE=key.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     o = torch.empty(batch, heads, head_dim, dtype=out_dtype or q.dtype, device=q.device)
     summary = torch.empty(batch, heads, 3, dtype=torch.float32, device=q.device) if stats else part_ml
@@ -241,3 +270,42 @@ def rope_(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, position: to
         KV_HEADS=kv_heads, HALF=head_dim // 2, BH=triton.next_power_of_2(head_dim // 2), WRITE=False, num_warps=1,
     )
     return q_out, k_out
+
+
+@triton.jit
+def _kv_write_kernel(k, v, length, position, key, value, valid, sk_b, sk_h, sv_b, sv_h,
+                     skey_b, skey_t, skey_h, sval_b, sval_t, sval_h, s_valid,
+                     HKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+    # one program per row: it alone reads and advances the row's counters, so no other program races it
+    i_b = tl.program_id(0)
+    o_h, o_d = tl.arange(0, BH), tl.arange(0, BD)
+    m = (o_h[:, None] < HKV) & (o_d[None, :] < D)
+    column = tl.load(length + i_b).to(tl.int64)
+    b_k = tl.load(k + i_b * sk_b + o_h[:, None] * sk_h + o_d[None, :], mask=m, other=0.0)
+    b_v = tl.load(v + i_b * sv_b + o_h[:, None] * sv_h + o_d[None, :], mask=m, other=0.0)
+    tl.store(key + i_b.to(tl.int64) * skey_b + column * skey_t + o_h[:, None] * skey_h + o_d[None, :],
+             b_k.to(key.dtype.element_ty), mask=m)
+    tl.store(value + i_b.to(tl.int64) * sval_b + column * sval_t + o_h[:, None] * sval_h + o_d[None, :],
+             b_v.to(value.dtype.element_ty), mask=m)
+    o_1 = tl.arange(0, 2)
+    first = o_1 < 1
+    tl.store(valid + i_b * s_valid + column + o_1, tl.full([2], 1, tl.uint8), mask=first)
+    tl.store(length + i_b + o_1, (column + 1 + o_1 * 0).to(length.dtype.element_ty), mask=first)
+    p_pos = position + i_b + o_1
+    tl.store(p_pos, tl.load(p_pos, mask=first, other=0) + 1, mask=first)
+
+
+def kv_write_(k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, position: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, valid: torch.Tensor) -> None:
+    """One decode step's cache write in one launch (the eager form takes about seven): k, v
+    [B, Hkv, D] (last dim contiguous) at each row's column `length` [B] of key, value
+    [B, capacity, Hkv, D], valid [B, capacity] (uint8) set there, then `length` and `position` [B]
+    advanced by one, in place: every row holds a real token (the static engine's steps)."""
+    batch, kv_heads, head_dim = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape:
+        raise ValueError("kv_write_ needs k and v of one shape, contiguous in their last dim")
+    _kv_write_kernel[(batch,)](
+        k, v, length, position, key, value, valid, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2), valid.stride(0),
+        HKV=kv_heads, D=head_dim, BH=triton.next_power_of_2(kv_heads), BD=triton.next_power_of_2(head_dim), num_warps=4,
+    )

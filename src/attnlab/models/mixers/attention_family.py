@@ -398,6 +398,14 @@ class AttentionFamily(Mixer):
         through the latest token is advanced by this token's and the new key's is 0."""
         if q.shape[1] != 1:
             raise ValueError("a static decode cache takes one token per row; prefill with a dynamic cache")
+        if attention_mask is None and self.options["similarity"] in EXP_SIMILARITIES and kernels.use_triton(self.kernels, q):
+            # the write in one kernel; the attention kernel advances each key's log-decay as it reads it
+            from attnlab.models.kernels.decode_attention import kv_write_
+
+            kv_write_(k[:, 0], v[:, 0], cache["length"], cache["position"], cache["key"], cache["value"],
+                      cache["valid"].view(torch.uint8))
+            step = None if log_decay is None else log_decay[:, 0].float().contiguous()
+            return self._static_kernel(q, cache, cache.get("key_log_decay"), step).to(v.dtype), cache
         is_token = None if attention_mask is None else attention_mask[:, -1]
         column = write_static_kv(cache, k, v, is_token)
         query_term = key_term = None
@@ -406,8 +414,6 @@ class AttentionFamily(Mixer):
             decays.add_(log_decay[:, 0, :, None].to(decays.dtype))
             decays.scatter_(2, column.view(-1, 1, 1).expand(-1, decays.shape[1], 1), 0.0)
             query_term, key_term = torch.zeros_like(log_decay[:, :1]), -decays.transpose(1, 2)
-        if self.options["similarity"] in EXP_SIMILARITIES and kernels.use_triton(self.kernels, q):
-            return self._static_kernel(q, cache, None if log_decay is None else cache["key_log_decay"]).to(v.dtype), cache
         columns = torch.arange(cache["key"].shape[1], device=q.device)
         key_mask = cache["valid"] & (columns[None, :] < cache["length"][:, None])
         o = parallel_attention(
@@ -417,17 +423,18 @@ class AttentionFamily(Mixer):
         )
         return o, cache
 
-    def _static_kernel(self, q, cache, decays):
+    def _static_kernel(self, q, cache, decays, step_decay=None):
         """The exp similarities' step on attnlab's split-key kernel (`kernels/decode_attention.py`):
         softmax weights and the raw sum of exp(scores) and count of keys, from which each denominator
-        follows as `attention_terms` defines it. Returns o [B, 1, H, Dv] fp32."""
+        follows as `attention_terms` defines it. With `step_decay` [B, H] the kernel first advances
+        `decays` by it (the newest key's to 0). Returns o [B, 1, H, Dv] fp32."""
         from attnlab.models.kernels.decode_attention import decode_attention
         from attnlab.models.ops.attention_family import _divide, _finish_denominator
 
         kwargs = self._attention_kwargs()
         o, stats = decode_attention(q[:, 0], cache["key"], cache["value"], cache["valid"].view(torch.uint8), cache["length"],
                                     self.scale, clamp=self.options["clamp_scores"], bias=decays, stats=True,
-                                    out_dtype=torch.float32)
+                                    out_dtype=torch.float32, step_bias=step_decay)
         denominator = kwargs["denominator"]
         if denominator != "sum":  # o is num / sum(w): scale back to num, then divide as the family does
             raw_sum = stats[..., 1] * torch.exp2(stats[..., 0])  # [B, H]
