@@ -186,11 +186,12 @@ FAMILY_FIXED = ["2mamba", "linear__output_norm", "linear_elu", "linear_cosine"]
 PROMPTS = ["Hello there, friend", "A", "The quick brown fox"]
 
 
-def family_model(mixer: str, kernels: str = "auto", hidden: int = 16, device: str = "cpu", layers: int = 2):
+def family_model(mixer: str, kernels: str = "auto", hidden: int = 16, device: str = "cpu", layers: int = 2, **options):
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 
     torch.manual_seed(0)
-    config = AttnLabConfig(vocab_size=259, hidden_size=hidden, num_layers=layers, num_heads=2, mixer=mixer, kernels=kernels)
+    config = AttnLabConfig(vocab_size=259, hidden_size=hidden, num_layers=layers, num_heads=2, mixer=mixer, kernels=kernels,
+                           mixer_options=options)
     return AttnLabForCausalLM(config).to(device).eval()
 
 
@@ -242,6 +243,44 @@ def test_the_fused_step_in_the_model_decodes_as_the_reference(mixer, monkeypatch
     cache = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
     features = linear_feature_count(layer.head_dim, layer.options["similarity"], packed=True)
     assert cache.states[0]["state"].shape[2] == features
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_a_bf16_state_is_advanced_in_fp32_and_rounded_only_where_stored(decay):
+    """The step kernel on a 16-bit state against the reference on the same state: the same fp32
+    sums, rounded once per step; the output from the unrounded sums."""
+    gen = torch.Generator().manual_seed(3)
+    d, dv, packed = 4, 8, True
+    features = linear_feature_count(d, "power2", packed)
+    state = (torch.randn(B, H, features, dv, generator=gen) * 0.1).bfloat16()
+    normalizer = linear_features(torch.randn(B, H, 3, d, generator=gen), "power2", packed).sum(2)
+    kwargs = {"similarity": "power2", "scale": 0.6, "denominator": "sum", "count_power": None, "packed": packed}
+    for i in range(4):  # each step from the same state: the reference takes the kernel's last one
+        q, k, v, log_decay = step_inputs(gen, d, dv, decay, "sum", "power2")
+        count = torch.tensor([i + 1, i + 1])
+        ref_state, ref_norm = state.clone(), normalizer.clone()
+        o = attention_family_step_(q, k, v, log_decay, state, normalizer, count, **kwargs)
+        ref_o, ref_state, ref_norm = recurrent_step(q, k, v, log_decay, ref_state, ref_norm, count, **kwargs)
+        assert state.dtype == ref_state.dtype == torch.bfloat16
+        torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
+        ulp = ref_state.float().abs() * 2.0**-7  # one bf16 rounding of an fp32 sum summed in another order
+        assert ((state.float() - ref_state.float()).abs() <= ulp + 1e-30).all()
+        torch.testing.assert_close(normalizer, ref_norm, rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+def test_power2_decodes_over_a_state_in_the_weights_16_bit_dtype_unless_told_otherwise():
+    ids = torch.tensor([[1, 2, 3]])
+    assert family_model("2mamba")(input_ids=ids, use_cache=True).past_key_values.states[0]["state"].dtype == torch.float32
+    half = family_model("2mamba").to(torch.bfloat16)
+    cache = half(input_ids=ids, use_cache=True).past_key_values
+    assert cache.states[0]["state"].dtype == torch.bfloat16 and cache.states[0]["normalizer"].dtype == torch.float32
+    step = half(input_ids=torch.tensor([[4]]), past_key_values=cache, use_cache=True).past_key_values
+    assert step.states[0]["state"].dtype == torch.bfloat16
+    told = family_model("2mamba", state_dtype="float32").to(torch.bfloat16)
+    assert told(input_ids=ids, use_cache=True).past_key_values.states[0]["state"].dtype == torch.float32
+    linear = family_model("linear__output_norm").to(torch.bfloat16)  # d features per head: fp32 costs little
+    assert linear(input_ids=ids, use_cache=True).past_key_values.states[0]["state"].dtype == torch.float32
 
 
 def test_with_a_gradient_to_carry_the_cached_forms_run_the_reference_on_the_packed_state(monkeypatch):

@@ -98,9 +98,9 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
         rows = first_row + offs_j - lo
         p_s = p_state + rows[:, None] * DV + offs_v[None, :]
         m_s = m_j[:, None] & m_v[None, :]
-        b_s = tl.load(p_s, mask=m_s, other=0.0)
+        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
         b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
-        tl.store(p_s, b_s, mask=m_s)
+        tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
         acc += tl.sum(phi_q[:, None] * b_s, 0)
         if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
             m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
@@ -155,8 +155,8 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
                            packed: bool = False) -> torch.Tensor:
     """As `recurrent_step` (same arguments), the state and normaliser advanced in place.
 
-    q, k [B, H, D]; v [B, H, Dv] (last dims contiguous); log_decay [B, H] or None; state fp32
-    [B, H, F, Dv] and normalizer fp32 [B, H, F] (the sum denominators), contiguous; count [B]
+    q, k [B, H, D]; v [B, H, Dv] (last dims contiguous); log_decay [B, H] or None; state
+    [B, H, F, Dv] (fp32, or 16-bit: read into fp32, rounded where stored) and normalizer fp32 [B, H, F] (the sum denominators), contiguous; count [B]
     (tokens so far, this one included); count_power [H] or None. F is D (power1), D (D + 1) / 2
     (power2, packed) or D^2 (power2). Returns o [B, H, Dv] in v's dtype."""
     from attnlab.models.ops.attention_family import (
@@ -168,8 +168,9 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     value_dim = v.shape[-1]
     power = 1 if similarity == "power1" else 2
     features = linear_feature_count(head_dim, similarity, packed)
-    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != (batch, heads, features, value_dim):
-        raise ValueError(f"state must be a contiguous fp32 [{batch}, {heads}, {features}, {value_dim}] tensor, "
+    if (state.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not state.is_contiguous()
+            or tuple(state.shape) != (batch, heads, features, value_dim)):
+        raise ValueError(f"state must be a contiguous fp32, bf16 or fp16 [{batch}, {heads}, {features}, {value_dim}] tensor, "
                          f"got {state.dtype} {tuple(state.shape)}")
     want_normalizer = denominator in SUM_DENOMINATORS
     if want_normalizer and (normalizer is None or normalizer.dtype != torch.float32 or not normalizer.is_contiguous()

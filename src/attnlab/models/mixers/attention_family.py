@@ -62,6 +62,9 @@ def is_linearizable(options: dict) -> bool:
     return options["similarity"] in LINEAR_SIMILARITIES and options["clamp_scores"] is None
 
 
+STATE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def check_options(options: dict, name: str) -> None:
     """Raise ValueError, with the reason, for an option value or a combination that makes no sense."""
 
@@ -71,7 +74,7 @@ def check_options(options: dict, name: str) -> None:
     choices = {
         "similarity": SIMILARITIES, "feature_map": FEATURE_MAPS, "denominator": DENOMINATORS,
         "output_norm": OUTPUT_NORMS, "out_gate": OUT_GATES, "decay": DECAYS,
-        "conv_size": CONV_SIZES, "conv_activation": CONV_ACTIVATIONS,
+        "conv_size": CONV_SIZES, "conv_activation": CONV_ACTIVATIONS, "state_dtype": STATE_DTYPES,
     }
     for key, valid in choices.items():
         if options[key] not in valid:
@@ -142,6 +145,10 @@ class AttentionFamily(Mixer):
         "conv_activation": "none",  # after the conv: none | silu
         "rope": True,  # rotary positions on q and k; False: no positional encoding
         "d_residual": False,  # add D * v (D per head and channel) to the mixed output
+        # the decoding state of a linearizable variant: auto (power2's d^2-row state in the weights'
+        # 16-bit dtype, as mamba_ssm keeps its states, else fp32) | float32 | bfloat16. The step
+        # computes in fp32 and rounds only what it stores.
+        "state_dtype": "auto",
     }
 
     @classmethod
@@ -371,7 +378,19 @@ class AttentionFamily(Mixer):
             q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
             state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
         )
+        if not needs_grad:  # the state the steps carry on, in its decoding dtype
+            state = state.to(self._state_dtype())
         return o, {"state": state, "normalizer": normalizer}
+
+    def _state_dtype(self) -> torch.dtype:
+        """The decoding state's dtype (option `state_dtype`)."""
+        chosen = STATE_DTYPES[self.options["state_dtype"]]
+        if chosen is not None:
+            return chosen
+        weights = self.qkv_proj.weight.dtype
+        if self.options["similarity"] == "power2" and weights in (torch.bfloat16, torch.float16):
+            return weights  # d^2 rows per head: the step is bound by reading and writing them
+        return torch.float32
 
     # the static cache's buffers whose prompt columns every beam of a prompt shares (each key's
     # log-decay through the latest token depends on the tokens generated since: not shared)

@@ -259,6 +259,8 @@ def chunk_linear_attention(
     """
     batch, seq_len, heads, head_dim = q.shape
     state_update = state_update or linear_state_update
+    if state is not None:
+        state = state.float()  # a 16-bit decoding state (the mixer's `state_dtype`): fp32 sums
     if chunk_size is None:
         chunk_size = seq_len
         if similarity == "power2":
@@ -354,8 +356,10 @@ def recurrent_step(
     phi_k = linear_features(k.float(), similarity, packed) * scale**power
     batch, heads, features = phi_q.shape
     want_normalizer = denominator in SUM_DENOMINATORS
+    state_dtype = torch.float32 if state is None else state.dtype  # a 16-bit state: fp32 sums, rounded where stored
     if state is None:
         state = q.new_zeros(batch, heads, features, v.shape[-1], dtype=torch.float32)
+    state = state.float()
     if want_normalizer and normalizer is None:
         normalizer = q.new_zeros(batch, heads, features, dtype=torch.float32)
     if log_decay is not None:
@@ -375,4 +379,4 @@ def recurrent_step(
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
     o = _divide(num, den)[:, :, 0]
-    return o, state, (normalizer if want_normalizer else None)
+    return o, state.to(state_dtype), (normalizer if want_normalizer else None)
