@@ -489,8 +489,9 @@ def converted_config(path: str | Path):
     return kind, SOURCES[kind].config(raw)
 
 
-def load_converted(path: str | Path, dtype: torch.dtype = torch.float32):
-    """An `AttnLabForCausalLM` with the weights of the attnlab model or convertible checkpoint in `path`."""
+def load_converted(path: str | Path, dtype: torch.dtype = torch.float32, kernels: str | None = None):
+    """An `AttnLabForCausalLM` with the weights of the attnlab model or convertible checkpoint in `path`
+    (`kernels`: the model's kernel choice, if not the checkpoint's)."""
     from attnlab.models import AttnLabForCausalLM
 
     path = Path(path).expanduser()
@@ -498,6 +499,8 @@ def load_converted(path: str | Path, dtype: torch.dtype = torch.float32):
     if kind == "hf":
         raise CheckpointError(f"{path} holds an HF {config.model_type} model, which attnlab does not convert; "
                               "train.init_from trains it as it is")
+    if kernels is not None:
+        config.kernels = kernels
     model = AttnLabForCausalLM(config)
     state = read_safetensors_dir(path)
     if kind != "attnlab":
