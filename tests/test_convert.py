@@ -1,14 +1,18 @@
-"""fla GLA checkpoints import into attnlab's gla mixer with every tensor accounted for."""
+"""`attnlab convert`: peers' checkpoints become attnlab models with identical outputs (every tensor accounted
+for, every unsupported option refused), and attnlab models go back to fla."""
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import run_cli
 from safetensors.torch import save_file
 
 from attnlab.errors import CheckpointError
-from attnlab.models.convert import load_fla_gla
+from attnlab.models.convert import load_converted, load_fla_gla
 
 FLA_CONFIG = {"model_type": "gla", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "vocab_size": 300,
               "expand_k": 0.5, "expand_v": 1.0, "hidden_ratio": 4, "intermediate_size": None, "norm_eps": 1e-6,
@@ -86,3 +90,272 @@ def test_imported_model_matches_fla_gla_logits_in_bf16(tmp_path):
     with torch.no_grad():
         a, b = ours(input_ids=x).logits.float(), fla_model(input_ids=x).logits.float()
     assert float((a - b).norm() / b.norm()) <= 1e-2
+
+
+# ------------------------------------------------------------------------ shared: an independent reference LM
+
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_lm(t, ids, layers, names, eps, attention):
+    """A pre-norm decoder LM (RMSNorm, SwiGLU MLP) in fp64 from a state dict `t` in the peer's names; `attention(i, h)`
+    is layer i's token mixer. Written from the peers' code, without attnlab."""
+    t = {k: v.double() for k, v in t.items()}
+    x = t[names["embed"]][ids]
+    for i in range(layers):
+        p = names["layer"].format(i)
+        x = x + attention(t, i, rms(x, t[p + names["attn_norm"]], eps))
+        h = rms(x, t[p + names["mlp_norm"]], eps)
+        x = x + (F.silu(h @ t[p + "mlp.gate_proj.weight"].T) * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    return rms(x, t[names["norm"]], eps) @ t["lm_head.weight"].T
+
+
+def causal_mix(weights, v):
+    """weights [B, H, T, T] (anything above the diagonal ignored), v [B, T, H, D] -> [B, T, H * D]."""
+    T = weights.shape[-1]
+    weights = weights.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0.0)
+    return (weights @ v.transpose(1, 2)).transpose(1, 2).flatten(2)
+
+
+def small(shape, g, scale=0.3):
+    return torch.randn(shape, generator=g) * scale
+
+
+def norm_weight(n, g):
+    return 1 + 0.1 * torch.randn(n, generator=g)
+
+
+def close(a, b, tol=1e-5):
+    return float((a.double() - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+# ------------------------------------------------------------------------ HF Mamba2 (transformers builds the peer)
+
+MAMBA2 = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, head_dim=8, num_heads=8, expand=2, n_groups=2,
+              state_size=16, conv_kernel=4, chunk_size=8, tie_word_embeddings=False)
+
+
+def test_hf_mamba2_converts_with_identical_logits_with_left_padding(tmp_path):
+    from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    peer = Mamba2ForCausalLM(Mamba2Config(**MAMBA2)).eval()
+    peer.save_pretrained(tmp_path / "hf")
+    assert run_cli("convert", str(tmp_path / "hf"), str(tmp_path / "ours")) == 0
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert ours.config.mixer == "mamba2" and ours.config.intermediate_size == 0
+    ids = torch.randint(0, 100, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0  # left padding
+    with torch.no_grad():
+        a, b = ours(input_ids=ids, attention_mask=mask).logits, peer(input_ids=ids, attention_mask=mask).logits
+    assert float((a[0] - b[0]).abs().max()) <= 1e-5
+    assert float((a[1, 6:] - b[1, 6:]).abs().max()) <= 1e-5
+
+
+def test_fla_mamba2_config_maps_onto_the_same_model(tmp_path):
+    """fla's Mamba2 has transformers' parameter names and function; only its config keys differ."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    peer = Mamba2ForCausalLM(Mamba2Config(**MAMBA2)).eval()
+    fla = {"model_type": "mamba2", **{k: v for k, v in MAMBA2.items() if k != "num_heads"}, "norm_eps": 1e-5,
+           "rmsnorm": True, "norm_before_gate": False, "D_has_hdim": False, "dt_limit": [0.0, float("inf")],
+           "use_bias": False, "use_conv_bias": True, "hidden_act": "silu", "residual_in_fp32": True}
+    write_checkpoint(tmp_path / "fla", dict(peer.state_dict()), fla)
+    ours = load_converted(tmp_path / "fla").eval()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((ours(input_ids=ids).logits - peer(input_ids=ids).logits).abs().max()) <= 1e-5
+
+
+def test_fla_mamba2_options_attnlab_lacks_are_refused_in_one_message(tmp_path):
+    fla = {"model_type": "mamba2", **{k: v for k, v in MAMBA2.items() if k != "num_heads"}, "norm_eps": 1e-5,
+           "D_has_hdim": True, "norm_before_gate": True, "dt_limit": [0.0, 6.0]}
+    write_checkpoint(tmp_path / "fla", {"lm_head.weight": torch.zeros(1)}, fla)
+    with pytest.raises(CheckpointError, match=r"norm_before_gate=True.*D_has_hdim=True.*dt_limit=\[0\.0, 6\.0\]"):
+        load_converted(tmp_path / "fla")
+
+
+# ------------------------------------------------------------------------ fla NSA (hand-built)
+
+NSA = {"model_type": "nsa", "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+       "block_size": 4, "block_counts": 3, "window_size": 8, "rope_theta": 10000.0, "hidden_ratio": 4,
+       "intermediate_size": 64, "vocab_size": 50, "norm_eps": 1e-6, "qkv_bias": False, "tie_word_embeddings": False}
+
+
+def fla_nsa_tensors(c=NSA):
+    h, heads, kv, d, mlp = c["hidden_size"], c["num_heads"], c["num_kv_heads"], c["head_dim"], c["intermediate_size"]
+    shapes = {"model.embeddings.weight": (c["vocab_size"], h), "model.norm.weight": (h,), "lm_head.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "attn_norm.weight": (h,), p + "mlp_norm.weight": (h,), p + "attn.q_proj.weight": (heads * d, h),
+                       p + "attn.k_proj.weight": (kv * d, h), p + "attn.v_proj.weight": (kv * d, h),
+                       p + "attn.g_proj.weight": (heads * 3, h), p + "attn.o_proj.weight": (h, heads * d),
+                       p + "mlp.gate_proj.weight": (mlp, h), p + "mlp.up_proj.weight": (mlp, h), p + "mlp.down_proj.weight": (h, mlp)})
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def test_every_fla_nsa_tensor_lands_in_exactly_one_attnlab_parameter_with_the_papers_selection(tmp_path):
+    tensors = fla_nsa_tensors()
+    write_checkpoint(tmp_path / "nsa", tensors, NSA)
+    model = load_converted(tmp_path / "nsa")
+    options = model.config.mixer_options
+    assert (options["num_kv_heads"], options["block_size"], options["block_counts"], options["window_size"]) == (2, 4, 3, 8)
+    assert (options["initial_blocks"], options["local_blocks"], options["compression"]) == (1, 2, "mean")
+    state = model.state_dict()
+    assert set(state) == set(tensors) and all(torch.equal(state[k], v) for k, v in tensors.items())
+
+
+def test_fla_nsa_with_a_head_dim_attnlab_cannot_take_is_refused(tmp_path):
+    write_checkpoint(tmp_path / "nsa", fla_nsa_tensors(), {**NSA, "head_dim": 16, "qkv_bias": True})
+    with pytest.raises(CheckpointError, match=r"qkv_bias=True.*head_dim=16"):
+        load_converted(tmp_path / "nsa")
+
+
+# ------------------------------------------------------------------------ fla forgetting transformer (hand-built)
+
+FOX = {"model_type": "forgetting_transformer", "hidden_size": 16, "num_hidden_layers": 2, "num_heads": 2, "num_kv_heads": None,
+       "intermediate_size": 32, "vocab_size": 50, "norm_eps": 1e-6, "qkv_bias": False, "qk_norm": False,
+       "window_size": None, "use_output_gate": False, "tie_word_embeddings": False}
+FLA_NAMES = {"embed": "model.embeddings.weight", "layer": "model.layers.{}.", "attn_norm": "attn_norm.weight",
+             "mlp_norm": "mlp_norm.weight", "norm": "model.norm.weight"}
+
+
+def fla_fox_tensors(c=FOX, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, heads, mlp, vocab = c["hidden_size"], c["num_heads"], c["intermediate_size"], c["vocab_size"]
+    t = {"model.embeddings.weight": small((vocab, h), g, 1.0), "model.norm.weight": norm_weight(h, g), "lm_head.weight": small((vocab, h), g)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "attn_norm.weight": norm_weight(h, g), p + "mlp_norm.weight": norm_weight(h, g),
+                  p + "attn.q_proj.weight": small((h, h), g), p + "attn.k_proj.weight": small((h, h), g),
+                  p + "attn.v_proj.weight": small((h, h), g), p + "attn.o_proj.weight": small((h, h), g),
+                  p + "attn.f_proj.weight": small((heads, h), g), p + "attn.f_proj.bias": torch.zeros(heads),
+                  p + "mlp.gate_proj.weight": small((mlp, h), g), p + "mlp.up_proj.weight": small((mlp, h), g),
+                  p + "mlp.down_proj.weight": small((h, mlp), g)})
+    return t
+
+
+def fox_attention(c):
+    heads, d = c["num_heads"], c["hidden_size"] // c["num_heads"]
+
+    def attention(t, i, h):  # softmax(q.k / sqrt(d) + sum_{l=j+1..i} log sigmoid(f_l)) v, no positional encoding
+        p = f"model.layers.{i}.attn."
+        B, T, _ = h.shape
+        q, k, v = ((h @ t[p + f"{n}_proj.weight"].T).view(B, T, heads, d) for n in "qkv")
+        logf = F.logsigmoid(h @ t[p + "f_proj.weight"].T + t[p + "f_proj.bias"]).cumsum(1)  # [B, T, H]
+        scores = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)
+        scores = scores + (logf.transpose(1, 2)[..., :, None] - logf.transpose(1, 2)[..., None, :])
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return causal_mix(scores.softmax(-1), v) @ t[p + "o_proj.weight"].T
+
+    return attention
+
+
+def test_fla_forgetting_transformer_converts_with_identical_logits(tmp_path):
+    tensors = fla_fox_tensors()
+    write_checkpoint(tmp_path / "fox", tensors, FOX)
+    model = load_converted(tmp_path / "fox").eval()
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    assert close(ours, reference_lm(tensors, ids, 2, FLA_NAMES, 1e-6, fox_attention(FOX)))
+
+
+def test_a_forget_gate_with_a_bias_is_refused_since_no_preset_computes_it(tmp_path):
+    tensors = fla_fox_tensors()
+    tensors["model.layers.1.attn.f_proj.bias"] += 1.0
+    write_checkpoint(tmp_path / "fox", tensors, FOX)
+    with pytest.raises(CheckpointError, match=r"layer 1's forget gate has a bias"):
+        load_converted(tmp_path / "fox")
+
+
+# ------------------------------------------------------------------------ the 2Mamba study (hand-built)
+
+STUDY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5,
+         "vocab_size": 50, "max_position_embeddings": 32, "tie_word_embeddings": False, "hidden_act": "silu",
+         "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2}
+STUDY_NAMES = {"embed": "model.embed_tokens.weight", "layer": "model.layers.{}.", "attn_norm": "input_layernorm.weight",
+               "mlp_norm": "post_attention_layernorm.weight", "norm": "model.norm.weight"}
+
+
+def study_tensors(attention_type, c=STUDY, seed=0):
+    """The state dict of the study's LlamaForCausalLM with its LlamaDecoderLayerClean layers (names from its code)."""
+    g = torch.Generator().manual_seed(seed)
+    h, heads, mlp, vocab = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"], c["vocab_size"]
+    d = h // heads
+    t = {"model.embed_tokens.weight": small((vocab, h), g, 1.0), "model.norm.weight": norm_weight(h, g),
+         "lm_head.weight": small((vocab, h), g)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "input_layernorm.weight": norm_weight(h, g), p + "post_attention_layernorm.weight": norm_weight(h, g),
+                  p + "self_attn.qkv_proj.weight": small((3 * h, h), g), p + "self_attn.o_proj.weight": small((h, h), g),
+                  p + "mlp.gate_proj.weight": small((mlp, h), g), p + "mlp.up_proj.weight": small((mlp, h), g),
+                  p + "mlp.down_proj.weight": small((h, mlp), g)})
+        if attention_type == "softmax":  # rotary_embedding_torch keeps its frequencies as a parameter
+            t[p + "self_attn.rotary_emb.freqs"] = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        else:  # squared__sm_norm__A_mask_type_neg_softplus__in_conv_k_2 (2Mamba)
+            t.update({p + "self_attn.A_mask_proj.weight": small((heads, h), g),
+                      p + "self_attn.conv1d.weight": small((3 * h, 1, 2), g, 1.0), p + "self_attn.conv1d.bias": small((3 * h,), g),
+                      p + "self_attn.attn_mask": ~torch.ones(32, 32, dtype=torch.bool).tril()[None, None]})
+    return t
+
+
+def study_attention(attention_type, c=STUDY):
+    heads, d = c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
+
+    def interleaved_rope(x):  # rotary_embedding_torch: pairs (2i, 2i + 1) turn by t * 10000^(-2i / d)
+        T = x.shape[1]
+        angle = torch.arange(T, dtype=torch.float64)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+    def attention(t, i, h):
+        p = f"model.layers.{i}.self_attn."
+        B, T, _ = h.shape
+        qkv = h @ t[p + "qkv_proj.weight"].T
+        if attention_type == "softmax":
+            q, k, v = (x.view(B, T, heads, d) for x in qkv.chunk(3, -1))
+            q, k = interleaved_rope(q), interleaved_rope(k)
+            scores = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)
+            scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+            return causal_mix(scores.softmax(-1), v) @ t[p + "o_proj.weight"].T
+        w, b = t[p + "conv1d.weight"][:, 0], t[p + "conv1d.bias"]  # causal depthwise conv, kernel 2, no activation
+        qkv = qkv * w[:, 1] + F.pad(qkv, (0, 0, 1, 0))[:, :-1] * w[:, 0] + b
+        q, k, v = (x.view(B, T, heads, d) for x in qkv.chunk(3, -1))
+        A = -F.softplus(h @ t[p + "A_mask_proj.weight"].T).cumsum(1).transpose(1, 2)  # [B, H, T]
+        weights = (torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)) ** 2
+        weights = weights * (A[..., :, None] - A[..., None, :]).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).exp()
+        weights = weights / weights.sum(-1, keepdim=True)
+        return causal_mix(weights, v) @ t[p + "o_proj.weight"].T
+
+    return attention
+
+
+@pytest.mark.parametrize("attention_type", ["softmax", "squared__sm_norm__A_mask_type_neg_softplus__in_conv_k_2"])
+def test_a_2mamba_study_checkpoint_converts_with_identical_logits(tmp_path, attention_type):
+    tensors = study_tensors(attention_type)
+    write_checkpoint(tmp_path / "study", tensors, {**STUDY, "attention_type": attention_type})
+    model = load_converted(tmp_path / "study").eval()
+    assert model.config.mixer == attention_type and model.config.norm_eps == 1e-5
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    assert close(ours, reference_lm(tensors, ids, 2, STUDY_NAMES, 1e-5, study_attention(attention_type)))
+
+
+def test_study_models_attnlab_cannot_compute_exactly_are_refused(tmp_path):
+    write_checkpoint(tmp_path / "mamba", study_tensors("softmax"), {**STUDY, "attention_type": "mamba", "num_key_value_heads": 1})
+    with pytest.raises(CheckpointError, match=r"num_key_value_heads=1.*attention_type 'mamba'"):
+        load_converted(tmp_path / "mamba")
+    tensors = study_tensors("softmax")
+    tensors["model.layers.0.self_attn.rotary_emb.freqs"] *= 2
+    write_checkpoint(tmp_path / "freqs", tensors, {**STUDY, "attention_type": "softmax"})
+    with pytest.raises(CheckpointError, match="rotary frequencies"):
+        load_converted(tmp_path / "freqs")
