@@ -359,3 +359,87 @@ def test_study_models_attnlab_cannot_compute_exactly_are_refused(tmp_path):
     write_checkpoint(tmp_path / "freqs", tensors, {**STUDY, "attention_type": "softmax"})
     with pytest.raises(CheckpointError, match="rotary frequencies"):
         load_converted(tmp_path / "freqs")
+
+
+# ------------------------------------------------------------------------ export to fla (round trips)
+
+
+def attnlab_model(mixer, **kw):
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    base = dict(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, tie_word_embeddings=False, norm_eps=1e-5)
+    return AttnLabForCausalLM(AttnLabConfig(**{**base, "mixer": mixer, **kw})).eval()
+
+
+EXPORTABLE = {
+    "gla": (dict(mixer="gla", intermediate_size=256), "gla"),
+    "mamba2": (dict(mixer="mamba2", intermediate_size=0, mixer_options={"head_dim": 8, "n_groups": 2, "state_size": 16}), "mamba2"),
+    "nsa": (dict(mixer="nsa", intermediate_size=64, mixer_options={"num_kv_heads": 2, "block_size": 4, "block_counts": 3,
+                                                                   "window_size": 8}), "nsa"),
+    "fox": (dict(mixer="attention_family", intermediate_size=64, mixer_options={"decay": "neg_softplus", "rope": False}),
+            "forgetting_transformer"),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPORTABLE))
+def test_an_attnlab_model_exports_to_fla_and_converts_back_unchanged(tmp_path, name):
+    kwargs, model_type = EXPORTABLE[name]
+    model = attnlab_model(**kwargs)
+    model.save_pretrained(tmp_path / "ours")
+    assert run_cli("convert", str(tmp_path / "ours"), str(tmp_path / "fla"), "--to", "fla") == 0
+    fla = json.loads((tmp_path / "fla" / "config.json").read_text())
+    assert fla["model_type"] == model_type
+    back = load_converted(tmp_path / "fla").eval()
+    assert back.config.mixer_options == model.config.mixer_options and back.config.intermediate_size == model.config.intermediate_size
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_an_exported_gla_model_has_fla_gla_names_and_shapes(tmp_path):
+    attnlab_model("gla", hidden_size=64, num_layers=2, num_heads=4, vocab_size=300, intermediate_size=256).save_pretrained(tmp_path / "ours")
+    assert run_cli("convert", str(tmp_path / "ours"), str(tmp_path / "fla"), "--to", "fla") == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "fla" / "model.safetensors"))
+    expected = fla_gla_tensors()
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {k: tuple(v.shape) for k, v in expected.items()}
+
+
+def test_an_exported_mamba2_model_has_the_hf_and_fla_names(tmp_path):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    kwargs, _ = EXPORTABLE["mamba2"]
+    attnlab_model(**kwargs, vocab_size=100).save_pretrained(tmp_path / "ours")
+    assert run_cli("convert", str(tmp_path / "ours"), str(tmp_path / "fla"), "--to", "fla") == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "fla" / "model.safetensors"))
+    peer = Mamba2ForCausalLM(Mamba2Config(**MAMBA2)).state_dict()
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {k: tuple(v.shape) for k, v in peer.items()}
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(mixer="softmax"), "no fla architecture"),
+    (dict(mixer="nsa", mixer_options={"initial_blocks": 0, "local_blocks": 1}), "initial_blocks=0"),
+    (dict(mixer="mamba2"), "blocks with an MLP"),
+    (dict(mixer="2mamba"), "not fla's forgetting attention"),
+])
+def test_a_model_without_an_fla_twin_is_refused_and_nothing_is_written(tmp_path, capsys, kwargs, reason):
+    attnlab_model(**kwargs).save_pretrained(tmp_path / "ours")
+    assert run_cli("convert", str(tmp_path / "ours"), str(tmp_path / "fla"), "--to", "fla") != 0
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and reason in err
+    assert not (tmp_path / "fla").exists() and not list(tmp_path.glob(".fla*"))
+
+
+def test_convert_refuses_an_existing_output_and_an_unsupported_checkpoint_without_writing(tmp_path, capsys):
+    write_checkpoint(tmp_path / "gla", fla_gla_tensors(), {**FLA_CONFIG, "use_short_conv": True})
+    (tmp_path / "out").mkdir()
+    assert run_cli("convert", str(tmp_path / "gla"), str(tmp_path / "out")) != 0
+    assert "already exists" in capsys.readouterr().err
+    assert run_cli("convert", str(tmp_path / "gla"), str(tmp_path / "new")) != 0
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "use_short_conv=True" in err
+    assert not (tmp_path / "new").exists()

@@ -523,10 +523,14 @@ def copy_tokenizer(src: Path, out: Path) -> None:
             shutil.copy2(src / name, out / name)
 
 
-def _publish(out: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling, then move it to `out`: nothing half-written is left behind."""
+def _check_free(out: Path) -> None:
     if out.exists():
         raise CheckpointError(f"{out} already exists: choose another output directory, or remove it first")
+
+
+def _publish(out: Path, write: Callable[[Path], None]) -> None:
+    """Write into a temporary sibling, then move it to `out`: nothing half-written is left behind."""
+    _check_free(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -541,6 +545,7 @@ def convert(src: str | Path, out: str | Path) -> str:
     """Write the checkpoint in `src` as an attnlab model directory `out` (config.json, model.safetensors,
     the tokenizer files if `src` has them). Returns what was converted, for the CLI to say."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
+    _check_free(out)
     kind = source_kind(read_config(src))
     model = load_converted(src)
 
@@ -644,6 +649,7 @@ def fla_export(config, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
 def export_fla(src: str | Path, out: str | Path) -> str:
     """Write the attnlab model (or convertible checkpoint) in `src` as an fla checkpoint directory `out`."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
+    _check_free(out)
     model = load_converted(src)
     fla, state = fla_export(model.config, {k: v.detach().contiguous() for k, v in model.state_dict().items()})
 
