@@ -12,7 +12,7 @@ from conftest import run_cli
 from safetensors.torch import save_file
 
 from attnlab.errors import CheckpointError
-from attnlab.models.convert import load_converted, load_fla_gla
+from attnlab.models.convert import export_fla, load_converted, load_fla_gla
 
 FLA_CONFIG = {"model_type": "gla", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "vocab_size": 300,
               "expand_k": 0.5, "expand_v": 1.0, "hidden_ratio": 4, "intermediate_size": None, "norm_eps": 1e-6,
@@ -443,3 +443,65 @@ def test_convert_refuses_an_existing_output_and_an_unsupported_checkpoint_withou
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "use_short_conv=True" in err
     assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------------------ against fla itself (GPU)
+
+NO_FLA = not torch.cuda.is_available() or importlib.util.find_spec("fla") is None
+
+
+def fla_model(name):
+    import fla.models as fm
+
+    torch.manual_seed(0)
+    if name == "mamba2":
+        return fm.Mamba2ForCausalLM(fm.Mamba2Config(vocab_size=300, hidden_size=256, num_hidden_layers=2, head_dim=64,
+                                                    state_size=64, expand=2, n_groups=2, chunk_size=64))
+    if name == "nsa":  # 16 query heads per key/value head, as fla's kernels want
+        return fm.NSAForCausalLM(fm.NSAConfig(vocab_size=300, hidden_size=1024, num_hidden_layers=2, num_heads=16, num_kv_heads=1,
+                                              head_dim=64, block_size=64, block_counts=4, window_size=64))
+    model = fm.ForgettingTransformerForCausalLM(fm.ForgettingTransformerConfig(vocab_size=300, hidden_size=256, num_hidden_layers=2,
+                                                                               num_heads=4))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.f_proj.bias.zero_()  # attnlab's decay projection has no bias
+    return model
+
+
+def relative(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_FLA, reason="needs CUDA and fla")
+@pytest.mark.parametrize("name", ["mamba2", "nsa", "fox"])
+def test_imported_fla_models_match_fla_logits_in_bf16(tmp_path, name):
+    peer = fla_model(name)
+    peer.save_pretrained(tmp_path / "fla")
+    peer = peer.cuda().bfloat16().eval()
+    ours = load_converted(tmp_path / "fla", dtype=torch.bfloat16).cuda().eval()
+    x = torch.randint(0, 300, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        assert relative(ours(input_ids=x).logits, peer(input_ids=x).logits) <= 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(NO_FLA, reason="needs CUDA and fla")
+@pytest.mark.parametrize("name", ["gla", "mamba2", "nsa", "fox"])
+def test_exported_models_load_in_fla_with_the_same_logits(tmp_path, name):
+    import fla  # noqa: F401  (registers fla's Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    if name == "nsa":
+        ours = attnlab_model("nsa", hidden_size=1024, num_heads=16, intermediate_size=512, vocab_size=300,
+                             mixer_options={"num_kv_heads": 1, "block_size": 64, "block_counts": 4, "window_size": 64})
+    else:
+        kwargs, _ = EXPORTABLE[name]
+        ours = attnlab_model(**{**kwargs, "hidden_size": 256, "vocab_size": 300})
+    ours.save_pretrained(tmp_path / "ours")
+    export_fla(tmp_path / "ours", tmp_path / "fla")
+    peer = AutoModelForCausalLM.from_pretrained(tmp_path / "fla", dtype=torch.bfloat16).cuda().eval()
+    ours = ours.cuda().bfloat16()
+    x = torch.randint(0, 300, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        assert relative(ours(input_ids=x).logits, peer(input_ids=x).logits) <= 2e-2
