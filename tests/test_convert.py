@@ -505,3 +505,13 @@ def test_exported_models_load_in_fla_with_the_same_logits(tmp_path, name):
     x = torch.randint(0, 300, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.no_grad():
         assert relative(ours(input_ids=x).logits, peer(input_ids=x).logits) <= 2e-2
+
+
+def test_a_study_softmax_layer_without_the_fused_projection_is_refused(tmp_path):
+    tensors = study_tensors("softmax")
+    qkv = tensors.pop("model.layers.0.self_attn.qkv_proj.weight")
+    for name, part in zip("qkv", qkv.chunk(3)):
+        tensors[f"model.layers.0.self_attn.{name}_proj.weight"] = part
+    write_checkpoint(tmp_path / "first", tensors, {**STUDY, "attention_type": "softmax"})
+    with pytest.raises(CheckpointError, match="layer 0 has no fused qkv_proj"):
+        load_converted(tmp_path / "first")

@@ -404,7 +404,9 @@ def _study_state(c: dict, state: dict) -> dict:
             p = f"model.layers.{i}.attn."
             qkv = out.pop(p + "qkv_proj.weight", None)
             if qkv is None:
-                continue
+                raise CheckpointError(
+                    f"layer {i} has no fused qkv_proj: this is not the study's LlamaDecoderLayerClean softmax layer (the "
+                    "first study's layers keep separate projections with another RoPE layout), so it is not converted")
             q, k, v = qkv.split(hidden, dim=0)
             out[p + "q_proj.weight"] = q.view(heads, head_dim, hidden)[:, perm].reshape(hidden, hidden)
             out[p + "k_proj.weight"] = k.view(heads, head_dim, hidden)[:, perm].reshape(hidden, hidden)
