@@ -141,3 +141,10 @@ def test_a_run_started_from_a_checkpoint_resumes(tmp_path, tiny):
     assert run_cli("train", "--run-dir", str(run), "--resume", *sets(base)) == 0
     steps = [json.loads(line)["step"] for line in (run / "heartbeat.jsonl").read_text().splitlines() if line.strip()]
     assert max(steps) == 4
+
+
+def test_an_hf_model_that_is_not_a_causal_lm_is_refused(tmp_path, tiny, capsys):
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 32}))
+    assert run_cli("preflight", *sets(no_model(tiny) + [f"train.init_from={tmp_path / 'vit'}"])) != 0
+    assert "not a causal language model" in capsys.readouterr().out

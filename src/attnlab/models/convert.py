@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnlab.errors import CheckpointError
+from attnlab.loading import resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -546,7 +547,7 @@ def _publish(out: Path, write: Callable[[Path], None]) -> None:
 def convert(src: str | Path, out: str | Path) -> str:
     """Write the checkpoint in `src` as an attnlab model directory `out` (config.json, model.safetensors,
     the tokenizer files if `src` has them). Returns what was converted, for the CLI to say."""
-    src, out = Path(src).expanduser(), Path(out).expanduser()
+    src, out = resolve_model_dir(src), Path(out).expanduser()  # a run directory: its final model
     _check_free(out)
     kind = source_kind(read_config(src))
     model = load_converted(src)
@@ -650,7 +651,7 @@ def fla_export(config, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
 
 def export_fla(src: str | Path, out: str | Path) -> str:
     """Write the attnlab model (or convertible checkpoint) in `src` as an fla checkpoint directory `out`."""
-    src, out = Path(src).expanduser(), Path(out).expanduser()
+    src, out = resolve_model_dir(src), Path(out).expanduser()  # a run directory: its final model
     _check_free(out)
     model = load_converted(src)
     fla, state = fla_export(model.config, {k: v.detach().contiguous() for k, v in model.state_dict().items()})

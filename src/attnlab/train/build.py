@@ -56,7 +56,7 @@ def init_from_config(cfg: RunConfig, tokenizer) -> tuple[str, str, object, list[
     checkpoint; any other value must agree with it."""
     from attnlab.errors import AttnLabError
     from attnlab.loading import resolve_model_dir
-    from attnlab.models.convert import TOKENIZER_FILES, converted_config
+    from attnlab.models.convert import converted_config
 
     errors: list[tuple[str, str]] = []
     warnings: list[tuple[str, str]] = []
@@ -68,6 +68,12 @@ def init_from_config(cfg: RunConfig, tokenizer) -> tuple[str, str, object, list[
     except AttnLabError as e:
         return "", "", None, [("train.init_from", str(e))], []
     kind = "hf" if kind == "hf" else "attnlab"
+    if kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        if type(config) not in AutoModelForCausalLM._model_mapping:
+            return "", "", None, [("train.init_from", f"{where} holds an HF {config.model_type} model, which is not a causal "
+                                   "language model transformers knows: attnlab continues pretraining causal LMs only")], []
     if kind == "attnlab":
         config.kernels = cfg.model.kernels
     m = cfg.model
@@ -95,7 +101,7 @@ def init_from_config(cfg: RunConfig, tokenizer) -> tuple[str, str, object, list[
         errors.append(("data.tokenizer", (f"the tokenizer ({cfg.data.tokenizer}) has {len(tokenizer)} tokens but the model in "
                                           f"{where} has {vocab} embeddings: train with the tokenizer the model was trained "
                                           "with (data.tokenizer)")))
-    if cfg.data.tokenizer == "byte" and any((where / name).is_file() for name in TOKENIZER_FILES):
+    if cfg.data.tokenizer == "byte" and any((where / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         warnings.append(("data.tokenizer", (f"{where} holds its own tokenizer but data.tokenizer is 'byte': set "
                                             f"data.tokenizer={where} to train with it")))
     return kind, str(where), config, errors, warnings
