@@ -72,8 +72,9 @@ def init_from_config(cfg: RunConfig, tokenizer) -> tuple[str, str, object, list[
         from transformers import AutoModelForCausalLM
 
         if type(config) not in AutoModelForCausalLM._model_mapping:
-            return "", "", None, [("train.init_from", f"{where} holds an HF {config.model_type} model, which is not a causal "
-                                   "language model transformers knows: attnlab continues pretraining causal LMs only")], []
+            why = (f"{where} holds an HF {config.model_type} model, which is not a causal language model transformers "
+                   "knows: attnlab continues pretraining causal LMs only")
+            return "", "", None, [("train.init_from", why)], []
     if kind == "attnlab":
         config.kernels = cfg.model.kernels
     m = cfg.model
