@@ -299,10 +299,12 @@ def study_tensors(attention_type, c=STUDY, seed=0):
                   p + "mlp.down_proj.weight": small((h, mlp), g)})
         if attention_type == "softmax":  # rotary_embedding_torch keeps its frequencies as a parameter
             t[p + "self_attn.rotary_emb.freqs"] = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-        else:  # squared__sm_norm__A_mask_type_neg_softplus__in_conv_k_2 (2Mamba)
+        else:  # 2Mamba (squared, sm_norm) or linear with the output norm; both with the A mask and the input conv
             t.update({p + "self_attn.A_mask_proj.weight": small((heads, h), g),
                       p + "self_attn.conv1d.weight": small((3 * h, 1, 2), g, 1.0), p + "self_attn.conv1d.bias": small((3 * h,), g),
                       p + "self_attn.attn_mask": ~torch.ones(32, 32, dtype=torch.bool).tril()[None, None]})
+            if "output_norm" in attention_type:
+                t[p + "self_attn.out_norm.weight"] = norm_weight(h, g)
     return t
 
 
@@ -330,10 +332,14 @@ def study_attention(attention_type, c=STUDY):
         qkv = qkv * w[:, 1] + F.pad(qkv, (0, 0, 1, 0))[:, :-1] * w[:, 0] + b
         q, k, v = (x.view(B, T, heads, d) for x in qkv.chunk(3, -1))
         A = -F.softplus(h @ t[p + "A_mask_proj.weight"].T).cumsum(1).transpose(1, 2)  # [B, H, T]
-        weights = (torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)) ** 2
+        power = 2 if attention_type.startswith("squared") else 1
+        weights = (torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)) ** power
         weights = weights * (A[..., :, None] - A[..., None, :]).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).exp()
-        weights = weights / weights.sum(-1, keepdim=True)
-        return causal_mix(weights, v) @ t[p + "o_proj.weight"].T
+        if "output_norm" in attention_type:  # nn.RMSNorm(eps=None) over all heads: fp32's machine epsilon
+            o = rms(causal_mix(weights, v), t[p + "out_norm.weight"], torch.finfo(torch.float32).eps)
+        else:  # sm_norm
+            o = causal_mix(weights / weights.sum(-1, keepdim=True), v)
+        return o @ t[p + "o_proj.weight"].T
 
     return attention
 
@@ -348,6 +354,33 @@ def test_a_2mamba_study_checkpoint_converts_with_identical_logits(tmp_path, atte
     with torch.no_grad():
         ours = model(input_ids=ids).logits
     assert close(ours, reference_lm(tensors, ids, 2, STUDY_NAMES, 1e-5, study_attention(attention_type)))
+
+
+OUTPUT_NORM_PRESET = "linear__output_norm__A_mask_type_neg_softplus__in_conv_k_2"
+
+
+def output_norm_eps_option() -> bool:
+    from attnlab.models.mixers.attention_family import AttentionFamily
+
+    return "output_norm_eps" in AttentionFamily.default_options
+
+
+@pytest.mark.skipif(not output_norm_eps_option(), reason="the attention family has no output_norm_eps option here")
+def test_a_study_checkpoint_with_an_output_norm_converts_with_the_studys_epsilon(tmp_path):
+    tensors = study_tensors(OUTPUT_NORM_PRESET)
+    write_checkpoint(tmp_path / "study", tensors, {**STUDY, "attention_type": OUTPUT_NORM_PRESET})
+    model = load_converted(tmp_path / "study").eval()
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    assert close(ours, reference_lm(tensors, ids, 2, STUDY_NAMES, 1e-5, study_attention(OUTPUT_NORM_PRESET)))
+
+
+@pytest.mark.skipif(output_norm_eps_option(), reason="the attention family has an output_norm_eps option here")
+def test_a_study_checkpoint_with_an_output_norm_is_refused_without_a_per_norm_epsilon(tmp_path):
+    write_checkpoint(tmp_path / "study", study_tensors(OUTPUT_NORM_PRESET), {**STUDY, "attention_type": OUTPUT_NORM_PRESET})
+    with pytest.raises(CheckpointError, match="one model.norm_eps for every norm"):
+        load_converted(tmp_path / "study")
 
 
 def test_study_models_attnlab_cannot_compute_exactly_are_refused(tmp_path):

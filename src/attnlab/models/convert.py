@@ -353,13 +353,17 @@ def attnlab_config_from_study(c: dict):
         mixer = name
         preset = MIXERS[name].resolve_options(None)
         if preset["output_norm"] != "none":
-            # the study's output norm is nn.RMSNorm(eps=None): the dtype's machine epsilon, not rms_norm_eps
-            family = MIXERS[name].family.default_options
-            if "output_norm_eps" in family:
-                mixer_options["output_norm_eps"] = float(torch.finfo(torch.float32).eps)
+            # the study's output norm is nn.RMSNorm(eps=None) over all heads: fp32's machine epsilon, not rms_norm_eps
+            eps = float(torch.finfo(torch.float32).eps)
+            if "output_norm_eps" not in MIXERS[name].family.default_options:
+                options.fail("an output norm with the study's epsilon (fp32's machine epsilon, not rms_norm_eps): this "
+                             "attnlab's attention family has one model.norm_eps for every norm")
+            elif (preset["output_norm"], preset["output_norm_per_head"]) != ("rmsnorm", False) or preset["output_norm_eps"] not in (None, eps):
+                options.fail(f"preset {name!r} has output norm {preset['output_norm']} (per head: {preset['output_norm_per_head']}) "
+                             f"with epsilon {preset['output_norm_eps']}, the study's layer one RMSNorm over all heads with "
+                             f"epsilon {eps:g}")
             else:
-                options.fail("an output norm with the study's epsilon (machine epsilon, not rms_norm_eps): attnlab's "
-                             "attention family has one model.norm_eps for every norm")
+                mixer_options["output_norm_eps"] = eps
     elif name == "mamba":
         options.fail("attention_type 'mamba' (the study runs mamba_ssm's Mamba2 layer with D per channel and a "
                      "one-head SSM per attention head; attnlab's mamba2 mixer does not take these shapes)")
