@@ -131,6 +131,7 @@ def test_a_run_started_from_a_checkpoint_resumes(tmp_path, tiny):
     base = no_model(tiny) + [f"train.init_from={tmp_path / 'llama'}", "train.max_steps=4", "train.warmup_steps=0",
                              "train.save_every=2", "train.eval_every=0", "train.sample_tokens=0"]
     assert run_cli("train", "--run-dir", str(run), *sets(base + ["train.max_steps=2"])) == 0
+    (tmp_path / "llama").rename(tmp_path / "moved")  # the run's checkpoint holds the model: the source is not needed again
     assert run_cli("train", "--run-dir", str(run), "--resume", *sets(base)) == 0
     steps = [json.loads(line)["step"] for line in (run / "heartbeat.jsonl").read_text().splitlines() if line.strip()]
     assert max(steps) == 4

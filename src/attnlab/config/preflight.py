@@ -194,7 +194,7 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
         return
     report.tokenizer = tokenizer
     if cfg.train.init_from:
-        kind, where, config, errors, warnings = init_from_config(cfg, tokenizer)
+        kind, where, config, errors, warnings = init_from_config(cfg, tokenizer, report.resume_from)
         for key, message in errors:
             report.error(key, message)
         for key, message in warnings:

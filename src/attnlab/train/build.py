@@ -47,13 +47,15 @@ def _hf_value(config, field: str):
     return getattr(config, name, None) if name else None
 
 
-def init_from_config(cfg: RunConfig, tokenizer) -> tuple[str, str, object, list[tuple[str, str]], list[tuple[str, str]]]:
+def init_from_config(cfg: RunConfig, tokenizer, resume_from: Path | None = None
+                     ) -> tuple[str, str, object, list[tuple[str, str]], list[tuple[str, str]]]:
     """What `train.init_from` points at, checked against the run config without reading weights.
 
     Returns (kind, model directory, model config, errors, warnings): kind 'attnlab' (an attnlab model, or a
     checkpoint converted into one: `attnlab.models.convert`) or 'hf' (any other causal LM, trained as it is);
     errors and warnings as (config key, message). model.* fields left at their defaults are taken from the
-    checkpoint; any other value must agree with it."""
+    checkpoint; any other value must agree with it. A resumed run (`resume_from`, its checkpoint) builds the
+    model from that checkpoint, which holds the same architecture: `train.init_from` need not exist any more."""
     from attnlab.errors import AttnLabError
     from attnlab.loading import resolve_model_dir
     from attnlab.models.convert import converted_config
@@ -61,7 +63,7 @@ def init_from_config(cfg: RunConfig, tokenizer) -> tuple[str, str, object, list[
     errors: list[tuple[str, str]] = []
     warnings: list[tuple[str, str]] = []
     try:
-        where = resolve_model_dir(cfg.train.init_from)
+        where = resume_from or resolve_model_dir(cfg.train.init_from)
         if where.suffix == ".gguf":
             raise AttnLabError(f"train.init_from takes a model directory, not a GGUF file ({where})")
         kind, config = converted_config(where)
