@@ -201,9 +201,9 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
             report.warn(key, message)
         if kind:
             report.model_config, report.init_from = config, (kind, where)
-    elif cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
-        report.error("model.vocab_size", f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is {cfg.model.vocab_size}: token ids would fall outside the embedding. Set model.vocab_size >= {len(tokenizer)} or null.")
-    if not cfg.train.init_from:
+    else:
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
+            report.error("model.vocab_size", f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is {cfg.model.vocab_size}: token ids would fall outside the embedding. Set model.vocab_size >= {len(tokenizer)} or null.")
         try:
             report.model_config = model_config_from(cfg, tokenizer)
         except (ValueError, TypeError) as e:
