@@ -191,7 +191,7 @@ def attnlab_config_from_mamba2(c: dict):
 
     hf = _is_hf_mamba2(c)
     options = _Options(f"this {'HF' if hf else 'fla'} Mamba2 checkpoint", c)
-    options.need("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "state_size", "expand")
+    options.need("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "state_size", "expand", "n_groups", "conv_kernel")
     options.expect("use_bias", False, False)
     options.expect("use_conv_bias", True, True)
     options.expect("hidden_act", "silu", "silu")
@@ -218,7 +218,7 @@ def attnlab_config_from_mamba2(c: dict):
     return AttnLabConfig(
         **_common(c), num_heads=heads if hidden % heads == 0 else 1, mixer="mamba2", intermediate_size=0, norm_eps=eps,
         mixer_options={"state_size": c["state_size"], "expand": expand, "head_dim": head_dim,
-                       "n_groups": c.get("n_groups", 1), "conv_kernel": c.get("conv_kernel", 4),
+                       "n_groups": c["n_groups"], "conv_kernel": c["conv_kernel"],
                        "chunk_size": c.get("chunk_size", 256)},
     )
 
