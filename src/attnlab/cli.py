@@ -143,6 +143,23 @@ def preflight(
     _fail_on_errors(report)
 
 
+@app.command()
+def convert(
+    src: Path = typer.Argument(..., help="Checkpoint directory: fla GLA / Mamba2 / NSA / forgetting transformer, HF Mamba2ForCausalLM, a 2Mamba study model, or (with --to fla) an attnlab model.", show_default=False),
+    out: Path = typer.Argument(..., help="Output directory (must not exist).", show_default=False),
+    to: str = typer.Option("attnlab", "--to", help="attnlab: an attnlab model directory with the same outputs; fla: the fla checkpoint of an attnlab model whose mixer matches an fla architecture."),
+):
+    """Convert a checkpoint into an attnlab model (or an attnlab model into fla's format), weights mapped one to one."""
+    from attnlab.errors import CheckpointError
+    from attnlab.models.convert import convert as to_attnlab
+    from attnlab.models.convert import export_fla
+
+    if to not in ("attnlab", "fla"):
+        raise CheckpointError(f"--to must be attnlab or fla, not {to!r}")
+    what = to_attnlab(src, out) if to == "attnlab" else export_fla(src, out)
+    console.print(f"{what}: wrote {out}", highlight=False)
+
+
 def _read_prompts(path: Path) -> list[dict]:
     from attnlab.errors import DataError
 

@@ -39,6 +39,7 @@ class PreflightReport:
     data: Any = None
     model_config: Any = None
     resume_from: Path | None = None
+    init_from: tuple[str, str] | None = None  # (kind, model directory) of train.init_from: 'attnlab' or 'hf'
 
     @property
     def errors(self) -> list[Problem]:
@@ -184,7 +185,7 @@ def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
 
 def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bool, console=None) -> None:
     from attnlab.data import load_tokenizer
-    from attnlab.train.build import model_config_from
+    from attnlab.train.build import init_from_config, model_config_from
 
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -192,12 +193,21 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
         report.error("data.tokenizer", str(e))
         return
     report.tokenizer = tokenizer
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
-        report.error("model.vocab_size", f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is {cfg.model.vocab_size}: token ids would fall outside the embedding. Set model.vocab_size >= {len(tokenizer)} or null.")
-    try:
-        report.model_config = model_config_from(cfg, tokenizer)
-    except (ValueError, TypeError) as e:
-        report.error("model", str(e))
+    if cfg.train.init_from:
+        kind, where, config, errors, warnings = init_from_config(cfg, tokenizer, report.resume_from)
+        for key, message in errors:
+            report.error(key, message)
+        for key, message in warnings:
+            report.warn(key, message)
+        if kind:
+            report.model_config, report.init_from = config, (kind, where)
+    else:
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
+            report.error("model.vocab_size", f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is {cfg.model.vocab_size}: token ids would fall outside the embedding. Set model.vocab_size >= {len(tokenizer)} or null.")
+        try:
+            report.model_config = model_config_from(cfg, tokenizer)
+        except (ValueError, TypeError) as e:
+            report.error("model", str(e))
     if not load_data:
         return
     try:

@@ -24,7 +24,7 @@ class ModelSection(Section):
     hidden_size: int = Field(128, gt=0, description="residual stream width")
     num_layers: int = Field(4, gt=0, description="number of decoder blocks")
     num_heads: int = Field(4, gt=0, description="heads of the token mixer")
-    intermediate_size: int | None = Field(None, gt=0, description="SwiGLU width; null = 8/3 * hidden, rounded up to 32")
+    intermediate_size: int | None = Field(None, ge=0, description="SwiGLU width; null = 8/3 * hidden, rounded up to 32; 0 = blocks without an MLP (Mamba-2's layout)")
     vocab_size: int | None = Field(None, gt=0, description="null = the tokenizer's size")
     mixer_options: dict[str, Any] = Field(default_factory=dict, description="options of the chosen mixer")
     max_position_embeddings: int = Field(2048, gt=0, description="longest sequence the model is configured for")
@@ -53,6 +53,7 @@ class TrainSection(Section):
     """Optimisation, cadence, precision and logging."""
 
     seed: int = Field(0, description="seeds init, data order and samples")
+    init_from: str | None = Field(None, description="continue pretraining from this model instead of random weights: an attnlab model or run directory, a checkpoint attnlab converts (attnlab convert --help), or any HF causal LM directory (trained as it is); model.* fields left at their defaults are taken from it, others must agree")
     max_steps: int = Field(400, gt=0, description="optimizer steps")
     batch_size: int = Field(32, gt=0, description="sequences per micro-batch, across all processes (split evenly under torchrun)")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
@@ -96,7 +97,7 @@ class RunConfig(Section):
 
 
 # Fields that change the model or the data it sees: a resume refuses to continue if any differs.
-RESUME_LOCKED = ("model", "data", "train.seed", "train.batch_size", "train.grad_accum")
+RESUME_LOCKED = ("model", "data", "train.seed", "train.batch_size", "train.grad_accum", "train.init_from")
 
 
 class GenerateConfig(Section):

@@ -15,6 +15,7 @@ class AttnLabConfig(PretrainedConfig):
     `mixer_options` holds the options of that mixer only; each mixer declares its
     options and defaults (`MIXERS[name].default_options`) and rejects unknown ones.
     The stored `mixer_options` always contain every option, defaults filled in.
+    `intermediate_size` 0 builds blocks without an MLP (Mamba-2's layout).
     """
 
     model_type = "attnlab"
@@ -54,6 +55,8 @@ class AttnLabConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
             )
         self.mixer_options = MIXERS[self.mixer].resolve_options(self.mixer_options)
+        if self.intermediate_size is not None and self.intermediate_size < 0:
+            raise ValueError(f"intermediate_size must be >= 0 (0: blocks without an MLP), not {self.intermediate_size}")
         if self.intermediate_size is None:
             self.intermediate_size = round_up(8 / 3 * self.hidden_size, 32)
         super().__post_init__(**kwargs)

@@ -18,15 +18,21 @@ from attnlab.models.modules import GatedRMSNorm, PreNorm, RMSNorm, SwiGLU
 
 
 class AttnLabBlock(GradientCheckpointingLayer):
-    """Pre-norm residual block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+    """Pre-norm residual block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)).
+
+    With `intermediate_size` 0 the block has no MLP (nor its norm): x + attn(attn_norm(x)), as
+    Mamba-2's blocks (mamba_ssm, fla, transformers)."""
 
     def __init__(self, config: AttnLabConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.attn = build_mixer(config, layer_idx)
-        self.mlp_norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, kernels=config.kernels)
+        if config.intermediate_size:
+            self.mlp_norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, kernels=config.kernels)
+        else:
+            self.mlp_norm = self.mlp = None
 
     def forward(
         self,
@@ -41,6 +47,8 @@ class AttnLabBlock(GradientCheckpointingLayer):
         )
         if use_cache and past_key_values is not None:
             past_key_values.update(self.layer_idx, layer_state)
+        if self.mlp is None:
+            return hidden_states + mixed
         normed, hidden_states = self.mlp_norm(mixed, residual=hidden_states)  # hidden_states + mixed, and its norm
         return hidden_states + self.mlp(normed)
 

@@ -249,9 +249,11 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool, stream: bool = False) -> TrainingArguments:
+def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, has_val: bool, stream: bool = False,
+                       block_classes: list[str] | None = None) -> TrainingArguments:
     """`stream`: the training data is a prepared corpus's block stream, whose sampler starts a resume at the
-    recorded position itself: the Trainer must not skip batches by reading them."""
+    recorded position itself: the Trainer must not skip batches by reading them. `block_classes`: the decoder
+    block classes FSDP wraps one by one (attnlab's by default; an HF model's `_no_split_modules`)."""
     t = cfg.train
     scheduler, scheduler_kwargs = {
         "cosine": ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
@@ -291,7 +293,7 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         dataloader_num_workers=0,
         remove_unused_columns=False,
         prediction_loss_only=True,
-        **_strategy_arguments(cfg),
+        **_strategy_arguments(cfg, block_classes),
     )
     # One process trains on one device. With several GPUs visible and no torchrun, the Trainer would
     # wrap the model in nn.DataParallel and multiply the batch by the GPU count: train.batch_size would
@@ -306,7 +308,7 @@ def fsdp_active(cfg: RunConfig) -> bool:
     return cfg.train.strategy == "fsdp" and world_size() > 1
 
 
-def _strategy_arguments(cfg: RunConfig) -> dict:
+def _strategy_arguments(cfg: RunConfig, block_classes: list[str] | None = None) -> dict:
     """FSDP2 through accelerate: every decoder block its own shard group, full (unsharded) state dicts on save."""
     if not fsdp_active(cfg):
         return {}
@@ -315,7 +317,7 @@ def _strategy_arguments(cfg: RunConfig) -> dict:
     return {"fsdp": True, "fsdp_config": {
         "version": 2,
         "reshard_after_forward": True,  # FULL_SHARD: parameters are gathered per block and freed after use
-        "transformer_layer_cls_to_wrap": [AttnLabBlock.__name__],
+        "transformer_layer_cls_to_wrap": list(block_classes or [AttnLabBlock.__name__]),
         "state_dict_type": "FULL_STATE_DICT",
     }}
 
@@ -324,7 +326,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     """Train as `cfg` says into `run_dir`. `report` is a passed preflight (it holds the tokenizer and data)."""
     from attnlab.data import BlockDataset
     from attnlab.data.blocks import PositionSampler, PreparedBlocks
-    from attnlab.models import AttnLabForCausalLM
+
+    from .build import build_model
 
     is_main = rank() == 0
     console = console or Console(quiet=not is_main)
@@ -336,7 +339,11 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
 
     transformers.utils.logging.disable_progress_bar()  # our own progress bar is the only one
     transformers.set_seed(cfg.train.seed)
-    model = AttnLabForCausalLM(report.model_config)
+    model = build_model(cfg, report)
+    if report.init_from is not None:
+        kind, where = report.init_from
+        what = f"HF {model.config.model_type}" if kind == "hf" else f"attnlab {model.config.mixer}"
+        console.print(f"[dim]train.init_from: {what} model from {_escape(where)}, {model.num_parameters():,} parameters[/dim]")
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if hasattr(model, "enable_health_stats"):
@@ -374,7 +381,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console))
     trainer = AttnLabTrainer(
         model=model,
-        args=training_arguments(cfg, report, checkpoints.staging, has_val, stream=stream),
+        args=training_arguments(cfg, report, checkpoints.staging, has_val, stream=stream,
+                                block_classes=getattr(model, "_no_split_modules", None)),
         train_dataset=data.train if stream else BlockDataset(data.train),
         eval_dataset=BlockDataset(val_rows) if has_val else None,
         data_collator=default_data_collator,
