@@ -67,6 +67,24 @@ def test_step_kernel_matches_recurrent_step_over_several_steps(similarity, packe
             torch.testing.assert_close(full_z(normalizer), ref_norm, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [5, 6, 12])  # one, two and four first indices per program (of 5, 3 and 3 programs)
+@pytest.mark.parametrize("packed", [True, False])
+def test_power2_step_programs_split_the_first_indices_for_any_head_dim(d, packed):
+    gen = torch.Generator().manual_seed(d)
+    features = linear_feature_count(d, "power2", packed)
+    state = torch.randn(B, H, features, 8, generator=gen) * 0.1
+    normalizer = linear_features(torch.randn(B, H, 3, d, generator=gen), "power2", packed).sum(2)
+    ref_state, ref_norm = state.clone(), normalizer.clone()
+    q, k, v = (torch.randn(B, H, n, generator=gen) for n in (d, d, 8))
+    log_decay = -torch.rand(B, H, generator=gen)
+    kwargs = {"similarity": "power2", "scale": 0.6, "denominator": "sum", "count_power": None, "packed": packed}
+    o = attention_family_step_(q, k, v, log_decay, state, normalizer, torch.tensor([1, 1]), **kwargs)
+    ref_o, ref_state, ref_norm = recurrent_step(q, k, v, log_decay, ref_state, ref_norm, torch.tensor([1, 1]), **kwargs)
+    torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(normalizer, ref_norm, rtol=1e-5, atol=1e-6)
+
+
 def test_step_kernel_takes_strided_rows_and_writes_the_values_dtype():
     gen = torch.Generator().manual_seed(1)
     d = 4

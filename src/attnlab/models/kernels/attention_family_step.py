@@ -6,9 +6,10 @@ the output, for every (batch row, head).
     S = exp(A) S + phi(k)^T v                        z = exp(A) z + phi(k)     (fp32, where they lie)
     o = phi(q) S / den                               den: phi(q) . z, clamped, the count, count^c, or 1
 
-The step reads and writes the state once: for power2 one program holds the rows (a, b) of one
-first index a (its query and key features are x_a x_b for a block of b), so the features are
-never written to memory. The state of power2 may be packed (the d (d + 1) / 2 rows a <= b, see
+The step reads and writes the state once: for power2 one program holds the rows (a, b) of a few
+first indices a (its query and key features are x_a x_b for a block of b; the indices taken from
+alternate ends so that every program reads as many packed rows), so the features are never
+written to memory. The state of power2 may be packed (the d (d + 1) / 2 rows a <= b, see
 `attnlab.models.ops.attention_family`): half the bytes of the full d^2 rows, which the kernel also
 reads. power2's programs write partial sums over their rows; a second, small kernel adds them,
 divides and writes the output. power1 (one program per head) finishes in the first.
@@ -34,6 +35,10 @@ import triton.language as tl
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+STEP_FIRST_INDICES = 4  # power2's first indices per step program (their packed rows balanced across programs)
+STEP_BLOCK_J = 64  # rows (a, b) per tile
+STEP_WARPS = 4
+
 DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5}
 
 
@@ -58,8 +63,8 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
                  sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
                  H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr,
                  POWER: tl.constexpr, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr, MODE: tl.constexpr,
-                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr):
-    i_a, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr):
+    i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     m_v = offs_v < DV
@@ -69,52 +74,56 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
         decay = tl.exp(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32))
     q_row = Q + i_b * sqb + i_h * sqh
     k_row = K + i_b * skb + i_h * skh
-    # this program's rows: (a, b) for b in [lo, D) (power2), or b in [0, D) (power1)
-    lo = 0
-    first_row = 0
-    q_a = 1.0
-    k_a = 1.0
-    if POWER == 2:
-        q_a = tl.load(q_row + i_a).to(tl.float32)
-        k_a = tl.load(k_row + i_a).to(tl.float32)
-        if PACKED:
-            lo = i_a
-            first_row = i_a * D - i_a * (i_a - 1) // 2
-        else:
-            first_row = i_a * D
     p_state = STATE + i_bh.to(tl.int64) * F * DV
     p_norm = NORM + i_bh.to(tl.int64) * F
     acc = tl.zeros([BV], tl.float32)
     den = tl.zeros([BJ], tl.float32)
-    for j0 in range((lo // BJ) * BJ, D, BJ):
-        offs_j = j0 + tl.arange(0, BJ)
-        m_j = (offs_j >= lo) & (offs_j < D)
-        q_j = tl.load(q_row + offs_j, mask=m_j, other=0.0).to(tl.float32)
-        k_j = tl.load(k_row + offs_j, mask=m_j, other=0.0).to(tl.float32)
-        phi_q = q_a * q_j
-        phi_k = k_a * k_j * scale_k
-        if PACKED:  # the rows a < b stand for (a, b) and (b, a)
-            phi_q = tl.where(offs_j > i_a, 2.0 * phi_q, phi_q)
-        rows = first_row + offs_j - lo
-        p_s = p_state + rows[:, None] * DV + offs_v[None, :]
-        m_s = m_j[:, None] & m_v[None, :]
-        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
-        tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
-        acc += tl.sum(phi_q[:, None] * b_s, 0)
-        if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
-            m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
-            b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
-            b_z = b_z * decay + phi_k
-            tl.store(p_norm + rows, b_z, mask=m_z)
-            den += tl.where(m_z, phi_q * b_z, 0.0)
+    for t in tl.static_range(A_PER):
+        # power2: the program's A_PER first indices a, from alternate ends of A_PER equal ranges so
+        # that their packed rows (D - a each) add up to the same count in every program
+        i_a = t * (D // A_PER) + (i_g if t % 2 == 0 else D // A_PER - 1 - i_g)
+        # rows (a, b) for b in [lo, D) (power2), or b in [0, D) (power1)
+        lo = 0
+        first_row = 0
+        q_a = 1.0
+        k_a = 1.0
+        if POWER == 2:
+            q_a = tl.load(q_row + i_a).to(tl.float32)
+            k_a = tl.load(k_row + i_a).to(tl.float32)
+            if PACKED:
+                lo = i_a
+                first_row = i_a * D - i_a * (i_a - 1) // 2
+            else:
+                first_row = i_a * D
+        for j0 in range((lo // BJ) * BJ, D, BJ):
+            offs_j = j0 + tl.arange(0, BJ)
+            m_j = (offs_j >= lo) & (offs_j < D)
+            q_j = tl.load(q_row + offs_j, mask=m_j, other=0.0).to(tl.float32)
+            k_j = tl.load(k_row + offs_j, mask=m_j, other=0.0).to(tl.float32)
+            phi_q = q_a * q_j
+            phi_k = k_a * k_j * scale_k
+            if PACKED:  # the rows a < b stand for (a, b) and (b, a)
+                phi_q = tl.where(offs_j > i_a, 2.0 * phi_q, phi_q)
+            rows = first_row + offs_j - lo
+            p_s = p_state + rows[:, None] * DV + offs_v[None, :]
+            m_s = m_j[:, None] & m_v[None, :]
+            b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+            b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
+            tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
+            acc += tl.sum(phi_q[:, None] * b_s, 0)
+            if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
+                m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
+                b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
+                b_z = b_z * decay + phi_k
+                tl.store(p_norm + rows, b_z, mask=m_z)
+                den += tl.where(m_z, phi_q * b_z, 0.0)
     if FINISH:
         count = tl.load(COUNT + i_b).to(tl.float32)
         power = tl.load(CPOW + i_h).to(tl.float32)
         o = _finish(acc, tl.sum(den, 0), count, power, MODE)
         tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
     else:
-        part = i_a.to(tl.int64) * tl.num_programs(2) + i_bh
+        part = i_g.to(tl.int64) * tl.num_programs(2) + i_bh
         tl.store(PART + part * DV + offs_v, acc, mask=m_v)
         if i_v == 0:
             tl.store(PART_DEN + part, tl.sum(den, 0))
@@ -178,9 +187,12 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
         raise ValueError(f"normalizer must be a contiguous fp32 [{batch}, {heads}, {features}] tensor")
     mode = DENOMINATOR_MODES[denominator]
     o = torch.empty(batch, heads, value_dim, dtype=v.dtype, device=v.device)
-    block_j = min(64, triton.next_power_of_2(head_dim))
+    block_j = min(STEP_BLOCK_J, triton.next_power_of_2(head_dim))
     block_v = min(64, triton.next_power_of_2(value_dim))
-    groups = head_dim if power == 2 else 1  # programs per head and block of values: one per first index a
+    a_per = 1  # power2: first indices a per program (a divisor of D), so that each program reads enough rows
+    if power == 2:
+        a_per = next(n for n in (STEP_FIRST_INDICES, 2, 1) if head_dim % n == 0)
+    groups = head_dim // a_per if power == 2 else 1  # programs per head and block of values
     finish = groups == 1
     part = part_den = o  # not read when `finish`
     if not finish:
@@ -196,7 +208,8 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
         count_power if count_power is not None else state, part, part_den, o,
         *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
         H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
-        HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, num_warps=4,
+        HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per,
+        num_warps=STEP_WARPS,
     )
     if not finish:
         _finish_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
