@@ -326,6 +326,8 @@ def bench_decode_cmd(
     hf_arch: Optional[str] = typer.Option(None, "--hf-arch", help="Time HF generate on this randomly initialised architecture of the same size instead (e.g. fla-gla)."),
     hf_repeats: Optional[int] = typer.Option(None, "--hf-repeats", help="Timed HF generate runs (default: --repeats)."),
     beams: int = typer.Option(1, "--beams", help="> 1: also time beam search with this many beams against greedy over batch x beams rows."),
+    mixer_option: Optional[list[str]] = typer.Option(None, "--mixer-option", show_default=False, help=(
+        "With --arch: MIXER.OPTION=VALUE over a mixer's or preset's defaults (repeatable), e.g. 2mamba.state_dtype=bfloat16.")),
     profile: bool = typer.Option(False, "--profile", help="On CUDA: also count the kernels of one decode step and their GPU time, by category."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here, and a PNG plot beside it (same name, .png)."),
 ):
@@ -342,9 +344,12 @@ def bench_decode_cmd(
 
         torch.manual_seed(0)
         target = "cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"
-        lm = build(arch, hidden, layers, heads, vocab).to(target, torch.bfloat16 if target == "cuda" else torch.float32).eval()
+        from attnlab.bench.zoo import mixer_options
+
+        lm = build(arch, hidden, layers, heads, vocab, mixer_options=mixer_options(mixer_option or []))
+        lm = lm.to(target, torch.bfloat16 if target == "cuda" else torch.float32).eval()
         tokenizer = IdTokenizer(vocab)
-        name = f"{arch} {hidden}x{layers} (untrained)"
+        name = f"{arch} {hidden}x{layers} (untrained)" + "".join(f" {o}" for o in mixer_option or [])
     elif model is None:
         from attnlab.config import load_config
         from attnlab.data import load_tokenizer

@@ -16,7 +16,7 @@ divides and writes the output. power1 (one program per head) finishes in the fir
 
 A prompt's state (the prefill) is `linear_state_update`: for power2 one program per first index a
 and head multiplies the keys' tile, scaled by scale^2 k_a and the decay to the prompt's end, with
-the values' tile (tf32 products from 16-bit inputs, fp32 ones from fp32), so the d^2 features of
+the values' tile (16-bit products with fp32 sums from 16-bit inputs, fp32 ones from fp32), so the d^2 features of
 the prompt's tokens never exist in memory; the outputs are the quadratic form's.
 
 The PyTorch references are `recurrent_step` and `linear_state_update` in
@@ -36,8 +36,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 STEP_FIRST_INDICES = 4  # power2's first indices per step program (their packed rows balanced across programs)
-STEP_BLOCK_J = 64  # rows (a, b) per tile
-STEP_WARPS = 4
+STEP_BLOCK_J = 32  # rows (a, b) per tile
+STEP_WARPS = 2  # (swept on an H100 at 8 x 16 heads of 64, bf16 and fp32 states)
 
 DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5}
 
@@ -250,8 +250,11 @@ def _state_kernel(K, V, C, S_IN, Z_IN, S_OUT, Z_OUT, T, skb, skt, skh, svb, svt,
         if HAS_DECAY:  # decayed to the last token
             w = w * tl.exp(c_end - tl.load(c_rows + offs_t * sct, mask=m_t, other=0.0))
         x = k_t * w[:, None]  # [BT, BB]: the features (a, b) of each token, weighted
-        v_t = tl.load(v_rows + offs_t[:, None] * svt + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(tl.trans(x), v_t, input_precision=PRECISION)
+        v_t = tl.load(v_rows + offs_t[:, None] * svt + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        if PRECISION == "ieee":
+            acc += tl.dot(tl.trans(x), v_t.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit inputs: the weighted features rounded to the values' dtype, fp32 sums
+            acc += tl.dot(tl.trans(x.to(v_t.dtype)), v_t)
         if WANT_Z:
             z += tl.sum(x, 0)
     lo = 0
@@ -311,7 +314,8 @@ def linear_state_update(k, v, c, state, normalizer, *, similarity: str, scale: f
         v.stride(2), *c_args[1:], float(scale) ** 2,
         H=heads, D=head_dim, DV=value_dim, F=features, PACKED=bool(packed), HAS_DECAY=c is not None,
         HAS_STATE=state is not None, HAS_Z=has_z, WANT_Z=want_normalizer,
-        PRECISION="ieee" if k.dtype == torch.float32 and v.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies 16-bit tiles wrongly: there the products are fp32's
+        PRECISION="ieee" if torch.float32 in (k.dtype, v.dtype) or _interpreting() else "low",
         BT=16 if _interpreting() else 32 if head_dim > 64 else 64, BB=max(16, triton.next_power_of_2(head_dim)),
         BV=block_v, num_warps=8 if head_dim > 32 else 4,
     )

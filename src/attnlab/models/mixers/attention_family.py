@@ -62,7 +62,7 @@ def is_linearizable(options: dict) -> bool:
     return options["similarity"] in LINEAR_SIMILARITIES and options["clamp_scores"] is None
 
 
-STATE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_options(options: dict, name: str) -> None:
@@ -145,10 +145,10 @@ class AttentionFamily(Mixer):
         "conv_activation": "none",  # after the conv: none | silu
         "rope": True,  # rotary positions on q and k; False: no positional encoding
         "d_residual": False,  # add D * v (D per head and channel) to the mixed output
-        # the decoding state of a linearizable variant: auto (power2's d^2-row state in the weights'
-        # 16-bit dtype, as mamba_ssm keeps its states, else fp32) | float32 | bfloat16. The step
-        # computes in fp32 and rounds only what it stores.
-        "state_dtype": "auto",
+        # the decoding state of a linearizable variant: float32 | bfloat16 (half the bytes a step of
+        # power2 reads and writes; the step sums in fp32 and rounds only what it stores, but the
+        # rounding adds up over the steps: see the README's decode section)
+        "state_dtype": "float32",
     }
 
     @classmethod
@@ -384,13 +384,7 @@ class AttentionFamily(Mixer):
 
     def _state_dtype(self) -> torch.dtype:
         """The decoding state's dtype (option `state_dtype`)."""
-        chosen = STATE_DTYPES[self.options["state_dtype"]]
-        if chosen is not None:
-            return chosen
-        weights = self.qkv_proj.weight.dtype
-        if self.options["similarity"] == "power2" and weights in (torch.bfloat16, torch.float16):
-            return weights  # d^2 rows per head: the step is bound by reading and writing them
-        return torch.float32
+        return STATE_DTYPES[self.options["state_dtype"]]
 
     # the static cache's buffers whose prompt columns every beam of a prompt shares (each key's
     # log-decay through the latest token depends on the tokens generated since: not shared)
