@@ -34,7 +34,8 @@ import triton.language as tl
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5}
+DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5,
+                     "sum_detached_eps": 6}
 
 
 @triton.jit
@@ -48,6 +49,8 @@ def _finish(acc, den, count, power, MODE: tl.constexpr):
         f = count
     elif MODE == 5:  # count ** power, 0 for no token
         f = tl.where(count > 0, tl.exp2(power * tl.log2(tl.maximum(count, 1.0))), 0.0)
+    elif MODE == 6:
+        f = den + 1e-4  # the ops' DETACHED_EPS
     else:
         f = tl.maximum(den, 1.0)
     return acc / tl.where(f == 0.0, 1.0, f)
@@ -102,7 +105,7 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
         b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
         tl.store(p_s, b_s, mask=m_s)
         acc += tl.sum(phi_q[:, None] * b_s, 0)
-        if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
+        if (MODE >= 1 and MODE <= 3) or MODE == 6:  # the normaliser: rows owned by the first block of values
             m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
             b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
             b_z = b_z * decay + phi_k
@@ -135,7 +138,7 @@ def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.co
         m_g = offs_g < G
         part = offs_g.to(tl.int64) * rows + i_bh
         acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
-        if MODE >= 1 and MODE <= 3:
+        if (MODE >= 1 and MODE <= 3) or MODE == 6:
             den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
     count = tl.load(COUNT + i_b).to(tl.float32)
     power = tl.load(CPOW + i_h).to(tl.float32)
