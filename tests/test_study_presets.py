@@ -423,3 +423,64 @@ def test_interleaved_rope_softmax_is_attnlab_softmax_with_permuted_q_k_rows():
     s = (q @ k.mT / math.sqrt(HEAD_DIM)).masked_fill(~causal(x.shape[1]).bool(), -math.inf)
     expected = merge(torch.softmax(s, -1) @ v) @ w_o.double().T
     assert_same_function(y, expected)
+
+
+# ---------------------------------------------------------------- on the GPU: the kernels against the reference
+
+CHANGED = ["linear_cosine", "softmax_taylor_80terms", "softmax_detach_denom_gate", "gated_softmax", "softmax_divS_norm",
+           "linear__output_norm"]
+
+
+def gpu_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", CHANGED)
+def test_study_preset_on_the_kernels_in_bf16_matches_the_fp32_reference(name):
+    """attnlab's kernels (bf16 autocast) against the fp32 PyTorch reference on the same GPU: logits of a
+    left-padded batch, every gradient, and a prefill continued token by token."""
+    from attnlab.models import AttnLabForCausalLM
+
+    def model_with(kernels_choice):
+        torch.manual_seed(0)
+        config = AttnLabConfig(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, mixer=name,
+                               kernels=kernels_choice)
+        return AttnLabForCausalLM(config).cuda()
+
+    fast, reference = model_with("auto"), model_with("torch")
+    reference.load_state_dict(fast.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 256, (2, 200), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :37] = 0
+
+    def run(model, autocast):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        (logits * mask[..., None]).square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fast_logits, fast_grads = run(fast, True)
+    ref_logits, ref_grads = run(reference, False)
+    keep = mask.bool()
+    assert gpu_rel_err(fast_logits[keep], ref_logits[keep]) < 2e-2
+    assert set(fast_grads) == set(ref_grads)
+    floor = 1e-2 * max(float(gr.norm()) for gr in ref_grads.values())
+    for key, ref in ref_grads.items():
+        err = float((fast_grads[key].double() - ref.double()).norm()) / max(float(ref.norm()), floor)
+        assert err < 5e-2, (key, err)
+
+    with torch.no_grad():  # the step form on the GPU's decode path, fp32: equal to the parallel form
+        fast.eval()
+        full = fast(input_ids=ids, attention_mask=mask).logits
+        out = fast(input_ids=ids[:, :190], attention_mask=mask[:, :190], use_cache=True)
+        cache, steps = out.past_key_values, []
+        for t in range(190, 200):
+            out = fast(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+        assert gpu_rel_err(torch.cat(steps, 1), full[:, 190:]) < 1e-4

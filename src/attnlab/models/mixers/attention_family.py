@@ -136,9 +136,12 @@ class AttentionFamily(Mixer):
         "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
         "qk_scale": None,  # scale of q.k; None: 1 / sqrt(head_dim)
         "clamp_scores": None,  # clamp scale * q.k from above at this value (the study uses 5)
-        "feature_map": "none",  # on q and k: none | relu | silu | elu1 (elu + 1) | l2 (cosine) | l2_heads (unit length across heads)
-        "denominator": "sum",  # sum | sum_clamped (>= 1) | sum_detached | sum_detached_eps | count (divide by S) | count_power | none
-        "count_power_on": "output",  # count_power divides: output (o_i / i^σ(c)) | values (v_j / j^σ(c), the first study's cosine)
+        # on q and k: none | relu | silu | elu1 (elu + 1) | l2 (cosine) | l2_heads (unit length across the heads)
+        "feature_map": "none",
+        # sum | sum_clamped (>= 1) | sum_detached (sg(max(sum, 1))) | sum_detached_eps (sg(sum) + 1e-4) | count (divide
+        # by S) | count_power | none
+        "denominator": "sum",
+        "count_power_on": "output",  # count_power divides the output o_i by i^σ(c) | the values v_j by j^σ(c)
         "output_norm": "none",  # none | layernorm | rmsnorm | l2
         "output_norm_per_head": True,  # norm over each head's dim, else over all heads together
         "output_norm_eps": None,  # epsilon of the layernorm / rmsnorm; None: model.norm_eps
