@@ -4,7 +4,7 @@ the output, for every (batch row, head).
 
     phi(k) = scale^p k  or  scale^2 k (x) k          phi(q) = q  or  q (x) q   (p = 1, 2)
     S = exp(A) S + phi(k)^T v                        z = exp(A) z + phi(k)     (fp32, where they lie)
-    o = phi(q) S / den                               den: phi(q) . z, clamped, the count, count^c, or 1
+    o = phi(q) S / den                               den: phi(q) . z, clamped or + 1e-4, the count, count^c, or 1
 
 The step reads and writes the state once: for power2 one program holds the rows (a, b) of one
 first index a (its query and key features are x_a x_b for a block of b), so the features are
