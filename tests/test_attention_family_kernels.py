@@ -127,7 +127,7 @@ def family_config(name: str, hidden: int, heads: int, **overrides) -> AttnLabCon
     return AttnLabConfig(vocab_size=97, hidden_size=hidden, num_layers=2, num_heads=heads, mixer=name, max_position_embeddings=512, **overrides)
 
 
-@pytest.mark.parametrize("name", ["2mamba", "2mamba-e", "gated_softmax", "linear_cosine"])
+@pytest.mark.parametrize("name", ["2mamba", "2mamba-e", "gated_softmax", "linear_cosine", "softmax_detach_denom_gate"])
 def test_model_on_the_kernels_equals_the_reference_with_padding_and_a_continued_cache(name, monkeypatch):
     """The mixer's one dispatch point: a left-padded batch, its gradients, and a prefill continuing a cache."""
     pytest.importorskip("triton")
@@ -232,7 +232,7 @@ def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_conti
         assert err <= 5e-2, (key, err)
 
 
-@pytest.mark.parametrize("denominator", ["none", "sum", "sum_clamped", "sum_detached", "count"])
+@pytest.mark.parametrize("denominator", ["none", "sum", "sum_clamped", "sum_detached", "sum_detached_eps", "count"])
 def test_parallel_attention_divides_in_the_kernel_as_the_reference_does(denominator):
     """The fused division (o = num / finished den, written in the output dtype) against the reference's
     `_divide(_finish_denominator(...))`: outputs and gradients, with rows whose den is 0 (a query

@@ -113,6 +113,10 @@ def test_preset_expands_to_options_and_accepts_single_overrides():
         ({"decay": "positive"}, "decay"),
         ({"taylor_terms": 1}, "taylor_terms"),
         ({"rope": "yes"}, "true or false"),
+        ({"count_power_on": "values"}, "needs denominator 'count_power'"),
+        ({"count_power_on": "keys", "denominator": "count_power"}, "count_power_on"),
+        ({"output_norm": "rmsnorm", "output_norm_eps": 0}, "output_norm_eps must be a positive number"),
+        ({"feature_map": "l2_head"}, "feature_map"),
     ],
 )
 def test_config_rejects_a_combination_that_makes_no_sense_with_a_reason(options, reason):
@@ -278,6 +282,10 @@ EXTRA_SETUPS = {
     "conv-silu-taylor": dict(similarity="taylor", taylor_terms=12, conv_size=3, conv_activation="silu"),
     "power2-elu-count-z": dict(similarity="power2", feature_map="elu1", denominator="count", z_gate=True, rope=False),
     "power1-clamped-kv": dict(similarity="power1", feature_map="relu", clamp_scores=0.5, in_gate=True),
+    "power1-detached-eps": dict(similarity="power1", feature_map="elu1", denominator="sum_detached_eps", decay="neg_softplus"),
+    "power2-heads-l2-count-on-values": dict(similarity="power2", feature_map="l2_heads", denominator="count_power",
+                                            count_power_on="values", output_norm="layernorm", output_norm_eps=1e-3),
+    "exp-count-on-values-kv": dict(similarity="exp", clamp_scores=5.0, denominator="count_power", count_power_on="values"),
 }
 
 

@@ -502,13 +502,18 @@ def attended_counts(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | N
 
 # ---------------------------------------------------------------- the division by the denominator
 
-DIVIDE_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3}
+DIVIDE_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "sum_detached_eps": 4}
 
 
 @triton.jit
 def _divisor(den, MODE: tl.constexpr):
     """The finished denominator of raw row sums (1 where it is 0), as `_finish_denominator` then `_divide`."""
-    f = den if MODE == 1 else tl.maximum(den, 1.0)
+    if MODE == 1:
+        f = den
+    elif MODE == 4:
+        f = den + 1e-4  # the ops' DETACHED_EPS
+    else:
+        f = tl.maximum(den, 1.0)
     return tl.where(f == 0.0, 1.0, f)
 
 
@@ -537,7 +542,7 @@ def _divide_bwd_kernel(DO, NUM, ROWS, DNUM, DROWS, n_rows, D, MODE: tl.constexpr
         den = tl.load(ROWS + r, mask=row_ok, other=1.0)
         f = _divisor(den, MODE)
         tl.store(DNUM + r[:, None] * D + cols[None, :], do / f[:, None], mask=ok)
-        if MODE != 3:  # d(num / f) / d den = -(do . num) / f^2 where f follows den (not at 0, not under the clamp)
+        if MODE == 1 or MODE == 2:  # d(num / f) / d den = -(do . num) / f^2 where f follows den (not at 0, not under the clamp)
             num = tl.load(NUM + r[:, None] * D + cols[None, :], mask=ok, other=0.0)
             follows = (den != 0.0) if MODE == 1 else (den >= 1.0)
             g = -tl.sum(do * num, 1) / (f * f)

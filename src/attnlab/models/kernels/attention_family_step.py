@@ -4,7 +4,7 @@ the output, for every (batch row, head).
 
     phi(k) = scale^p k  or  scale^2 k (x) k          phi(q) = q  or  q (x) q   (p = 1, 2)
     S = exp(A) S + phi(k)^T v                        z = exp(A) z + phi(k)     (fp32, where they lie)
-    o = phi(q) S / den                               den: phi(q) . z, clamped, the count, count^c, or 1
+    o = phi(q) S / den                               den: phi(q) . z, clamped or + 1e-4, the count, count^c, or 1
 
 The step reads and writes the state once: for power2 one program holds the rows (a, b) of a few
 first indices a (its query and key features are x_a x_b for a block of b; the indices taken from
@@ -40,7 +40,8 @@ STEP_FIRST_INDICES = 4  # power2's first indices per step program (their packed 
 # at 8 rows x 16 heads of 64: a bf16 state reads best in smaller tiles on fewer warps)
 STEP_SHAPES = {4: (64, 4), 2: (32, 2)}
 
-DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5}
+DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5,
+                     "sum_detached_eps": 6}
 
 
 @triton.jit
@@ -54,6 +55,8 @@ def _finish(acc, den, count, power, MODE: tl.constexpr):
         f = count
     elif MODE == 5:  # count ** power, 0 for no token
         f = tl.where(count > 0, tl.exp2(power * tl.log2(tl.maximum(count, 1.0))), 0.0)
+    elif MODE == 6:
+        f = den + 1e-4  # the ops' DETACHED_EPS
     else:
         f = tl.maximum(den, 1.0)
     return acc / tl.where(f == 0.0, 1.0, f)
@@ -112,7 +115,7 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
             b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
             tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
             acc += tl.sum(phi_q[:, None] * b_s, 0)
-            if MODE >= 1 and MODE <= 3:  # the normaliser: rows owned by the first block of values
+            if (MODE >= 1 and MODE <= 3) or MODE == 6:  # the normaliser: rows owned by the first block of values
                 m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
                 b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
                 b_z = b_z * decay + phi_k
@@ -145,7 +148,7 @@ def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.co
         m_g = offs_g < G
         part = offs_g.to(tl.int64) * rows + i_bh
         acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
-        if MODE >= 1 and MODE <= 3:
+        if (MODE >= 1 and MODE <= 3) or MODE == 6:
             den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
     count = tl.load(COUNT + i_b).to(tl.float32)
     power = tl.load(CPOW + i_h).to(tl.float32)

@@ -51,8 +51,11 @@ def register_mixer(name: str):
     return register
 
 
-def register_preset(name: str, family_cls: type["Mixer"], options: dict[str, Any], doc: str | None = None):
+def register_preset(
+    name: str, family_cls: type["Mixer"], options: dict[str, Any], doc: str | None = None, note: str | None = None
+):
     """Register `name` as a mixer of the family `family_cls` whose defaults are `options`.
+    `note`: where the preset comes from (the README table shows it), e.g. the published code it reproduces.
 
     `MIXERS[name]` is then a subclass of the family: `resolve_options` starts from the preset's
     options, so `model.mixer_options` overrides single options of the preset. The options are
@@ -63,6 +66,7 @@ def register_preset(name: str, family_cls: type["Mixer"], options: dict[str, Any
         "default_options": {**family_cls.default_options, **options},
         "preset_options": dict(options),
         "family": family_cls,
+        "preset_note": note,
         "__doc__": doc or f"Preset {name!r} of the {family_cls.name!r} mixer family: {options}",
         "__module__": family_cls.__module__,
     }
@@ -77,8 +81,8 @@ def presets_markdown(hidden_size: int = 1024, num_heads: int = 16) -> str:
         f"Decode state: one layer, one sequence, fp32, at hidden size {hidden_size} "
         f"({num_heads} heads of {head_dim}); KV-cache variants grow by the per-token figure.",
         "",
-        "| preset | options (beyond the family defaults) | formula | constant-memory decode | decode state |",
-        "|---|---|---|---|---|",
+        "| preset | options (beyond the family defaults) | formula | constant-memory decode | decode state | follows |",
+        "|---|---|---|---|---|---|",
     ]
     for name, cls in MIXERS.items():
         if not hasattr(cls, "preset_options"):
@@ -94,7 +98,8 @@ def presets_markdown(hidden_size: int = 1024, num_heads: int = 16) -> str:
         else:
             size = f"{fixed:,} el. ({fixed * 4:,} B)"
         constant = "no (KV cache)" if per_token else "yes"
-        lines.append(f"| `{name}` | {cls.family.name}: {shown} | `{cls.formula(options)}` | {constant} | {size} |")
+        note = getattr(cls, "preset_note", None) or "—"
+        lines.append(f"| `{name}` | {cls.family.name}: {shown} | `{cls.formula(options)}` | {constant} | {size} | {note} |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ of the study are presets (see `attention_presets.py`). A layer computes, per hea
     q, k, v = split(conv(W_qkv x))                 optional causal depthwise conv (+ SiLU)
     q, k    = phi(rope(q)), phi(rope(k))           optional RoPE, then the feature map phi
     v       = sigma(W_in x) * dt * v               optional input gate, optional dt = softplus(W_dt x)
+    v_j     = v_j / j^sigma(c)                     with the count power on the values (the first study's cosine)
     o_i     = sum_{j<=i} sim(scale q_i.k_j) exp(A_{j+1} + ... + A_i) v_j / den_i
     y       = norm(sigma(W_out x) * silu(W_z x) * (o + D v)), then sigma(W_out x) * y if gated after the norm
 
@@ -54,6 +55,7 @@ OUT_GATES = ("none", "before_norm", "after_norm")
 DECAYS = ("none", "discretize", "neg_softplus", "neg_softplus_dt", "neg_softplus2", "neg_silu")
 CONV_SIZES = (0, 2, 3, 4)
 CONV_ACTIVATIONS = ("none", "silu")
+COUNT_POWER_ON = ("output", "values")
 NON_NEGATIVE_FEATURE_MAPS = ("relu", "elu1")
 
 
@@ -74,7 +76,8 @@ def check_options(options: dict, name: str) -> None:
     choices = {
         "similarity": SIMILARITIES, "feature_map": FEATURE_MAPS, "denominator": DENOMINATORS,
         "output_norm": OUTPUT_NORMS, "out_gate": OUT_GATES, "decay": DECAYS,
-        "conv_size": CONV_SIZES, "conv_activation": CONV_ACTIVATIONS, "state_dtype": STATE_DTYPES,
+        "conv_size": CONV_SIZES, "conv_activation": CONV_ACTIVATIONS, "count_power_on": COUNT_POWER_ON,
+        "state_dtype": STATE_DTYPES,
     }
     for key, valid in choices.items():
         if options[key] not in valid:
@@ -91,6 +94,11 @@ def check_options(options: dict, name: str) -> None:
             fail(f"{key} must be a number or null, got {value!r}")
     if options["qk_scale"] is not None and options["qk_scale"] <= 0:
         fail(f"qk_scale must be positive, got {options['qk_scale']!r}")
+    eps = options["output_norm_eps"]
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0):
+        fail(f"output_norm_eps must be a positive number or null (model.norm_eps), got {eps!r}")
+    if options["count_power_on"] != "output" and options["denominator"] != "count_power":
+        fail(f"count_power_on={options['count_power_on']!r} needs denominator 'count_power'")
 
     similarity, denominator = options["similarity"], options["denominator"]
     if similarity == "softmax" and denominator not in SUM_DENOMINATORS:
@@ -132,10 +140,15 @@ class AttentionFamily(Mixer):
         "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
         "qk_scale": None,  # scale of q.k; None: 1 / sqrt(head_dim)
         "clamp_scores": None,  # clamp scale * q.k from above at this value (the study uses 5)
-        "feature_map": "none",  # on q and k: none | relu | silu | elu1 (elu + 1) | l2 (cosine)
-        "denominator": "sum",  # sum | sum_clamped (>= 1) | sum_detached | count (divide by S) | count_power | none
+        # on q and k: none | relu | silu | elu1 (elu + 1) | l2 (cosine) | l2_heads (unit length across the heads)
+        "feature_map": "none",
+        # sum | sum_clamped (>= 1) | sum_detached (sg(max(sum, 1))) | sum_detached_eps (sg(sum) + 1e-4) | count (divide
+        # by S) | count_power | none
+        "denominator": "sum",
+        "count_power_on": "output",  # count_power divides the output o_i by i^σ(c) | the values v_j by j^σ(c)
         "output_norm": "none",  # none | layernorm | rmsnorm | l2
         "output_norm_per_head": True,  # norm over each head's dim, else over all heads together
+        "output_norm_eps": None,  # epsilon of the layernorm / rmsnorm; None: model.norm_eps
         "in_gate": False,  # sigmoid gate per head on the values
         "out_gate": "none",  # sigmoid gate per head on the mixed output: none | before_norm | after_norm
         "z_gate": False,  # silu(W_z x) gate on the mixed output (Mamba's z), before the norm
@@ -197,10 +210,11 @@ class AttentionFamily(Mixer):
             # divide by count ** sigmoid(logit) per head, starting at sigmoid(0.5)
             self.count_power_logit = nn.Parameter(torch.full((heads,), 0.5))
         norm_dim = self.head_dim if opts["output_norm_per_head"] else inner
+        norm_eps = config.norm_eps if opts["output_norm_eps"] is None else float(opts["output_norm_eps"])
         if opts["output_norm"] == "layernorm":
-            self.out_norm = nn.LayerNorm(norm_dim, eps=config.norm_eps)
+            self.out_norm = nn.LayerNorm(norm_dim, eps=norm_eps)
         elif opts["output_norm"] == "rmsnorm":
-            self.out_norm = RMSNorm(norm_dim, eps=config.norm_eps)
+            self.out_norm = RMSNorm(norm_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, hidden, bias=False)
         self.kernels = config.kernels
         self.kernel_gap = kernels.attention_family_gap(self.head_dim)
@@ -254,11 +268,11 @@ class AttentionFamily(Mixer):
         return y.view(shape)
 
     def _attention_kwargs(self) -> dict:
+        """The mixing's arguments; a count power on the values is applied to them before (`_count_power_values`)."""
         opts = self.options
-        count_power = torch.sigmoid(self.count_power_logit) if opts["denominator"] == "count_power" else None
-        return dict(
-            similarity=opts["similarity"], scale=self.scale, denominator=opts["denominator"], count_power=count_power,
-        )
+        denominator = mixing_denominator(opts)
+        count_power = torch.sigmoid(self.count_power_logit) if denominator == "count_power" else None
+        return dict(similarity=opts["similarity"], scale=self.scale, denominator=denominator, count_power=count_power)
 
     # ------------------------------------------------------------------ forward
 
@@ -312,6 +326,8 @@ class AttentionFamily(Mixer):
             v = v * dt[..., None].to(v.dtype)
         if opts["in_gate"]:
             v = v * torch.sigmoid(self.in_gate_proj(x))[..., None]
+        if opts["denominator"] == "count_power" and opts["count_power_on"] == "values":
+            v = count_power_values(v, positions + 1, torch.sigmoid(self.count_power_logit))
         if token_mask is not None:  # padding writes nothing and decays nothing
             k, v = k * token_mask[..., None, None], v * token_mask[..., None, None]
             if log_decay is not None:
@@ -509,10 +525,14 @@ class AttentionFamily(Mixer):
             count_power = None
             if options["denominator"] == "count_power":
                 count_power = torch.sigmoid(torch.full((q.shape[2],), 0.5, device=q.device))
+            denominator = mixing_denominator(options)
+            if denominator != options["denominator"]:  # the count power on the values
+                v = count_power_values(v, torch.arange(1, v.shape[1] + 1, device=v.device).expand(v.shape[0], -1), count_power)
+                count_power = None
             c = log_decay_cumsum(log_decay)
             return parallel_attention(
                 q, k, v, similarity=options["similarity"], scale=scale, clamp=options["clamp_scores"],
-                taylor_terms=options["taylor_terms"], denominator=options["denominator"], count_power=count_power,
+                taylor_terms=options["taylor_terms"], denominator=denominator, count_power=count_power,
                 query_log_decay=c, key_log_decay=c, out_dtype=v.dtype,
                 terms=kernels.attention_family_terms(kernel_choice, q, covered=not kernels.attention_family_gap(head_dim)),
             )
@@ -542,7 +562,7 @@ class AttentionFamily(Mixer):
     def formula(cls, options: dict) -> str:
         """One line of math for a resolved set of options."""
         o = options
-        phi = {"none": "", "relu": "relu", "silu": "silu", "elu1": "(elu+1)", "l2": "l2n"}[o["feature_map"]]
+        phi = {"none": "", "relu": "relu", "silu": "silu", "elu1": "(elu+1)", "l2": "l2n", "l2_heads": "l2n_H"}[o["feature_map"]]
         scale = "1/√d" if o["qk_scale"] is None else f"{o['qk_scale']:g}"
         s = f"{phi}(q_i)·{phi}(k_j)" if phi else "q_i·k_j"
         if o["rope"]:
@@ -558,9 +578,11 @@ class AttentionFamily(Mixer):
             sim += " e^(A_j+1..i)"
         den = {
             "sum": " / Σ_j w_ij", "sum_clamped": " / max(Σ_j w_ij, 1)", "sum_detached": " / sg(max(Σ_j w_ij, 1))",
-            "count": " / i", "count_power": " / i^σ(c)", "none": "",
-        }[o["denominator"]]
+            "sum_detached_eps": " / (sg(Σ_j w_ij) + 1e-4)", "count": " / i", "count_power": " / i^σ(c)", "none": "",
+        }[mixing_denominator(o)]
         values = "v_j"
+        if mixing_denominator(o) != o["denominator"]:
+            values = "v_j / j^σ(c)"
         if o["value_dt"]:
             values = f"dt_j {values}"
         if o["in_gate"]:
@@ -582,3 +604,17 @@ class AttentionFamily(Mixer):
 
 
 mixing_function = AttentionFamily.mixing_function
+
+
+def mixing_denominator(options: dict) -> str:
+    """The denominator the mixing itself divides by: none where the count power divides the values instead."""
+    if options["denominator"] == "count_power" and options["count_power_on"] == "values":
+        return "none"
+    return options["denominator"]
+
+
+def count_power_values(v: torch.Tensor, counts: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+    """v_j / j^power, the first study's cosine attention: v [B, T, H, Dv]; counts [B, T] (j: real tokens
+    through j, this one included); power [H]. In v's dtype."""
+    divisor = counts.float()[..., None] ** power.float()  # [B, T, H]
+    return (v.float() / divisor[..., None]).to(v.dtype)

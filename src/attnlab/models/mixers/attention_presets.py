@@ -10,44 +10,61 @@ Two generations of names:
 
 The study's plain `softmax` is the `softmax` mixer itself. Each preset lists only the options that
 differ from the family defaults.
+
+Each study name computes the function of the study's published code (`LlamaDecoderLayer.py` for the
+first study, `LlamaDecoderLayerClean.py` for the later one), as its runs were made, including what
+looks like a slip there; the norms keep the study's epsilons (`torch.nn.LayerNorm`'s 1e-5,
+`torch.nn.RMSNorm`'s default: the fp32 machine epsilon). Where the published function differs from
+what its name describes, a `<name>_clean` preset is the described function (`CLEAN`, with the
+difference stated). The later study's plain softmax rotates q and k with interleaved RoPE; attnlab's
+`softmax` rotates halves: the same function after a fixed permutation of the q and k rows
+(`attnlab.models.mixers.softmax.interleaved_rope_permutation`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from attnlab.models.mixers import register_preset
 from attnlab.models.mixers.attention_family import AttentionFamily
 
 CLAMP = 5.0  # the first study clamps scale * q.k at 5 before exp
+LAYERNORM_EPS = 1e-5  # torch.nn.LayerNorm's default, the study's layer norms
+RMSNORM_EPS = torch.finfo(torch.float32).eps  # torch.nn.RMSNorm(eps=None): fp32's machine epsilon (also for bf16 inputs)
 
 # ---------------------------------------------------------------- the first study
 
 _softmax_like = dict(similarity="softmax", clamp_scores=CLAMP)
 _exp_divs = dict(similarity="exp", clamp_scores=CLAMP, denominator="count")
-_gated = dict(_exp_divs, in_gate=True, out_gate="before_norm", output_norm="layernorm")
+_layernorm = dict(output_norm="layernorm", output_norm_eps=LAYERNORM_EPS)
+_rmsnorm = dict(output_norm="rmsnorm", output_norm_eps=RMSNORM_EPS)
+_gated = dict(_exp_divs, in_gate=True, out_gate="before_norm", **_layernorm)
 
 FIRST_STUDY = {
     "softmax_clamp_denom": dict(_softmax_like, denominator="sum_clamped"),
     "softmax_detach_denom": dict(_softmax_like, denominator="sum_detached"),
-    "softmax_detach_denom_gate": dict(_softmax_like, denominator="sum_detached", out_gate="before_norm"),
+    # the published code divides by the detached sum plus 1e-4 (no clamp at 1, unlike softmax_detach_denom)
+    "softmax_detach_denom_gate": dict(_softmax_like, denominator="sum_detached_eps", out_gate="before_norm"),
     "softmax_divs": dict(_exp_divs),
     "softmax_gate": dict(_exp_divs, denominator="none", out_gate="before_norm"),
     "softmax_divS_gate": dict(_exp_divs, out_gate="before_norm"),
     # the gate scales the rows of the attention matrix: the same function as gating the output
     "softmax_divS_gatev2": dict(_exp_divs, out_gate="before_norm"),
-    "softmax_divS_norm": dict(_exp_divs, output_norm="rmsnorm"),
-    "softmax_taylor_80terms": dict(similarity="taylor", taylor_terms=80),
+    "softmax_divS_norm": dict(_exp_divs, **_rmsnorm),
+    # the published code forms the normalised weights but multiplies the values by the un-normalised series
+    "softmax_taylor_80terms": dict(similarity="taylor", taylor_terms=80, denominator="none"),
     "gated_softmax": dict(_gated),
-    "gated_softmax_no_norm": dict(_gated, output_norm="none"),
+    "gated_softmax_no_norm": dict(_gated, output_norm="none", output_norm_eps=None),
     "gated_softmax_no_in_gate": dict(_gated, in_gate=False),
     "gated_softmax_no_out_gate": dict(_gated, out_gate="none"),
-    "gated_softmax_no_out_gate_no_norm": dict(_gated, out_gate="none", output_norm="none"),
-    "gated_softmax_no_in_gate_no_norm": dict(_gated, in_gate=False, output_norm="none"),
+    "gated_softmax_no_out_gate_no_norm": dict(_gated, out_gate="none", output_norm="none", output_norm_eps=None),
+    "gated_softmax_no_in_gate_no_norm": dict(_gated, in_gate=False, output_norm="none", output_norm_eps=None),
     "gated_relu_no_in_gate_no_norm": dict(
-        _gated, similarity="power1", feature_map="relu", in_gate=False, output_norm="none"
+        _gated, similarity="power1", feature_map="relu", in_gate=False, output_norm="none", output_norm_eps=None
     ),
-    "gated_softmax_no_gate": dict(_exp_divs, output_norm="layernorm"),
-    "gated_softmax_no_gate_rmsnorm": dict(_exp_divs, output_norm="rmsnorm"),
-    "gated_softmax_no_gate_rmsnorm_nodivS": dict(_exp_divs, denominator="none", output_norm="rmsnorm"),
+    "gated_softmax_no_gate": dict(_exp_divs, **_layernorm),
+    "gated_softmax_no_gate_rmsnorm": dict(_exp_divs, **_rmsnorm),
+    "gated_softmax_no_gate_rmsnorm_nodivS": dict(_exp_divs, denominator="none", **_rmsnorm),
     "gated_softmax_no_gate_L2norm_nodivS": dict(_exp_divs, denominator="none", output_norm="l2"),
     "gated_softmax_no_gate_L2norm_nodivS_noclamp": dict(
         similarity="exp", denominator="none", output_norm="l2"
@@ -64,15 +81,37 @@ FIRST_STUDY = {
     "gated_softmax_no_gate_no_norm": dict(_exp_divs),
     "linear_elu": dict(similarity="power1", feature_map="elu1"),
     "linear_relu": dict(similarity="power1", feature_map="relu"),
-    # cosine features, no scale, values divided by S ** sigmoid(c) with c learned per head
-    "linear_cosine": dict(similarity="power1", feature_map="l2", qk_scale=1.0, denominator="count_power"),
+    # cosine features, no scale, each value v_j divided by j ** sigmoid(c) with c learned per head; the
+    # published code normalises q and k with F.normalize's default dim, which on [B, H, T, D] is the heads axis
+    "linear_cosine": dict(
+        similarity="power1", feature_map="l2_heads", qk_scale=1.0, denominator="count_power", count_power_on="values"
+    ),
+}
+
+# the functions the first study's names describe, where its published code computes another (see FIRST_STUDY)
+CLEAN = {
+    "softmax_detach_denom_gate_clean": (
+        dict(_softmax_like, denominator="sum_detached", out_gate="before_norm"),
+        "clean `softmax_detach_denom_gate`: divides by sg(max(Σw, 1)) as `softmax_detach_denom` does, "
+        "where the published code divides by sg(Σw) + 1e-4",
+    ),
+    "softmax_taylor_80terms_clean": (
+        dict(similarity="taylor", taylor_terms=80),
+        "clean `softmax_taylor_80terms`: the series normalised by its row sum (softmax with a truncated exp), "
+        "where the published code returns the un-normalised series",
+    ),
+    "linear_cosine_clean": (
+        dict(similarity="power1", feature_map="l2", qk_scale=1.0, denominator="count_power"),
+        "clean `linear_cosine`: q and k unit length over each head's dim and the output row i divided by i^σ(c), "
+        "where the published code normalises across the heads and divides each value v_j by j^σ(c)",
+    ),
 }
 
 # ---------------------------------------------------------------- the later study
 
 _later = dict(rope=False)
 _linear = dict(_later, similarity="power1")
-_output_norm = dict(_linear, denominator="none", output_norm="rmsnorm", output_norm_per_head=False)
+_output_norm = dict(_linear, denominator="none", output_norm_per_head=False, **_rmsnorm)
 _softplus_conv2 = dict(_output_norm, decay="neg_softplus", conv_size=2)
 _softplus_conv2_dt = dict(_softplus_conv2, value_dt=True)
 _sm_norm_softplus_conv2 = dict(_later, denominator="sum", decay="neg_softplus", conv_size=2)
@@ -124,7 +163,17 @@ ALIASES = {
     "2mamba-e": "exp__sm_norm__A_mask_type_neg_softplus__in_conv_k_2",
 }
 
-for _name, _options in {**FIRST_STUDY, **LATER_STUDY}.items():
-    register_preset(_name, AttentionFamily, _options)
+PUBLISHED = "published code"
+for _name, _options in FIRST_STUDY.items():
+    register_preset(_name, AttentionFamily, _options, note=PUBLISHED)
+for _name, (_options, _note) in CLEAN.items():
+    register_preset(_name, AttentionFamily, _options, note=_note)
+# where the published function and attnlab's differ on inputs of measure > 0, stated beside the preset
+NOTES = {
+    "linear": f"{PUBLISHED}, except where relu(q_i) · relu(k_j) = 0 for every j <= i: the study returns the unweighted "
+              "sum of the values there, attnlab 0",
+}
+for _name, _options in LATER_STUDY.items():
+    register_preset(_name, AttentionFamily, _options, note=NOTES.get(_name, PUBLISHED))
 for _alias, _target in ALIASES.items():
-    register_preset(_alias, AttentionFamily, LATER_STUDY[_target])
+    register_preset(_alias, AttentionFamily, LATER_STUDY[_target], note=f"{PUBLISHED} (`{_target}`)")

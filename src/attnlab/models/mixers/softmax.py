@@ -31,6 +31,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated_half * sin).to(x.dtype)
 
 
+def interleaved_rope_permutation(head_dim: int) -> torch.Tensor:
+    """The order of a head's channels that turns interleaved RoPE into attnlab's rotate-half RoPE.
+
+    Interleaved RoPE (`rotary_embedding_torch`, the later 2Mamba study's softmax) rotates the pairs
+    (2i, 2i + 1) by position * inv_freq_i; rotate-half rotates (i, i + D/2) by the same angle. So for
+    x of one head, rotate_half_rope(x[perm]) = interleaved_rope(x)[perm] with perm = [0, 2, 4, ..., 1,
+    3, 5, ...], and since q.k is unchanged when q and k are permuted alike, a model with interleaved
+    RoPE computes the same function as attnlab's with the rows of each head of W_q and W_k in this
+    order (`permute_heads_rows`). Returns perm [head_dim] (long)."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
+    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+
+def permute_heads_rows(weight: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Tensor:
+    """The rows of a projection's weight (or bias) [heads * head_dim, ...] in the order `perm` within each head."""
+    heads = weight.shape[0] // head_dim
+    rows = (torch.arange(heads)[:, None] * head_dim + perm[None, :]).flatten()
+    return weight[rows.to(weight.device)]
+
+
 def static_kv_state(state: dict, capacity: int) -> dict:
     """A dynamic KV cache ({"key", "value": [B, T, Hkv, D], "mask": [B, T] or None}) copied into
     buffers of `capacity` columns (see `SoftmaxAttention.static_state`)."""

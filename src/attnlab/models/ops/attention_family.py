@@ -8,8 +8,8 @@ For one head, query i attends to keys j <= i with weights
 
 sim: exp (softmax-like), power1 (s), power2 (s^2) or taylor (the first N terms of the series of exp).
 den: sum_j w_ij ("sum"), that clamped to >= 1 ("sum_clamped"), the same without gradient
-("sum_detached"), the number of attended tokens ("count"), that to a learned power per head
-("count_power"), or 1 ("none").
+("sum_detached"), the sum without gradient plus 1e-4 ("sum_detached_eps"), the number of attended
+tokens ("count"), that to a learned power per head ("count_power"), or 1 ("none").
 
 power1 and power2 are dot products of feature maps, phi(x) = x and phi(x) = x (x) x (size d^2),
 so without a clamp they also have a recurrent form with a fixed-size state per head:
@@ -32,15 +32,19 @@ import torch
 import torch.nn.functional as F
 
 SIMILARITIES = ("softmax", "exp", "power1", "power2", "taylor")
-FEATURE_MAPS = ("none", "relu", "silu", "elu1", "l2")
-DENOMINATORS = ("sum", "sum_clamped", "sum_detached", "count", "count_power", "none")
-SUM_DENOMINATORS = ("sum", "sum_clamped", "sum_detached")
+FEATURE_MAPS = ("none", "relu", "silu", "elu1", "l2", "l2_heads")
+DENOMINATORS = ("sum", "sum_clamped", "sum_detached", "sum_detached_eps", "count", "count_power", "none")
+SUM_DENOMINATORS = ("sum", "sum_clamped", "sum_detached", "sum_detached_eps")
+DETACHED_EPS = 1e-4  # what "sum_detached_eps" adds to the detached sum (the first study's softmax_detach_denom_gate)
 EXP_SIMILARITIES = ("softmax", "exp")
 LINEAR_SIMILARITIES = ("power1", "power2")
 
 
 def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
-    """The feature map applied to q and k before their dot product."""
+    """The feature map applied to q and k [..., heads, dim] before their dot product. "l2" scales
+    each head's vector to unit length; "l2_heads" scales, for each channel of the head dim, the
+    vector across the heads to unit length (what the first study's `F.normalize` does with its
+    default dim on [batch, heads, time, dim])."""
     if name == "none":
         return x
     if name == "relu":
@@ -51,6 +55,8 @@ def apply_feature_map(x: torch.Tensor, name: str) -> torch.Tensor:
         return F.elu(x) + 1
     if name == "l2":
         return F.normalize(x, dim=-1)
+    if name == "l2_heads":
+        return F.normalize(x, dim=-2)
     raise ValueError(f"unknown feature map {name!r}; choose one of {FEATURE_MAPS}")
 
 
@@ -140,6 +146,8 @@ def _finish_denominator(den, denominator: str, count_power: torch.Tensor | None)
         return den.clamp(min=1)
     if denominator == "sum_detached":
         return den.clamp(min=1).detach()
+    if denominator == "sum_detached_eps":
+        return den.detach() + DETACHED_EPS
     if denominator == "count":
         return den
     if denominator == "count_power":  # count_power: [H], den: [B, H, T, 1]
