@@ -8,6 +8,7 @@ functions the names describe where the published code computes another; they are
 the clean formula, and the README table states what they change.
 """
 
+import json
 import math
 
 import pytest
@@ -384,6 +385,26 @@ def test_study_norms_keep_the_study_epsilons():
     for name in ("softmax_divS_norm", "gated_softmax_no_gate_rmsnorm", "linear__output_norm", "linear__output_norm__D_res"):
         assert out_norm(name).eps == FP32_EPS
     assert out_norm("gated_softmax", output_norm_eps=None).eps == 1e-3
+
+
+def test_a_model_saved_before_the_published_functions_keeps_its_function(tmp_path):
+    """A saved config holds every option; one written before `count_power_on` and `output_norm_eps` existed
+    lacks them and reloads as the function it was trained with (the clean one), not the preset's new default."""
+    from attnlab.models import AttnLabForCausalLM
+
+    for name, clean in (("linear_cosine", "linear_cosine_clean"), ("gated_softmax", None)):
+        torch.manual_seed(0)
+        model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=HIDDEN, num_layers=1, num_heads=HEADS,
+                                                 mixer=name, mixer_options=MIXERS[clean or name].preset_options))
+        model.save_pretrained(tmp_path / name)
+        config_file = tmp_path / name / "config.json"
+        saved = json.loads(config_file.read_text())
+        for key in AttentionFamily.added_options:
+            del saved["mixer_options"][key]
+        config_file.write_text(json.dumps(saved))
+        options = AttnLabForCausalLM.from_pretrained(tmp_path / name).config.mixer_options
+        assert options["count_power_on"] == "output" and options["output_norm_eps"] is None
+    assert MIXERS["linear_cosine"].resolve_options({"feature_map": "l2"})["count_power_on"] == "values"
 
 
 def test_linear_cosine_step_form_divides_each_value_by_its_own_count():

@@ -164,8 +164,17 @@ class AttentionFamily(Mixer):
         "state_dtype": "float32",
     }
 
+    # options added after models were saved with every option resolved (their config.json): such a
+    # config lacks them, and they take the family defaults, the function those models were trained with,
+    # not a preset's newer default
+    added_options = ("count_power_on", "output_norm_eps")
+
     @classmethod
     def resolve_options(cls, options):
+        options = dict(options or {})
+        earlier = set(AttentionFamily.default_options) - set(cls.added_options)
+        if earlier <= set(options):  # a full set of options, as a saved model's config holds them
+            options = {**{key: AttentionFamily.default_options[key] for key in cls.added_options}, **options}
         resolved = super().resolve_options(options)
         check_options(resolved, cls.name)
         return resolved
