@@ -531,7 +531,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     stopper.install()
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        if stopper.stopped_at is not None:
+        if stopper.stopped_at is not None and trainer.state.global_step < trainer.state.max_steps:  # at the end: just finish
             status = "interrupted"
             saved = checkpoints.newest()
             raise RunInterrupted(
