@@ -234,11 +234,18 @@ def _last_step(run: Path) -> int:
 
 
 def _wait_for_step(proc, run: Path, step: int, timeout: float = 240) -> bool:
+    """Wait until `proc` itself has logged `step` (a heartbeat written since it started: the rows a killed
+    process left past its checkpoint do not count); False if it ended first."""
+    launched = time.time_ns()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if _last_step(run) >= step:
+        try:
+            fresh = (run / "heartbeat.jsonl").stat().st_mtime_ns > launched
+        except OSError:
+            fresh = False
+        if fresh and _last_step(run) >= step:
             return True
         time.sleep(0.02)
     raise AssertionError(f"no heartbeat past step {step} within {timeout} s")
@@ -297,13 +304,13 @@ def test_random_sigkills_resume_to_the_uninterrupted_runs_final_loss(tmp_path, o
     writes included; each kill is followed by a resume, and the run ends as the uninterrupted one did."""
     kills = int(os.environ.get("ATTNLAB_TEST_KILLS", "5"))
     rng = random.Random(1000 + kills)
-    args = _exact_overrides(overrides, max_steps=12 * kills, save_every=3)
+    args = _exact_overrides(overrides, max_steps=6 * kills + 6, save_every=3)  # each segment advances < 6 steps
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert run_cli("train", *sets(args), "--run-dir", str(full)) == 0
 
     script = tmp_path / "slow.py"
-    script.write_text(SLOW_STEPS.format(delay=0.1))
-    killed = 0
+    script.write_text(SLOW_STEPS.format(delay=0.1))  # steps of > 0.1 s: a kill lands in a checkpoint write, a step or a heartbeat
+    killed, kill_steps = 0, []
     for _ in range(kills):
         newest = CheckpointManager(cut).newest()
         if newest is None:
@@ -311,13 +318,13 @@ def test_random_sigkills_resume_to_the_uninterrupted_runs_final_loss(tmp_path, o
         start = int(newest.name.split("-")[1]) if newest is not None else 0
         cmd = [sys.executable, str(script), *(["--resume"] if newest is not None else sets(args)), "--run-dir", str(cut)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        training = _wait_for_step(proc, cut, start + 1)
-        if training:
-            time.sleep(rng.uniform(0.0, 1.0))
+        assert _wait_for_step(proc, cut, start + rng.randint(1, 5)), proc.communicate()[1][-3000:]
+        time.sleep(rng.uniform(0.0, 0.15))  # a random moment of the next step: compute, heartbeat or checkpoint write
         proc.kill()
         err = proc.communicate()[1]
         assert proc.returncode == -signal.SIGKILL, err[-3000:]
         killed += 1
+        kill_steps.append(_last_step(cut))
     assert killed == kills
     if CheckpointManager(cut).newest() is None:
         shutil.rmtree(cut)
@@ -325,7 +332,7 @@ def test_random_sigkills_resume_to_the_uninterrupted_runs_final_loss(tmp_path, o
     else:
         assert run_cli("train", "--resume", "--run-dir", str(cut)) == 0
     _assert_same_run(cut, full)
-    print(f"{kills} SIGKILLs: resumed to final loss {_losses(cut)[-1]:.7f} (uninterrupted {_losses(full)[-1]:.7f})")
+    print(f"{kills} SIGKILLs after steps {kill_steps}: resumed to final loss {_losses(cut)[-1]:.7f} (uninterrupted {_losses(full)[-1]:.7f})")
 
 
 # --- progress off a terminal -------------------------------------------------------------------------
