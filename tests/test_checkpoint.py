@@ -13,6 +13,8 @@ def _stage(manager: CheckpointManager, step: int, payload: bytes = b"weights") -
     staged.mkdir(parents=True)
     (staged / "model.safetensors").write_bytes(payload * 100)
     (staged / "trainer_state.json").write_text('{"global_step": %d}' % step)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):  # what a resume restores
+        (staged / name).write_bytes(b"state")
     return staged
 
 

@@ -60,6 +60,8 @@ def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[Path],
 
 
 def _print_report(report) -> None:
+    for note in getattr(report, "notes", []):
+        console.print(f"preflight [cyan]note   [/cyan] {escape(note)}", soft_wrap=True, highlight=False)
     if not report.problems:
         console.print("[green]preflight: no problems found[/green]")
         return
@@ -82,17 +84,49 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest complete checkpoint. Refuses if there is none."),
 ):
     """Train a language model. With no argument: the built-in default on CPU."""
+    from attnlab.launch import rank, world_size
+    from attnlab.train.rundir import RunLock
+
+    lock = None
+    if run_dir is not None and rank() == 0:
+        lock = RunLock(run_dir).acquire()  # one process per run directory; a second one is refused here, naming the holder
+    try:
+        cfg = _load(config, set_, run_dir, resume)
+        if run_dir is None:
+            if world_size() > 1:
+                raise PreflightError("under torchrun, pass --run-dir: every process must write to the same run")
+            run_dir = Path("runs") / f"{cfg.model.mixer}-{time.strftime('%Y%m%d-%H%M%S')}"
+            if rank() == 0:
+                lock = RunLock(run_dir).acquire()
+        result = _train(cfg, run_dir, resume)
+    finally:
+        if lock is not None:
+            lock.release()
+    summary = Table(title="run finished", show_header=False)
+    summary.add_row("steps", str(result.steps))
+    if result.parameters is not None:
+        summary.add_row("parameters", f"{result.parameters:,}")
+    if result.segment_wall_s is not None and abs(result.segment_wall_s - result.wall_s) > 0.05:
+        summary.add_row("wall time", f"{result.wall_s:.1f} s in all ({result.segment_wall_s:.1f} s in this segment)")
+    else:
+        summary.add_row("wall time", f"{result.wall_s:.1f} s")
+    if result.val_loss is not None:
+        summary.add_row("validation loss", f"{result.val_loss:.4f} nats/token")
+        summary.add_row("validation bits per byte", f"{result.val_bpb:.3f}")
+    summary.add_row("final model", str(run_dir / "final"))
+    summary.add_row("run directory", str(run_dir))
+    console.print(summary)
+    if result.sample:
+        console.print(Panel(cfg.train.sample_prompt + result.sample, title="sample continuation", expand=False), highlight=False)
+
+
+def _train(cfg, run_dir: Path, resume: bool):
+    """Preflight, then training, in a run directory this process holds."""
     from attnlab.config import config_to_yaml
     from attnlab.config.preflight import run_preflight
+    from attnlab.launch import rank, world_size
     from attnlab.train import run_training
 
-    from attnlab.launch import rank, world_size
-
-    cfg = _load(config, set_, run_dir, resume)
-    if run_dir is None:
-        if world_size() > 1:
-            raise PreflightError("under torchrun, pass --run-dir: every process must write to the same run")
-        run_dir = Path("runs") / f"{cfg.model.mixer}-{time.strftime('%Y%m%d-%H%M%S')}"
     console.quiet = rank() != 0  # one voice under torchrun
     console.print(Panel(Syntax(config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
     report = run_preflight(cfg, run_dir, resume, check_run_dir=rank() == 0, console=console)
@@ -108,23 +142,12 @@ def train(
         console.print(f"resuming from [bold]{report.resume_from}[/bold]")
     console.print(f"run directory: [bold]{run_dir}[/bold]" + (f" ({world_size()} processes)" if world_size() > 1 else ""))
     try:
-        result = run_training(cfg, run_dir, report, console)
+        return run_training(cfg, run_dir, report, console)
     finally:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    summary = Table(title="run finished", show_header=False)
-    summary.add_row("steps", str(result.steps))
-    summary.add_row("wall time", f"{result.wall_s:.1f} s")
-    if result.val_loss is not None:
-        summary.add_row("validation loss", f"{result.val_loss:.4f} nats/token")
-        summary.add_row("validation bits per byte", f"{result.val_bpb:.3f}")
-    summary.add_row("final model", str(run_dir / "final"))
-    summary.add_row("run directory", str(run_dir))
-    console.print(summary)
-    if result.sample:
-        console.print(Panel(cfg.train.sample_prompt + result.sample, title="sample continuation", expand=False), highlight=False)
 
 
 @app.command()
@@ -596,7 +619,7 @@ def main() -> None:
         app()
     except AttnLabError as e:
         err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        sys.exit(getattr(e, "exit_code", 1))
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted.[/yellow] Continue with: attnlab train --resume --run-dir RUN")
         sys.exit(130)

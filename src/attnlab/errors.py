@@ -21,6 +21,18 @@ class CheckpointError(AttnLabError):
     """A checkpoint is missing, incomplete or corrupted, or a resume is not possible."""
 
 
+class RunDirError(AttnLabError):
+    """A run directory cannot be used: held by another process, not writable, not a directory, or its files damaged."""
+
+
+class RunInterrupted(AttnLabError):
+    """SIGINT or SIGTERM stopped a run after it saved a checkpoint; `exit_code` is the signal's shell status."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class PreflightError(AttnLabError):
     """Preflight found one or more errors; the run was not started."""
 

@@ -16,7 +16,8 @@ from attnlab.errors import CheckpointError
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    """The directory (or GGUF file) that holds the weights `path` refers to."""
+    """The directory (or GGUF file) that holds the weights `path` refers to, verified against its manifest
+    when it has one (attnlab checkpoints and final models): damaged weights are refused, never loaded."""
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"model not found: {p}. Pass a run directory, a checkpoint, an HF model directory or a .gguf file.")
@@ -25,17 +26,38 @@ def resolve_model_dir(path: str | Path) -> Path:
             return p
         raise CheckpointError(f"{p} is a file but not a .gguf model; pass a model directory or a .gguf file")
     if (p / "config.json").is_file() or (p / "attnlab_adapter.json").is_file():  # a model, or an adapter directory
-        return p
+        return verified_model_dir(p)
     if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():  # a run directory
         if (p / "final" / "config.json").is_file() or (p / "final" / "attnlab_adapter.json").is_file():
-            return p / "final"
+            return verified_model_dir(p / "final")
         from attnlab.train.checkpoint import CheckpointManager
 
         newest = CheckpointManager(p).newest()
         if newest is None:
             raise CheckpointError(f"run {p} has neither a final model nor a complete checkpoint yet")
-        return newest
+        return verified_model_dir(newest)
     raise CheckpointError(f"{p} holds no model: expected config.json (a model or checkpoint directory) or a run directory")
+
+
+def verified_model_dir(directory: Path) -> Path:
+    """`directory`, after checking every file its attnlab manifest lists (size and SHA-256). A directory
+    without a manifest (an HF model, an adapter) is returned as it is. A damaged checkpoint of a run is
+    refused naming the newest intact checkpoint of that run."""
+    from attnlab.train.checkpoint import MANIFEST, STEP_DIR, CheckpointManager, verify_checkpoint
+
+    if not (directory / MANIFEST).is_file():
+        return directory
+    try:
+        verify_checkpoint(directory)
+    except CheckpointError as e:
+        hint = ""
+        if STEP_DIR.match(directory.name) and directory.parent.name == "checkpoints":
+            hint = " " + CheckpointManager(directory.parent.parent).last_good_note(directory)
+        elif directory.name == "final":
+            good = CheckpointManager(directory.parent).last_good()
+            hint = f" The newest intact checkpoint of this run is {good}: load it instead." if good else ""
+        raise CheckpointError(f"refusing to load damaged weights: {e}{hint}") from None
+    return directory
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):

@@ -40,6 +40,7 @@ class PreflightReport:
     model_config: Any = None
     resume_from: Path | None = None
     init_from: tuple[str, str] | None = None  # (kind, model directory) of train.init_from: 'attnlab' or 'hf'
+    notes: list[str] = field(default_factory=list)  # facts worth knowing that are not problems (e.g. the LR on resume)
 
     @property
     def errors(self) -> list[Problem]:
@@ -91,6 +92,9 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: P
             report.error("--run-dir", "--resume needs --run-dir pointing at the run to continue")
         return
     saved = run_dir / "config.yaml"
+    if run_dir.exists() and not run_dir.is_dir():
+        report.error("--run-dir", f"{run_dir} is a file, not a directory. Pass a directory (new, or holding the run to resume).")
+        return
     if not resume:
         if saved.exists() or (run_dir / "checkpoints").exists():
             report.error("--run-dir", f"{run_dir} already holds a run. Continue it with --resume, or choose another --run-dir.")
@@ -110,14 +114,62 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: P
             "the config differs from the run's saved config in fields that change the model or the data: "
             + "; ".join(changed) + f". Resume with the saved config ({saved}), or start a new run in another --run-dir.",
         )
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.is_dir() and not latest.is_symlink():
+        newest = CheckpointManager(run_dir).newest()
+        fix = f"rm -r {latest} && ln -s {newest.name} {latest}" if newest is not None else f"rm -r {latest}"
+        report.error("--resume", f"{latest} is a directory, not a link to the newest checkpoint (was the run copied with "
+                     f"cp -rL?). A resume would have to replace it; do it yourself: {fix}")
+        return
+    from attnlab.train.telemetry import check_telemetry
+
+    try:
+        check_telemetry(run_dir)
+    except AttnLabError as e:
+        report.error("--resume", str(e))
     try:
         report.resume_from = CheckpointManager(run_dir).resume_point()
     except AttnLabError as e:
         report.error("--resume", str(e))
         return
+    own = _checkpoint_config(report.resume_from, report)
+    if own is not None:
+        changed = diff_configs(own, cfg, RESUME_LOCKED)
+        if changed:
+            report.error(
+                "--resume",
+                f"the checkpoint {report.resume_from} was written by a run with another model or data stream: "
+                + "; ".join(changed) + f". Resume with the config it was trained with ({report.resume_from / CHECKPOINT_CONFIG}), "
+                "or start a new run in another --run-dir.",
+            )
     done = int(report.resume_from.name.split("-")[1])
     if done >= cfg.train.max_steps and (run_dir / "final").exists():
         report.error("train.max_steps", f"the run already reached step {done} (max_steps={cfg.train.max_steps}). To train further, resume with --set train.max_steps=N, N > {done}.")
+        return
+    if done < cfg.train.max_steps:
+        from attnlab.train.schedule import resume_lr_note
+
+        try:
+            note = resume_lr_note((own or old).train, cfg.train, done)
+        except (ValueError, TypeError) as e:
+            note = f"the learning rate at the resume step cannot be computed ({e})"
+        if note:
+            report.notes.append(note)
+
+
+CHECKPOINT_CONFIG = "run_config.yaml"  # the config a checkpoint was written with (train/loop.py writes it)
+
+
+def _checkpoint_config(checkpoint: Path, report: PreflightReport) -> RunConfig | None:
+    """The config a checkpoint was written with; None for a checkpoint that does not record one."""
+    path = checkpoint / CHECKPOINT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except AttnLabError as e:
+        report.error("--resume", f"the config recorded in {path} cannot be read: {e}")
+        return None
 
 
 def _check_world_size(cfg: RunConfig, report: PreflightReport) -> None:

@@ -62,7 +62,8 @@ class TrainSection(Section):
     beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1")
     beta2: float = Field(0.95, gt=0, lt=1, description="AdamW beta2")
     warmup_steps: int = Field(50, ge=0, description="linear warmup steps")
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup (cosine ends at 10% of lr)")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="decay after warmup: cosine (ends at 10% of lr), linear (to 0), constant, or wsd (warmup-stable-decay: lr until the last decay_fraction of the steps, then linearly to 0; extends cleanly when a run is resumed with more steps)")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="train.schedule=wsd: share of max_steps spent in the final decay")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 = off")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 on CUDA, fp32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when visible")
@@ -74,6 +75,7 @@ class TrainSection(Section):
     save_every: int = Field(200, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")
     keep_last: int = Field(3, gt=0, description="checkpoints kept")
     log_every: int = Field(10, gt=0, description="heartbeat / metrics / TensorBoard every N steps")
+    progress_every_s: float = Field(30.0, ge=0, description="when the output is not a terminal (nohup, tmux logs, job logs): a plain progress line every N seconds instead of the bar; 0 = every step")
     sample_prompt: str = Field("ROMEO:\n", description="prompt of the sample generated at each validation")
     sample_tokens: int = Field(160, ge=0, description="tokens sampled at each validation; 0 = no samples")
     profile: Literal["default", "production"] = Field("default", description="'production' turns preflight warnings about precision and memory into errors")
@@ -84,6 +86,14 @@ class TrainSection(Section):
     def _warmup_fits(self) -> "TrainSection":
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) is larger than max_steps ({self.max_steps})")
+        return self
+
+    @model_validator(mode="after")
+    def _wsd_fits(self) -> "TrainSection":
+        decay = max(1, round(self.decay_fraction * self.max_steps))
+        if self.schedule == "wsd" and self.warmup_steps + decay > self.max_steps:
+            raise ValueError(f"train.schedule=wsd: train.warmup_steps ({self.warmup_steps}) plus the decay "
+                             f"(train.decay_fraction {self.decay_fraction:g} of {self.max_steps} steps = {decay}) exceed train.max_steps")
         return self
 
 

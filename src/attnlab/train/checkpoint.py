@@ -8,6 +8,7 @@ leaves the previous checkpoints untouched; a half-written staging directory is n
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -62,24 +63,37 @@ def write_manifest(directory: Path, step: int) -> None:
     tmp.replace(directory / MANIFEST)
 
 
-def verify_checkpoint(directory: Path) -> int:
-    """Check every file against the manifest; return the step. Raises CheckpointError naming the damage."""
+def verify_checkpoint(directory: Path, require: tuple[str, ...] = ()) -> int:
+    """Check every file against the manifest; return the step. Raises CheckpointError naming the damage.
+
+    `require`: file names (glob patterns) the manifest must list, e.g. what a resume restores. A checkpoint
+    whose manifest was rewritten without one of them is refused rather than resumed without it."""
+    directory = Path(directory)
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it is incomplete. Delete it to resume from the previous checkpoint.")
     try:
         manifest = json.loads(manifest_path.read_text())
         files, step = manifest["files"], int(manifest["step"])
-    except (ValueError, KeyError, TypeError):
+        sizes = {rel: int(meta["bytes"]) for rel, meta in files.items()}
+        sums = {rel: str(meta["sha256"]) for rel, meta in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"checkpoint {directory} has an unreadable manifest. Delete the directory to resume from the previous checkpoint.") from None
-    for rel, meta in files.items():
+    for pattern in require:
+        if not any(fnmatch.fnmatch(rel, pattern) for rel in files):
+            raise CheckpointError(
+                f"checkpoint {directory} holds no {pattern}: resuming from it would restart "
+                f"{_WHAT_IT_HOLDS.get(pattern, 'part of the training state')} from scratch and silently leave the run's trajectory. "
+                f"Delete {directory} to resume from the previous checkpoint, or restore the file."
+            )
+    for rel in files:
         p = directory / rel
         problem = None
         if not p.is_file():
             problem = "is missing"
-        elif p.stat().st_size != meta["bytes"]:
-            problem = f"has {p.stat().st_size} bytes, expected {meta['bytes']} (truncated or overwritten)"
-        elif _sha256(p) != meta["sha256"]:
+        elif p.stat().st_size != sizes[rel]:
+            problem = f"has {p.stat().st_size} bytes, expected {sizes[rel]} (truncated or overwritten)"
+        elif _sha256(p) != sums[rel]:
             problem = "does not match its checksum (corrupted)"
         if problem:
             raise CheckpointError(
@@ -87,6 +101,11 @@ def verify_checkpoint(directory: Path) -> int:
                 f"Delete {directory} to resume from the previous checkpoint, or restore the file."
             )
     return step
+
+
+_WHAT_IT_HOLDS = {"optimizer.pt": "the optimizer (AdamW moments)", "scheduler.pt": "the learning-rate schedule",
+                  "rng_state*.pth": "the random number generators", "trainer_state.json": "the step counter",
+                  "model.safetensors": "the weights"}
 
 
 class CheckpointManager:
@@ -157,16 +176,93 @@ class CheckpointManager:
         except (OSError, ValueError, AttributeError):
             return None
 
-    def resume_point(self) -> Path:
-        """The newest complete checkpoint, verified; CheckpointError if there is none or it is damaged."""
+    def resume_point(self, require: tuple[str, ...] | None = None) -> Path:
+        """The newest complete checkpoint, verified against its manifest and holding everything a resume restores;
+        CheckpointError (naming the newest intact one, if any) when there is none or it is damaged."""
         newest = self.newest()
         if newest is None:
             raise CheckpointError(
                 f"nothing to resume: {self.root} holds no complete checkpoint. "
                 "Start a new run without --resume (or point --run-dir at the run you meant)."
             )
-        verify_checkpoint(newest)
+        try:
+            verify_checkpoint(newest, require=RESUME_FILES if require is None else require)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} {self.last_good_note(newest)}") from None
         return newest
+
+    def last_good(self, before: Path | None = None) -> Path | None:
+        """The newest checkpoint older than `before` (all of them without it) that passes its manifest."""
+        for _, path in reversed(self.checkpoints()):
+            if before is not None and path.name >= before.name:
+                continue
+            try:
+                verify_checkpoint(path)
+                return path
+            except CheckpointError:
+                continue
+        return None
+
+    def last_good_note(self, damaged: Path) -> str:
+        good = self.last_good(before=damaged)
+        if good is None:
+            return "No older intact checkpoint remains in this run."
+        return f"The newest intact checkpoint is {good}: delete {damaged} to resume (or load) from it."
+
+
+# What a resume restores, beyond the manifest's own check: without these a run would continue with a fresh
+# optimizer or schedule, or another random stream, and leave the trajectory without a word.
+RESUME_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state*.pth")
+UNSAFE_PICKLE = "the file is not a plain tensor file (its pickle asks to run code, or it is damaged)"
+
+
+def torch_load_checked(path: Path, **kwargs):
+    """torch.load with weights_only; a file that is not plain tensors (a malicious or damaged pickle) is a CheckpointError."""
+    import pickle
+
+    import torch
+    from transformers.trainer_pt_utils import safe_globals  # the numpy types an RNG state holds, and nothing else
+
+    try:
+        with safe_globals():
+            return torch.load(path, weights_only=True, **kwargs)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} was refused: {UNSAFE_PICKLE} ({first}). attnlab loads only tensors; "
+                              "restore the file from the run that wrote it, or resume from an older checkpoint.") from None
+
+
+def load_model_state(model, checkpoint: Path) -> None:
+    """Load a checkpoint's model.safetensors into a model of one process, strictly: every tensor the model has
+    must be in the file (a tied LM head is given the embedding it shares), and of the same shape.
+    A checkpoint of another model is a CheckpointError listing what differs, never a raw load_state_dict error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint) / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint} has no {MODEL_FILE}. Resume from a checkpoint written by attnlab train.")
+    try:
+        saved = load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({e}). Resume from an older checkpoint.") from None
+    local = model.state_dict(keep_vars=True)
+    for key, tensor in local.items():
+        if key not in saved:
+            twin = next((k for k, t in local.items() if t is tensor and k in saved), None)
+            if twin is not None:
+                saved[key] = saved[twin]
+    missing = [k for k in local if k not in saved]
+    unexpected = [k for k in saved if k not in local]
+    shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint, {tuple(local[k].shape)} in this model"
+              for k in local if k in saved and tuple(saved[k].shape) != tuple(local[k].shape)]
+    if missing or unexpected or shapes:
+        parts = ([f"differently shaped: {'; '.join(shapes[:4])}" + (" ..." if len(shapes) > 4 else "")] if shapes else []) + \
+                ([f"missing: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")] if missing else []) + \
+                ([f"not in this model: {', '.join(unexpected[:6])}" + (" ..." if len(unexpected) > 6 else "")] if unexpected else [])
+        raise CheckpointError(f"{path} was written for another model ({'; '.join(parts)}). "
+                              "Resume with the config the run was trained with (its checkpoint's run_config.yaml).")
+    model.load_state_dict(saved, strict=True)
 
 
 # Sharded (FSDP) training state <-> the files one process writes. A checkpoint written under FSDP holds
@@ -198,14 +294,13 @@ def full_optimizer_state(model, optimizer) -> dict | None:
 def load_full_optimizer_state(model, optimizer, checkpoint: Path) -> None:
     """Load a checkpoint's optimizer.pt (written by one process, DDP or FSDP) into the optimizer of a
     sharded model: every rank reads the file and keeps its shard."""
-    import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
     path = Path(checkpoint) / OPTIMIZER_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint} has no {OPTIMIZER_FILE}: its optimizer state cannot be resumed. "
                               "Resume from a checkpoint written by attnlab train.")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = torch_load_checked(path, map_location="cpu")
     # The parameter names in the optimizer's own order: the order in which one process numbers them.
     names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
     positions = [i for group in saved["param_groups"] for i in group["params"]]

@@ -12,6 +12,8 @@ import math
 import os
 import platform
 import shutil
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,13 +29,17 @@ import attnlab
 from attnlab.config import RunConfig, config_to_yaml, save_config
 from attnlab.config.preflight import PreflightReport
 from attnlab.data.blocks import DATA_STATE
-from attnlab.errors import TrainingDivergedError
+from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
 from attnlab.launch import rank, world_size
 
-from .checkpoint import OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state
+from .checkpoint import (
+    OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
+    torch_load_checked, write_manifest,
+)
 from .graphs import CapturedLoss, graph_blocker
 from .sampling import sample_continuation
-from .telemetry import RunLogger, Throughput
+from .schedule import scheduler_spec
+from .telemetry import RunLogger, Throughput, read_jsonl
 
 LN2 = math.log(2.0)
 SCHEDULER_FILE = "scheduler.pt"  # transformers.Trainer's name for it
@@ -47,6 +53,8 @@ class TrainResult:
     val_loss: float | None
     val_bpb: float | None
     sample: str | None
+    segment_wall_s: float | None = None  # this process's part of wall_s (which counts every segment of a resumed run)
+    parameters: int | None = None
 
 
 class AttnLabTrainer(Trainer):
@@ -111,18 +119,34 @@ class AttnLabTrainer(Trainer):
     def _save_checkpoint(self, model, trial):
         # args.output_dir is the staging directory; every rank writes its part (rank 0 the weights and
         # optimizer, each rank its RNG state), then rank 0 alone publishes the complete checkpoint.
-        if self.is_world_process_zero():
-            self.checkpoints.clear_staging()
-        self.accelerator.wait_for_everyone()
-        super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()
-        if self.is_world_process_zero():
-            step = self.state.global_step
-            staged = self.checkpoints.staging / f"checkpoint-{step}"
-            extra = {"run_config.yaml": self.run_config_yaml}
-            if self.data_state is not None:
-                extra[DATA_STATE] = json.dumps(self.data_state(step), indent=1) + "\n"
-            self.checkpoints.publish(staged, step, extra_files=extra)
+        step = self.state.global_step
+        try:
+            if self.is_world_process_zero():
+                self.checkpoints.clear_staging()
+            self.accelerator.wait_for_everyone()
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+            if self.is_world_process_zero():
+                staged = self.checkpoints.staging / f"checkpoint-{step}"
+                extra = {"run_config.yaml": self.run_config_yaml}
+                if self.data_state is not None:
+                    extra[DATA_STATE] = json.dumps(self.data_state(step), indent=1) + "\n"
+                self.checkpoints.publish(staged, step, extra_files=extra)
+        except (OSError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not _is_write_failure(e):
+                raise
+            try:
+                self.checkpoints.clear_staging()
+            except OSError:
+                pass
+            last = self.checkpoints.newest()
+            intact = (f"the last good checkpoint, {last}, is intact" if last is not None else "no checkpoint was published before it")
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"writing the checkpoint of step {step} failed ({reason}); nothing of it was published and {intact}. "
+                "Free space on the device (or fix the file system), then continue with: attnlab train --resume --run-dir "
+                f"{self.checkpoints.root.parent}"
+            ) from None
         self.accelerator.wait_for_everyone()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -136,15 +160,36 @@ class AttnLabTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        model = model if model is not None else self.model
         if not self.is_fsdp_enabled:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_full_model_state(model if model is not None else self.model, Path(resume_from_checkpoint))
+            # strict, tied weights understood (no "missing keys ['lm_head.weight']"), another model's weights refused
+            load_model_state(model, Path(resume_from_checkpoint))
+            return
+        load_full_model_state(model, Path(resume_from_checkpoint))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self.is_fsdp_enabled or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        load_full_optimizer_state(self.model, self.optimizer, Path(checkpoint))
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
+        if checkpoint is None:
+            return
+        checkpoint = Path(checkpoint)
+        scheduler_state = torch_load_checked(checkpoint / SCHEDULER_FILE)  # a bad pickle: CheckpointError, not a traceback
+        if self.is_fsdp_enabled:
+            load_full_optimizer_state(self.model, self.optimizer, checkpoint)
+        else:
+            optimizer_state = torch_load_checked(checkpoint / OPTIMIZER_FILE, map_location="cpu")
+            try:
+                self.optimizer.load_state_dict(optimizer_state)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{checkpoint / OPTIMIZER_FILE} does not fit this run's optimizer ({e}). "
+                                      "Resume with the config the run was trained with.") from None
+        self.lr_scheduler.load_state_dict(scheduler_state)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        name = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
+        if (Path(checkpoint) / name).is_file():
+            torch_load_checked(Path(checkpoint) / name)  # refuse a bad pickle as a CheckpointError before the Trainer reads it
+        return super()._load_rng_state(checkpoint)
 
     def get_decay_parameter_names(self, model) -> list[str]:
         """Weight decay on matrices only (as nanoGPT): never on norms, biases, or 1-D SSM parameters
@@ -164,11 +209,62 @@ class AttnLabTrainer(Trainer):
         return loss
 
 
+class StopOnSignal(TrainerCallback):
+    """SIGINT (Ctrl-C) and SIGTERM (Slurm preemption, `timeout`, `kill`): finish the step under way, save a
+    checkpoint and stop. The time this takes is bounded by one step and one checkpoint write; a second
+    signal stops at once (the previous checkpoint stays the resume point). Under several processes the
+    ranks agree each step, so that all of them save the same step."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.stopped_at: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt  # the second signal: stop now
+        self.signum = signum
+
+    def _requested(self, args) -> bool:
+        import torch.distributed as dist
+
+        if world_size() > 1 and dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([0 if self.signum is None else self.signum], device=args.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and self.signum is None:
+                self.signum = int(flag.item())
+        return self.signum is not None
+
+    def on_step_end(self, args, state, control, **kw):
+        if self._requested(args):
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "a signal"
+
+
 class TelemetryCallback(TrainerCallback):
-    """Heartbeat, metrics, TensorBoard, validation bits per byte, samples and the progress bar."""
+    """Heartbeat, metrics, TensorBoard, validation bits per byte, samples, and progress: a bar on a terminal,
+    a plain line every train.progress_every_s seconds otherwise (nohup, tmux logs, job logs)."""
 
     def __init__(self, cfg: RunConfig, logger: RunLogger, tokenizer, val_bytes_per_token: float | None,
-                 console: Console, tokens_per_step: int, elapsed_offset_s: float, start_step: int):
+                 console: Console, tokens_per_step: int, elapsed_offset_s: float, start_step: int, on_heartbeat=None):
         self.cfg, self.logger, self.tokenizer, self.console = cfg, logger, tokenizer, console
         self.val_bytes_per_token = val_bytes_per_token
         self.tokens_per_step = tokens_per_step
@@ -180,6 +276,10 @@ class TelemetryCallback(TrainerCallback):
         self.val_loss: float | None = None
         self.val_bpb: float | None = None
         self.sample: str | None = None
+        self.on_heartbeat = on_heartbeat  # called with each heartbeat record (run.json keeps its wall time current)
+        self.plain = not console.is_terminal
+        self.last_line = -math.inf
+        self.segment_t0 = time.perf_counter()
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
@@ -191,13 +291,17 @@ class TelemetryCallback(TrainerCallback):
         return self.elapsed_offset_s + time.perf_counter() - self.t0
 
     def on_train_begin(self, args, state, control, **kw):
-        self.progress.start()
+        if not self.plain:
+            self.progress.start()
         self.task = self.progress.add_task("train", total=state.max_steps, completed=self.start_step, loss=float("nan"), tps=0.0)
         self.throughput = Throughput()
+        self.segment_t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
         self.throughput.add(self.tokens_per_step)
         self.progress.update(self.task, completed=state.global_step)
+        if self.plain:
+            self._plain_line(state.global_step, state.max_steps)
         if state.global_step >= state.max_steps:  # always validate and checkpoint at the end
             control.should_evaluate = self.val_bytes_per_token is not None
             control.should_save = self.cfg.train.save_every > 0
@@ -216,7 +320,25 @@ class TelemetryCallback(TrainerCallback):
             **(health() if callable(health) else {}),
         }
         self.logger.heartbeat(record)
+        self.last = record
         self.progress.update(self.task, loss=record["loss"], tps=record["tokens_per_s"])
+        if self.on_heartbeat is not None and state.is_world_process_zero:
+            self.on_heartbeat(record)
+
+    def _plain_line(self, step: int, max_steps: int) -> None:
+        now = time.perf_counter()
+        if now - self.last_line < self.cfg.train.progress_every_s and step < max_steps:
+            return
+        self.last_line = now
+        done = step - self.start_step
+        seconds = max(now - self.segment_t0, 1e-9)
+        rate = done / seconds
+        eta = _clock((max_steps - step) / rate) if rate > 0 else "?"
+        self.console.print(
+            f"step {step}/{max_steps} ({100 * step / max(max_steps, 1):.0f}%)  loss {self.last['loss']:.4f}  "
+            f"{done * self.tokens_per_step / seconds:,.0f} tok/s  elapsed {_clock(self.elapsed())}  ETA {eta}",
+            highlight=False, markup=False, soft_wrap=True,
+        )
 
     def on_evaluate(self, args, state, control, metrics=None, model=None, **kw):
         if not metrics or "eval_loss" not in metrics:
@@ -243,6 +365,18 @@ class TelemetryCallback(TrainerCallback):
         self.progress.stop()
 
 
+def _is_write_failure(err: RuntimeError) -> bool:
+    """torch.save's writer reports a failed write (a full disk) as a RuntimeError, not an OSError."""
+    text = str(err)
+    return any(s in text for s in ("inline_container", "PytorchStreamWriter", "file write failed", "No space left"))
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -255,11 +389,7 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
     recorded position itself: the Trainer must not skip batches by reading them. `block_classes`: the decoder
     block classes FSDP wraps one by one (attnlab's by default; an HF model's `_no_split_modules`)."""
     t = cfg.train
-    scheduler, scheduler_kwargs = {
-        "cosine": ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
-        "linear": ("linear", {}),
-        "constant": ("constant_with_warmup", {}),
-    }[t.schedule]
+    scheduler, scheduler_kwargs = scheduler_spec(t)
     args = TrainingArguments(
         output_dir=str(staging),
         max_steps=t.max_steps,
@@ -332,18 +462,25 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     is_main = rank() == 0
     console = console or Console(quiet=not is_main)
     resume_from = report.resume_from
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        save_config(cfg, run_dir / "config.yaml")
-        _write_status(run_dir, "running", cfg, report)
-
+    start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
     transformers.utils.logging.disable_progress_bar()  # our own progress bar is the only one
     transformers.set_seed(cfg.train.seed)
     model = build_model(cfg, report)
     if report.init_from is not None:
         kind, where = report.init_from
         what = f"HF {model.config.model_type}" if kind == "hf" else f"attnlab {model.config.mixer}"
-        console.print(f"[dim]train.init_from: {what} model from {_escape(where)}, {model.num_parameters():,} parameters[/dim]")
+        console.print(f"[dim]train.init_from: {what} model from {_escape(where)}[/dim]")
+    parameters = sum(p.numel() for p in model.parameters())  # tied weights once
+    status_file = RunStatus(run_dir, cfg, report, parameters, start_step) if is_main else None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if is_main:
+            save_config(cfg, run_dir / "config.yaml")
+            status_file.write("running")
+    except OSError as e:
+        raise RunDirError(f"cannot write the run directory {run_dir}: {e.strerror or e}. Nothing was trained; "
+                          "make it writable (or free space) and start again.") from None
+    console.print(f"model: {parameters:,} parameters ({parameters / 1e6:.2f} M)", highlight=False)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if hasattr(model, "enable_health_stats"):
@@ -355,14 +492,15 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     checkpoints = CheckpointManager(run_dir, keep_last=cfg.train.keep_last)
     if is_main:
         checkpoints.clear_staging()  # whatever a crash left half-written is never used
-    start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
     logger = RunLogger(run_dir, resume_step=start_step, wandb_run=_wandb_run(cfg, run_dir) if cfg.train.wandb and is_main else None,
                        rank=rank(), world_size=world_size())
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len
     telemetry = TelemetryCallback(
         cfg, logger, tokenizer, data.stats["val_bytes_per_token"] if has_val else None, console,
         tokens_per_step, _elapsed_at(run_dir, start_step), start_step,
+        on_heartbeat=(lambda record: status_file.write("running", quiet=True, step=record["step"])) if is_main else None,
     )
+    stopper = StopOnSignal()
     say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
     rows_per_step = cfg.train.batch_size * cfg.train.grad_accum  # global: every rank's share together
     stream = isinstance(data.train, PreparedBlocks)
@@ -374,7 +512,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         data_state = lambda step: {"position": step * rows_per_step, "step": step, **identity}  # noqa: E731
         say(f"data: {data.train.n_blocks:,} blocks of {cfg.data.seq_len} tokens read lazily from {data.stats['prepared']}, "
             f"seeded order, from position {start:,}")
-    callbacks: list[TrainerCallback] = [telemetry]
+    callbacks: list[TrainerCallback] = [telemetry, stopper]
     if cfg.eval.tasks and is_main:
         from attnlab.eval.callback import EvalDuringTraining
 
@@ -398,12 +536,19 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     t0 = time.perf_counter()
     status = "failed"
+    stopper.install()
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        if stopper.stopped_at is not None and trainer.state.global_step < trainer.state.max_steps:  # at the end: just finish
+            status = "interrupted"
+            saved = checkpoints.newest()
+            raise RunInterrupted(
+                f"stopped by {stopper.name} at step {stopper.stopped_at}; its checkpoint {saved} is saved. "
+                f"Continue with: attnlab train --resume --run-dir {run_dir}", exit_code=128 + int(stopper.signum))
         # Sharded weights are gathered whole by every rank (rank 0 keeps them); rank 0 writes the final model.
         weights = trainer.accelerator.get_state_dict(trainer.model) if trainer.is_fsdp_enabled else None
         if is_main:
-            _save_final(trainer.model, tokenizer, cfg, run_dir, weights)
+            _save_final(trainer.model, tokenizer, cfg, run_dir, trainer.state.global_step, weights)
         status = "finished"
     except TrainingDivergedError:
         status = "diverged"
@@ -412,14 +557,19 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         status = "interrupted"
         raise
     finally:
+        stopper.restore()
         wall_s = time.perf_counter() - t0
         telemetry.progress.stop()
         logger.close()
         if is_main:
-            checkpoints.clear_staging()
-            _write_status(run_dir, status, cfg, report, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, wall_s=wall_s,
-                          world_size=world_size())
-    return TrainResult(run_dir, trainer.state.global_step, wall_s, telemetry.val_loss, telemetry.val_bpb, telemetry.sample)
+            try:  # a full disk must not hide the error that stopped the run
+                checkpoints.clear_staging()
+                status_file.write(status, quiet=True, step=trainer.state.global_step, val_loss=telemetry.val_loss, val_bpb=telemetry.val_bpb, world_size=world_size())
+            except OSError:
+                pass
+    total = status_file.total_wall_s() if status_file is not None else wall_s
+    return TrainResult(run_dir, trainer.state.global_step, total, telemetry.val_loss, telemetry.val_bpb, telemetry.sample,
+                       segment_wall_s=wall_s, parameters=parameters)
 
 
 def _stream_start(resume_from: Path | None, step: int, rows_per_step: int, blocks, say) -> int:
@@ -456,12 +606,13 @@ def _stable_run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path, state_dict: dict | None = None) -> None:
+def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path, step: int, state_dict: dict | None = None) -> None:
     final, tmp = run_dir / "final", run_dir / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     save_config(cfg, tmp / "run_config.yaml")
+    write_manifest(tmp, step)  # generate / eval verify the final model against it
     if final.exists():
         old = run_dir / ".final.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -478,12 +629,57 @@ def _elapsed_at(run_dir: Path, step: int) -> float:
     if not step or not path.exists():
         return 0.0
     elapsed = 0.0
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if rec.get("step", 0) <= step:
-                elapsed = rec.get("elapsed_s", elapsed)
+    for rec in read_jsonl(path):
+        if rec.get("step", 0) <= step and isinstance(rec.get("elapsed_s"), (int, float)):
+            elapsed = rec["elapsed_s"]
     return float(elapsed)
+
+
+class RunStatus:
+    """RUN/run.json: the run's state, versions, parameter count and wall time.
+
+    A run resumed after a stop is made of segments (one per process lifetime); `segments` lists them and
+    `wall_s` is their sum, so that a resumed run's wall time counts every segment. The current segment's
+    entry is rewritten at every heartbeat, so a segment that ended in a SIGKILL still counts up to its last one."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, report: PreflightReport, parameters: int, start_step: int):
+        self.run_dir, self.cfg, self.report, self.parameters = run_dir, cfg, report, parameters
+        self.t0 = time.perf_counter()
+        self.previous = self._previous_segments() if start_step else []
+        self.segment = {"start_step": start_step, "end_step": start_step, "wall_s": 0.0, "status": "running"}
+        self.extra: dict = {}
+
+    def _previous_segments(self) -> list[dict]:
+        try:
+            old = json.loads((self.run_dir / "run.json").read_text())
+        except (OSError, ValueError):
+            return []
+        if not isinstance(old, dict):
+            return []
+        segments = old.get("segments")
+        if isinstance(segments, list):
+            return [s for s in segments if isinstance(s, dict) and isinstance(s.get("wall_s"), (int, float))]
+        if isinstance(old.get("wall_s"), (int, float)):  # a run.json written before segments were recorded
+            return [{"wall_s": old["wall_s"], "status": old.get("status")}]
+        return []
+
+    def total_wall_s(self) -> float:
+        return round(sum(s["wall_s"] for s in self.previous) + self.segment["wall_s"], 2)
+
+    def write(self, status: str, quiet: bool = False, step: int | None = None, **extra) -> None:
+        """`step`: the step the segment reached. quiet: an OSError (a full disk) is not raised (the heartbeat
+        and the run's end must not fail on it)."""
+        self.segment["wall_s"] = round(time.perf_counter() - self.t0, 2)
+        self.segment["status"] = status
+        if step is not None:
+            self.segment["end_step"] = step
+        self.extra.update({k: v for k, v in extra.items() if v is not None})
+        try:
+            _write_status(self.run_dir, status, self.cfg, self.report, parameters=self.parameters, wall_s=self.total_wall_s(),
+                          segment_wall_s=self.segment["wall_s"], segments=self.previous + [dict(self.segment)], **self.extra)
+        except OSError:
+            if not quiet:
+                raise
 
 
 def _write_status(run_dir: Path, status: str, cfg: RunConfig, report: PreflightReport, **extra) -> None:

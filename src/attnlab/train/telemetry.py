@@ -7,6 +7,7 @@ MiB as GB again.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import time
@@ -15,6 +16,8 @@ from typing import Any
 
 import psutil
 import torch
+
+from attnlab.errors import RunDirError
 
 METRICS_COLUMNS = ["step", "elapsed_s", "loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"]
 MIB = 1024 * 1024
@@ -126,18 +129,79 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL telemetry file. A torn last line (no newline: a process killed while writing it)
+    is dropped; any other line that is not a JSON object is real damage, refused as a RunDirError."""
+    if not path.exists():
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RunDirError(f"{path} is not UTF-8 text: the file is damaged. {_REPAIR}") from None
+    lines = text.split("\n")
+    torn = lines[-1] != ""  # a complete file ends with a newline
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if torn and n == len(lines):
+                continue  # torn by a kill mid-write: what it held is past the last checkpoint anyway
+            raise RunDirError(f"{path}, line {n}, is not a JSON record: the file is damaged. {_REPAIR}")
+        records.append(record)
+    return records
+
+
+def read_csv_rows(path: Path) -> list[list[str]]:
+    """metrics.csv as rows (header first); a torn last line is dropped, a malformed row is a RunDirError."""
+    if not path.exists():
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RunDirError(f"{path} is not UTF-8 text: the file is damaged. {_REPAIR}") from None
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]  # torn by a kill mid-write
+    rows = list(csv.reader(io.StringIO(text, newline="")))
+    for n, row in enumerate(rows[1:], 2):
+        if not row:
+            continue
+        try:
+            int(row[0])
+        except ValueError:
+            raise RunDirError(f"{path}, line {n}, is not a metrics row (it starts with {row[0][:40]!r}, not a step): "
+                              f"the file is damaged. {_REPAIR}") from None
+    return rows
+
+
+_REPAIR = ("It is telemetry only (the checkpoints are intact): delete or repair that line, or move the file away, "
+           "then resume.")
+
+
+def check_telemetry(run_dir: Path) -> None:
+    """Read every telemetry file a resume rewrites; RunDirError on real damage (before anything is written)."""
+    run_dir = Path(run_dir)
+    for path in [run_dir / "heartbeat.jsonl", run_dir / "samples.jsonl", run_dir / "eval" / "metrics.jsonl",
+                 *sorted(run_dir.glob("heartbeat_rank*.jsonl"))]:
+        read_jsonl(path)
+    read_csv_rows(run_dir / "metrics.csv")
+
+
 def _truncate_jsonl_after(path: Path, step: int) -> None:
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _truncate_csv_after(path: Path, step: int) -> None:
     if not path.exists():
         return
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
+    rows = read_csv_rows(path)
     if not rows:
         path.unlink()
         return
