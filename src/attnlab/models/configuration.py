@@ -41,10 +41,10 @@ class AttnLabConfig(PretrainedConfig):
     pad_token_id: int | None = 258
 
     def __post_init__(self, **kwargs):
-        from attnlab.models.mixers import MIXERS
+        from attnlab.models.mixers import MIXERS, unknown_mixer_message
 
         if self.mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {self.mixer!r}; registered mixers: {sorted(MIXERS)}")
+            raise ValueError(unknown_mixer_message(self.mixer))
         from attnlab.models.kernels import KERNEL_CHOICES
 
         if self.kernels not in KERNEL_CHOICES:
