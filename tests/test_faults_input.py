@@ -218,6 +218,13 @@ def test_a_yaml_section_given_twice_is_refused(tmp_path, capsys):
     assert_one_error(capsys, "'train'", "lines 1 and 5")
 
 
+def test_the_duplicate_key_check_follows_aliases_and_merge_keys(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("defaults: &d {lr: 0.001}\ntrain:\n  <<: *d\n  lr: 0.002\nloop: &l [*l]\n")
+    assert run_cli("preflight", str(path)) == 1  # unknown keys 'defaults' and 'loop', not a RecursionError
+    assert_one_error(capsys, "unknown config key 'defaults'")
+
+
 def test_a_suite_key_given_twice_is_refused(tmp_path, capsys):
     path = tmp_path / "suite.yaml"
     path.write_text("name: s\ngrid:\n  train.seed: [0, 1]\n  train.seed: [2]\n")

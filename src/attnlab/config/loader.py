@@ -75,7 +75,11 @@ def load_yaml(text: str, origin: str) -> Any:
         loader.dispose()
 
 
-def _refuse_duplicate_keys(node: yaml.Node, prefix: str, origin: str) -> None:
+def _refuse_duplicate_keys(node: yaml.Node, prefix: str, origin: str, seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked (and no endless walk through a recursive one)
+        return
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         first_line: dict[str, int] = {}
         for key_node, value_node in node.value:
@@ -86,12 +90,12 @@ def _refuse_duplicate_keys(node: yaml.Node, prefix: str, origin: str) -> None:
                     raise ConfigError(f"{origin}: key '{key}' is given twice, at lines {first_line[key]} and {line}; "
                                       "keep one of them (YAML would silently use the last).")
                 first_line[key] = line
-                _refuse_duplicate_keys(value_node, key + ".", origin)
+                _refuse_duplicate_keys(value_node, key + ".", origin, seen)
             else:
-                _refuse_duplicate_keys(value_node, prefix, origin)
+                _refuse_duplicate_keys(value_node, prefix, origin, seen)
     elif isinstance(node, yaml.SequenceNode):
         for n, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, f"{prefix.removesuffix('.')}[{n}].", origin)
+            _refuse_duplicate_keys(item, f"{prefix.removesuffix('.')}[{n}].", origin, seen)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

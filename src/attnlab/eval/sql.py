@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,7 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
         self.pid = 0  # the process that started `proc` (a forked child starts its own)
         self.lock = threading.Lock()
+        self.warned = False
 
     def _start(self) -> None:
         self.proc = subprocess.Popen(
@@ -228,8 +230,12 @@ class _Worker:
                 self.proc = None
                 try:
                     self._start()
-                except OSError as e:
-                    return SQLResult(None, f"cannot start the SQL worker process: {e}")
+                except OSError as e:  # no worker here (no interpreter to start, a zipped install): SQLite's limits only
+                    if not self.warned:
+                        warnings.warn(f"cannot start the SQL worker process ({e}): queries run in this process, "
+                                      "bounded by SQLite's limits but not killed at the time limit", stacklevel=3)
+                        self.warned = True
+                    return _execute(**request)
             try:
                 _send(self.proc.stdin, request)
                 answer = self._wait_answer(request["timeout_s"] + _KILL_GRACE_S)
