@@ -54,6 +54,7 @@ class AttnLabConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
             )
         self.mixer_options = MIXERS[self.mixer].resolve_options(self.mixer_options)
+        MIXERS[self.mixer].check_option_types(self.mixer_options)
         if self.intermediate_size is None:
             self.intermediate_size = round_up(8 / 3 * self.hidden_size, 32)
         super().__post_init__(**kwargs)

@@ -36,9 +36,15 @@ class Mixer(nn.Module):
             raise ValueError(
                 f"unknown option(s) {unknown} for mixer {cls.name!r}; valid options: {sorted(cls.default_options)}"
             )
-        for key, value in options.items():
-            _check_option_type(cls.name, key, value, cls.default_options[key])
         return {**cls.default_options, **options}
+
+    @classmethod
+    def check_option_types(cls, options: dict[str, Any]) -> None:
+        """Each option of the type of its default; run after `resolve_options`, whose family checks
+        give the more precise message where they exist."""
+        family_defaults = getattr(cls, "family", cls).default_options  # a preset may set what its family leaves None
+        for key, value in options.items():
+            _check_option_type(cls.name, key, value, family_defaults.get(key, cls.default_options.get(key)))
 
 
 def _check_option_type(mixer: str, key: str, value: Any, default: Any) -> None:
