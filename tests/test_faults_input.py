@@ -238,7 +238,7 @@ def test_max_position_embeddings_below_seq_len_is_refused_by_preflight(tiny, cap
     assert "model.max_position_embeddings" in err.out + err.err and "data.seq_len" in err.out + err.err
 
 
-def test_a_prompt_longer_than_the_models_positions_is_refused_by_generate():
+def test_a_prompt_longer_than_the_models_positions_is_refused_by_generate(tmp_path, capsys):
     from attnlab.data import ByteTokenizer
     from attnlab.errors import ConfigError
     from attnlab.generation import generate
@@ -249,6 +249,10 @@ def test_a_prompt_longer_than_the_models_positions_is_refused_by_generate():
     with pytest.raises(ConfigError, match="longer than the model's 16 positions"):
         generate(model, tokenizer, ["short", "x" * 40], max_new_tokens=2)
     assert len(generate(model, tokenizer, "short", max_new_tokens=2)[0].token_ids) == 2
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert run_cli("generate", str(tmp_path / "model"), "-p", "x" * 40, "--device", "cpu") == 1
+    assert_one_error(capsys, "longer than the model's 16 positions", "shorten the prompt")
 
 
 # --- messages that point at the right key --------------------------------------------------------------
