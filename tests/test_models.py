@@ -378,9 +378,11 @@ def test_mixer_registry_lists_both_families():
     assert {"gla", "softmax"} <= set(MIXERS)
 
 
-def test_config_rejects_unknown_mixer_naming_the_registered_ones():
-    with pytest.raises(ValueError, match=r"registered mixers: \[.*'gla'.*'softmax'"):
+def test_config_rejects_unknown_mixer_naming_the_closest_registered_ones():
+    with pytest.raises(ValueError, match=r"unknown mixer 'mamba9'; did you mean 'mamba2'"):
         AttnLabConfig(mixer="mamba9")
+    with pytest.raises(ValueError, match=r"the families are attention_family, gla, mamba2, nsa, softmax"):
+        AttnLabConfig(mixer="zzzz")
 
 
 @pytest.mark.parametrize("mixer,valid", [("gla", "gate_logit_normalizer"), ("softmax", "num_kv_heads")])

@@ -197,7 +197,9 @@ def _read_prompts(path: Path) -> list[dict]:
                 raise DataError(f'{path}, line {n}: expected an object with a "prompt" string, e.g. {{"id": 1, "prompt": "..."}}')
             rows.append(row)
     else:
-        rows = [{"prompt": line} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        from attnlab.data.corpus import text_lines
+
+        rows = [{"prompt": line} for line in text_lines(path.read_text(encoding="utf-8")) if line.strip()]
     if not rows:
         raise DataError(f"{path} holds no prompts")
     return rows

@@ -61,6 +61,43 @@ def _suggest(key: str, candidates: list[str] | None = None) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(candidates)}"
 
 
+def load_yaml(text: str, origin: str) -> Any:
+    """`yaml.safe_load`, except that a mapping with a key given twice is a ConfigError naming the key
+    and both lines (PyYAML keeps the last one without a word, so a forgotten earlier line wins silently)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, "", origin)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, prefix: str, origin: str, seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked (and no endless walk through a recursive one)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = f"{prefix}{key_node.value}"
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise ConfigError(f"{origin}: key '{key}' is given twice, at lines {first_line[key]} and {line}; "
+                                      "keep one of them (YAML would silently use the last).")
+                first_line[key] = line
+                _refuse_duplicate_keys(value_node, key + ".", origin, seen)
+            else:
+                _refuse_duplicate_keys(value_node, prefix, origin, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for n, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{prefix.removesuffix('.')}[{n}].", origin, seen)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file not found: {path}. Pass an existing YAML file, or no argument for the built-in default.")
@@ -69,7 +106,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, str(path))
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)
@@ -129,18 +166,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], schema: type[Bas
     return data
 
 
-def _format_validation_error(err: ValidationError, origin: str) -> str:
+def _format_validation_error(err: ValidationError, origin: str, schema: type[BaseModel] | None = None) -> str:
+    """One line per problem; unknown keys get the closest key of `schema` (default: the run config)."""
+    candidates = valid_keys(schema) if schema is not None else None
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'{_suggest(key)}")
+            lines.append(f"unknown config key '{key}'{_suggest(key, candidates)}")
         else:
             got = e.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}: {msg}{got_text}" if key else msg)
+            field = msg.split(" ", 1)[0]
+            if key and f"{key}.{field}" in (candidates or valid_keys()):  # a section's check about one of its fields
+                lines.append(f"{key}.{msg}")
+            else:
+                lines.append(f"{key}: {msg}{got_text}" if key else msg)
     return f"invalid config ({origin}):\n  " + "\n  ".join(lines)
+
+
+def describe_origin(path: str | Path | None, overrides: list[str] | None) -> str:
+    """Where a config came from, for messages: the file (or the built-in defaults) and the --set overrides."""
+    where = str(path) if path is not None else "the built-in defaults"
+    return where + (f" with --set {' '.join(overrides)}" if overrides else "")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -150,7 +199,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, str(source))) from None
+        raise ConfigError(_format_validation_error(e, describe_origin(path, overrides))) from None
 
 
 def validate_section(cls: type[BaseModel], data: dict[str, Any], origin: str):
@@ -158,7 +207,7 @@ def validate_section(cls: type[BaseModel], data: dict[str, Any], origin: str):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, origin)) from None
+        raise ConfigError(_format_validation_error(e, origin, cls)) from None
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

@@ -259,7 +259,12 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
         try:
             report.model_config = model_config_from(cfg, tokenizer)
         except (ValueError, TypeError) as e:
-            report.error("model", str(e))
+            message = str(e)
+            report.error(message.split(" ", 1)[0] if message.startswith("model.") else "model", message)
+    if cfg.model.max_position_embeddings < cfg.data.seq_len:
+        report.error("model.max_position_embeddings", f"model.max_position_embeddings ({cfg.model.max_position_embeddings}) is below "
+                     f"data.seq_len ({cfg.data.seq_len}): training blocks would run past the positions the model is configured for. "
+                     f"Set model.max_position_embeddings >= {cfg.data.seq_len}, or lower data.seq_len.")
     if not load_data:
         return
     try:

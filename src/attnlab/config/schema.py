@@ -85,7 +85,8 @@ class TrainSection(Section):
     @model_validator(mode="after")
     def _warmup_fits(self) -> "TrainSection":
         if self.warmup_steps > self.max_steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) is larger than max_steps ({self.max_steps})")
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) is larger than max_steps ({self.max_steps}): lower "
+                             f"train.warmup_steps (e.g. --set train.warmup_steps={self.max_steps // 10}) or raise train.max_steps")
         return self
 
     @model_validator(mode="after")

@@ -257,10 +257,17 @@ def iter_file_documents(path: Path, text_field: str):
         raise DataError(f"Cannot read {path}: {exc.strerror or exc}. Check that it exists and is readable.") from exc
 
 
+def text_lines(content: str) -> list[str]:
+    """The lines of a text file, split on "\n" only (a "\r" before it is dropped). `str.splitlines`
+    also splits on U+2028, U+0085 and other separators that JSON keeps raw inside strings (and
+    `json.dumps(..., ensure_ascii=False)` writes), which would cut a JSON Lines record in two."""
+    return [line.removesuffix("\r") for line in content.split("\n")]
+
+
 def jsonl_records(content: str, path: Path, hint: str = ""):
     """(line number, parsed value) for every non-blank line of JSON Lines text; a line that is not
     JSON is a DataError naming the file and the line (and `hint`, what to do about it)."""
-    for lineno, line in enumerate(content.splitlines(), start=1):
+    for lineno, line in enumerate(text_lines(content), start=1):
         if not line.strip():
             continue
         try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from attnlab.config import GenerateConfig
-from attnlab.data.corpus import jsonl_records
+from attnlab.data.corpus import jsonl_records, text_lines
 from attnlab.errors import DataError
 
 from .metrics import clean_prediction
@@ -132,7 +132,7 @@ def read_predictions(path: Path, examples: Sequence[Example]) -> list[str]:
     if not path.is_file():
         raise DataError(f"predictions file not found: {path}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = text_lines(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read predictions {path}: {e}") from None
     first = next((line for line in lines if line.strip()), "")

@@ -104,6 +104,15 @@ def _finish(stops: StopStrings, token_ids: list[int], reason: FinishReason, scor
     return Candidate(text, token_ids, reason, score)
 
 
+def check_prompt_lengths(model, encoded: Sequence[Sequence[int]]) -> None:
+    """Refuse a prompt longer than the positions the model is configured for (`max_position_embeddings`)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max((len(e) for e in encoded), default=0)
+    if isinstance(limit, int) and longest > limit:
+        raise ConfigError(f"a prompt of {longest} tokens is longer than the model's {limit} positions (max_position_embeddings); "
+                          "shorten the prompt (keep its last tokens) or use a model configured for longer sequences")
+
+
 def _encode(tokenizer, prompt: str | Sequence[int]) -> list[int]:
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
@@ -138,6 +147,7 @@ def generate(
     encoded = [_encode(tokenizer, p) for p in prompt_list]
     if any(len(e) == 0 for e in encoded):
         raise ConfigError("a prompt is empty after tokenisation; every prompt needs at least one token")
+    check_prompt_lengths(model, encoded)
     eos = eos_ids_for(model, tokenizer, cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     stops = StopStrings(tokenizer, cfg.stop)

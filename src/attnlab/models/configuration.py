@@ -42,10 +42,10 @@ class AttnLabConfig(PretrainedConfig):
     pad_token_id: int | None = 258
 
     def __post_init__(self, **kwargs):
-        from attnlab.models.mixers import MIXERS
+        from attnlab.models.mixers import MIXERS, unknown_mixer_message
 
         if self.mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {self.mixer!r}; registered mixers: {sorted(MIXERS)}")
+            raise ValueError(unknown_mixer_message(self.mixer))
         from attnlab.models.kernels import KERNEL_CHOICES
 
         if self.kernels not in KERNEL_CHOICES:
@@ -55,6 +55,7 @@ class AttnLabConfig(PretrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
             )
         self.mixer_options = MIXERS[self.mixer].resolve_options(self.mixer_options)
+        MIXERS[self.mixer].check_option_types(self.mixer_options)
         if self.intermediate_size is not None and self.intermediate_size < 0:
             raise ValueError(f"intermediate_size must be >= 0 (0: blocks without an MLP), not {self.intermediate_size}")
         if self.intermediate_size is None:

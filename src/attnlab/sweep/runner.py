@@ -1,6 +1,8 @@
 """Run a suite's jobs as `attnlab train` subprocesses on a fixed set of slots.
 
 Each job is decided from its run directory before anything starts:
+  a run made with another config        -> changed: refused, never skipped as done (every key is
+                                           compared for an ended run, the resume-locked keys otherwise)
   finished run                          -> skip
   diverged run                          -> skip (resuming would diverge again; reported)
   a published checkpoint                -> resume (`--resume`)
@@ -34,7 +36,7 @@ from attnlab.train.checkpoint import CheckpointManager
 
 from .suite import Job
 
-TERMINAL = ("finished", "failed", "interrupted", "skipped", "invalid")
+TERMINAL = ("finished", "failed", "interrupted", "skipped", "invalid", "changed")
 
 
 @dataclass
@@ -46,10 +48,10 @@ class Slot:
 @dataclass
 class JobState:
     job: Job
-    action: str                    # start | resume | restart | skip | invalid
+    action: str                    # start | resume | restart | skip | invalid | changed
     note: str = ""
     max_steps: int = 0
-    state: str = "pending"         # pending | running | finished | failed | interrupted | skipped | invalid
+    state: str = "pending"         # pending | running | finished | failed | interrupted | skipped | invalid | changed
     slot: Optional[Slot] = None
     proc: Optional[subprocess.Popen] = None
     log_path: Path = Path()
@@ -97,7 +99,14 @@ def decide(job: Job, base: Path | None) -> JobState:
     status = read_run_status(run_dir).get("status")
     newest = CheckpointManager(run_dir).newest()
     holds_run = (run_dir / "config.yaml").exists() or (run_dir / "run.json").exists() or (run_dir / "checkpoints").exists()
-    if status == "finished":
+    ended = status in ("finished", "diverged")
+    changed = _changed_since(run_dir, cfg, everything=ended) if ended or newest is not None else []
+    if changed:
+        what = f"holds a {status} run" if ended else f"holds a run to resume from {newest.name}"
+        st.action, st.note = "changed", (
+            f"{run_dir} {what} with another config than this job's now: {'; '.join(changed)}. "
+            f"Move or delete {run_dir} to run the job again, or restore the suite's old values.")
+    elif status == "finished":
         st.action, st.note = "skip", "finished earlier"
     elif status == "diverged":
         st.action, st.note = "skip", "diverged earlier (loss became NaN); see its log. Delete the run directory to retry."
@@ -106,6 +115,24 @@ def decide(job: Job, base: Path | None) -> JobState:
     elif holds_run:
         st.action, st.note = "restart", f"{status or 'unfinished'} run without a checkpoint: moved aside, starting fresh"
     return st
+
+
+def _changed_since(run_dir: Path, cfg, everything: bool) -> list[str]:
+    """How the job's config differs from the one saved in its run directory: every key for a run
+    that has ended (its results are the old config's), the keys a resume locks for one that will
+    resume. An unreadable saved config counts as a difference."""
+    from attnlab.config import load_config
+    from attnlab.config.loader import diff_configs
+    from attnlab.config.schema import RESUME_LOCKED
+
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return []
+    try:
+        old = load_config(saved)
+    except AttnLabError as e:
+        return [f"its config.yaml cannot be read ({str(e).splitlines()[0]})"]
+    return diff_configs(old, cfg, ("model", "data", "train", "eval") if everything else RESUME_LOCKED)
 
 
 def train_command(job: Job, base: Path | None, resume: bool) -> list[str]:
@@ -127,7 +154,7 @@ def _last_heartbeat(run_dir: Path) -> dict:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - 8192))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+            lines = f.read().decode("utf-8", "replace").split("\n")  # not splitlines: U+2028 may sit inside a JSON string
     except OSError:
         return {}
     for line in reversed(lines):
@@ -159,7 +186,7 @@ def status_table(states: list[JobState], title: str) -> Table:
     table = Table(title=title)
     for col in ("job", "state", "slot", "step", "loss", "tokens/s", "ETA"):
         table.add_column(col, justify="right" if col in ("step", "loss", "tokens/s", "ETA") else "left")
-    colors = {"running": "cyan", "finished": "green", "failed": "red", "invalid": "red", "interrupted": "yellow", "skipped": "dim"}
+    colors = {"running": "cyan", "finished": "green", "failed": "red", "invalid": "red", "changed": "red", "interrupted": "yellow", "skipped": "dim"}
     for s in states:
         step = s.last.get("step")
         loss = s.last.get("loss")
@@ -239,8 +266,8 @@ class SweepRunner:
         for s in self.states:
             if s.action == "skip":
                 s.state, s.last = "skipped", _last_heartbeat(s.job.run_dir)
-            elif s.action == "invalid":
-                s.state = "invalid"
+            elif s.action in ("invalid", "changed"):
+                s.state = s.action
         free = list(self.slots)
         running: list[JobState] = []
         title = f"sweep: {len(self.states)} jobs, {len(self.slots)} slots"
@@ -297,19 +324,22 @@ def summary(states: list[JobState], console: Console, tail_lines: int = 20) -> i
     failed = 0
     for s in states:
         info = read_run_status(s.job.run_dir) if s.action != "invalid" else {}
-        bad = s.state in ("failed", "invalid")
+        bad = s.state in ("failed", "invalid", "changed")
         failed += bad
         vl, vb, wall = info.get("val_loss"), info.get("val_bpb"), info.get("wall_s")
         step = s.last.get("step")
         table.add_row(
             s.job.name, s.state, f"{step}/{s.max_steps}" if step else "",
             f"{vl:.4f}" if isinstance(vl, (int, float)) else "", f"{vb:.3f}" if isinstance(vb, (int, float)) else "",
-            f"{wall:.0f}" if isinstance(wall, (int, float)) else "", escape(s.note if s.action != "invalid" else "invalid config"),
+            f"{wall:.0f}" if isinstance(wall, (int, float)) else "",
+            escape({"invalid": "invalid config", "changed": "config changed: not run"}.get(s.action, s.note)),
         )
     console.print(table)
     for s in states:
         if s.state == "invalid":
             console.print(Panel(escape(s.note), title=f"{s.job.name}: invalid config (not started)", border_style="red", expand=False))
+        elif s.state == "changed":
+            console.print(Panel(escape(s.note), title=f"{s.job.name}: its config changed since its run (not started)", border_style="red", expand=False))
         elif s.state == "failed":
             console.print(Panel(escape(log_tail(s.log_path, tail_lines)), title=f"{s.job.name}: failed (exit {s.returncode}), last lines of {s.log_path}",
                                 border_style="red", expand=False))

@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from attnlab.config.loader import load_yaml
 from attnlab.errors import ConfigError
 
 
@@ -73,7 +74,7 @@ def resolve_suite_path(spec: str | Path) -> Path:
 
 def load_suite(path: Path) -> Suite:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path.read_text(encoding="utf-8"), f"suite {path}") or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"YAML syntax error in suite {path}: {e}") from None
     if not isinstance(data, dict):

@@ -42,6 +42,13 @@ def render_schema(schema: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _plain_name(db_id) -> bool:
+    """A db_id names one directory under `database/`: a path such as '../../outside/o' or '/tmp/o'
+    would open a database outside the data directory."""
+    return (isinstance(db_id, str) and db_id not in ("", ".", "..") and "/" not in db_id and "\\" not in db_id
+            and "\0" not in db_id and not Path(db_id).is_absolute() and Path(db_id).name == db_id)
+
+
 class SpiderTask(Task):
     name = "spider"
     description = "text-to-SQL (Spider layout): execution accuracy, exact match"
@@ -73,6 +80,9 @@ class SpiderTask(Task):
         for n, item in enumerate(items):
             require_keys(item, ("db_id", "question", "query"), f"{split_path.name}, item {n}", "Spider")
             db_id = item["db_id"]
+            if not _plain_name(db_id):
+                raise DataError(f"{split_path.name}, item {n}: db_id {db_id!r} is not a database name: it must name a directory "
+                                f"of {data / 'database'} (no path separators, no '..', not absolute). Fix that item's db_id.")
             if db_id not in schemas:
                 raise DataError(f"{split_path.name}, item {n}: database {db_id!r} is not described in tables.json")
             db_path = data / "database" / db_id / f"{db_id}.sqlite"

@@ -12,6 +12,7 @@ Each mixer class declares `default_options` (its entries in `config.mixer_option
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch.nn as nn
@@ -36,6 +37,42 @@ class Mixer(nn.Module):
                 f"unknown option(s) {unknown} for mixer {cls.name!r}; valid options: {sorted(cls.default_options)}"
             )
         return {**cls.default_options, **options}
+
+    @classmethod
+    def check_option_types(cls, options: dict[str, Any]) -> None:
+        """Each option of the type of its default; run after `resolve_options`, whose family checks
+        give the more precise message where they exist."""
+        family_defaults = getattr(cls, "family", cls).default_options  # a preset may set what its family leaves None
+        for key, value in options.items():
+            _check_option_type(cls.name, key, value, family_defaults.get(key, cls.default_options.get(key)))
+
+
+def _check_option_type(mixer: str, key: str, value: Any, default: Any) -> None:
+    """An option takes the type of its default (an int where the default is a float is fine); a default
+    of None leaves the check to the mixer. Catches `num_kv_heads=abc` here, not as a TypeError deep in a layer."""
+    if default is None:
+        return
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"model.mixer_options.{key} must be {kind} (mixer {mixer!r}, default {default!r}), got {value!r}")
+
+
+def unknown_mixer_message(name: Any) -> str:
+    """'unknown mixer' with the closest registered names, not all of them."""
+    close = difflib.get_close_matches(str(name), list(MIXERS), n=5, cutoff=0.6)
+    families = sorted(n for n, cls in MIXERS.items() if not hasattr(cls, "preset_options"))
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+            else f"the families are {', '.join(families)}; README: Mixers lists all {len(MIXERS)} registered names")
+    return f"unknown mixer {name!r}; {hint}"
 
 
 def register_mixer(name: str):
@@ -105,7 +142,7 @@ def presets_markdown(hidden_size: int = 1024, num_heads: int = 16) -> str:
 
 def build_mixer(config, layer_idx: int) -> nn.Module:
     if config.mixer not in MIXERS:
-        raise ValueError(f"unknown mixer {config.mixer!r}; registered mixers: {sorted(MIXERS)}")
+        raise ValueError(unknown_mixer_message(config.mixer))
     return MIXERS[config.mixer](config, layer_idx)
 
 

@@ -104,6 +104,14 @@ class SoftmaxAttention(FusedProjections, Mixer):
     static_kv = True  # decodes over static buffers (`static_state`)
     static_columns = ("key", "value", "valid")  # the static cache's buffers whose prompt columns every beam of a prompt shares
 
+    @classmethod
+    def resolve_options(cls, options):
+        options = super().resolve_options(options)
+        kv = options["num_kv_heads"]
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ValueError(f"model.mixer_options.num_kv_heads must be a positive integer or null (mixer {cls.name!r}), got {kv!r}")
+        return options
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         options = self.resolve_options(config.mixer_options)

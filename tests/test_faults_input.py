@@ -1,0 +1,291 @@
+"""Bad input met with one clear message, or bounded: hostile SQL, JSONL with line separators inside
+strings, a sweep whose suite changed, YAML keys given twice, sizes and options that do not fit.
+
+Each test reproduces one case of the fault list (issue: every bad input or fault met with one clear
+message): `run_cli` returns the exit code, an escaped exception would be the traceback the CLI must
+never show, and stderr holds one `error:` line saying what to do.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_cli, sets
+
+from attnlab.eval.tasks import BUNDLED
+
+SPIDER = BUNDLED["spider"]
+LIBRARY_DB = SPIDER / "database" / "library" / "library.sqlite"
+LIMIT_S = 2.0  # the time limit the SQL tests give each query
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def assert_one_error(capsys, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(error_lines(err)) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+# --- SQL: every scored prediction is bounded in time and memory -------------------------------------
+
+_ISSUE_QUERIES = {
+    # one printf builds 100 MB, then 40 replace() calls copy it: 38.8 s and 4.6 GB resident before
+    "printf_replace": "WITH s(v) AS (SELECT printf('%.*c',100000000,'x')) SELECT "
+                      + ", ".join("length(replace(v,'x','a'))" for _ in range(40)) + " FROM s",
+    # the row cap did not cap bytes: 4.2 GB
+    "zeroblob": "SELECT zeroblob(999999999) FROM book LIMIT 3",
+    # one instruction of SQLite's virtual machine that loops for ~20 s: no progress handler reaches it
+    "one_long_instruction": "SELECT printf('%.*c',2147483647,'x') IS NULL",
+    # returned the address of a C structure of the process
+    "fts3_tokenizer": "SELECT hex(fts3_tokenizer('simple'))",
+}
+
+_MEASURE = textwrap.dedent("""
+    import json, resource, sys, time
+    from attnlab.eval import sql
+    db, query, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    assert sql.run_query(db, "SELECT 1").ok  # the worker is started: the timing below is the query's own
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    result = sql.run_query(db, query, timeout_s=limit)
+    seconds = time.monotonic() - t0
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    sql._WORKER.stop()
+    worker_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({"seconds": seconds, "error": result.error, "rows": repr(result.rows)[:200],
+                      "grown_mib": grown_kib / 1024, "worker_mib": worker_kib / 1024}))
+""")
+
+
+@pytest.mark.parametrize("name", list(_ISSUE_QUERIES))
+def test_hostile_sql_from_the_issue_ends_within_the_limit_and_small_memory(name):
+    """Measured in a fresh process: its own peak memory and the query worker's, not the test session's."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(LIBRARY_DB), _ISSUE_QUERIES[name], str(LIMIT_S)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert m["seconds"] <= LIMIT_S + 1.0, m
+    assert m["grown_mib"] < 64, m  # the evaluating process holds at most one capped result
+    assert m["worker_mib"] < 256, m  # the worker never built a value over 1 MB
+    if name == "fts3_tokenizer":
+        assert m["error"] and "fts3_tokenizer" in m["error"]
+    elif name == "zeroblob":
+        assert m["error"] and "1,000,000 bytes" in m["error"]
+    elif name == "one_long_instruction":
+        assert m["error"] and "time limit" in m["error"]
+    elif m["error"] is None:  # printf's value is over the length limit: NULL (SQLite's rule) ...
+        assert m["rows"].startswith("[(None, None")
+    else:  # ... or the time limit
+        assert "time limit" in m["error"]
+
+
+def test_the_query_worker_is_replaced_after_a_kill_and_the_next_query_runs():
+    from attnlab.eval.sql import run_query
+
+    stopped = run_query(LIBRARY_DB, _ISSUE_QUERIES["one_long_instruction"], timeout_s=0.5)
+    assert not stopped.ok and "time limit" in stopped.error
+    assert run_query(LIBRARY_DB, "SELECT 1 + 1").rows == [(2,)]
+
+
+def test_a_result_over_the_byte_cap_is_refused_although_under_the_row_cap():
+    from attnlab.eval.sql import run_query
+
+    wide = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r LIMIT 40) SELECT randomblob(900000) FROM r"
+    result = run_query(LIBRARY_DB, wide, max_rows=10_000)
+    assert not result.ok and "result larger than" in result.error
+
+
+def test_sql_functions_that_reach_outside_the_database_are_refused():
+    from attnlab.eval.sql import run_query
+
+    for query in ("SELECT hex(fts3_tokenizer('simple'))", "SELECT load_extension('x')", "SELECT fts3_tokenizer('x', x'00')"):
+        result = run_query(LIBRARY_DB, query)
+        assert not result.ok and "not authorized" in result.error, query
+    assert run_query(LIBRARY_DB, "SELECT upper('a'), length('abc')").rows == [("A", 3)]
+
+
+def _spider_with_db_id(tmp_path: Path, db_id: str) -> Path:
+    """A Spider copy whose one question names `db_id`, described in tables.json too, with a database there."""
+    data = Path(shutil.copytree(SPIDER, tmp_path / "spider"))
+    outside = tmp_path / "outside" / "o"
+    outside.mkdir(parents=True)
+    shutil.copy(LIBRARY_DB, outside / "o.sqlite")
+    tables = json.loads((data / "tables.json").read_text())
+    library = next(t for t in tables if t["db_id"] == "library")
+    tables.append({**library, "db_id": db_id})
+    (data / "tables.json").write_text(json.dumps(tables))
+    (data / "dev.json").write_text(json.dumps([{"db_id": db_id, "question": "How many books?", "query": "SELECT count(*) FROM book"}]))
+    return data
+
+
+@pytest.mark.parametrize("db_id", ["../../outside/o", "ABSOLUTE"])
+def test_a_db_id_outside_the_data_directory_is_refused(tmp_path, capsys, db_id):
+    if db_id == "ABSOLUTE":
+        db_id = str(tmp_path / "outside" / "o")
+    data = _spider_with_db_id(tmp_path, db_id)
+    preds = tmp_path / "preds.sql"
+    preds.write_text("SELECT count(*) FROM book\n")
+    assert run_cli("score", "--task", "spider", "--data", str(data), "--predictions", str(preds)) == 1
+    assert_one_error(capsys, "is not a database name", "db_id")
+
+
+# --- JSONL: U+2028 and U+0085 inside strings ----------------------------------------------------------
+
+
+def test_eval_predictions_with_line_separators_inside_strings_read_back_in_score(tmp_path, capsys):
+    from attnlab.data import ByteTokenizer
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2)).save_pretrained(model_dir)
+    ByteTokenizer().save_pretrained(model_dir)
+    data = Path(shutil.copytree(SPIDER, tmp_path / "spider"))
+    questions = ["How many singers?\u2028Count them.", "Names\u0085of singers?", "Ages\u2029?"]
+    (data / "dev.json").write_text(json.dumps([{"db_id": "music", "question": q, "query": "SELECT count(*) FROM singer"}
+                                               for q in questions], ensure_ascii=False), encoding="utf-8")
+    out = tmp_path / "out"
+    assert run_cli("eval", str(model_dir), "--task", "spider", "--data", str(data), "--max-new-tokens", "4",
+                   "--device", "cpu", "--output-dir", str(out)) == 0
+    written = (out / "predictions.jsonl").read_text(encoding="utf-8")
+    assert "\u2028" in written and "\u0085" in written  # raw inside the JSON strings, as json.dumps(ensure_ascii=False) writes
+    capsys.readouterr()
+    assert run_cli("score", "--task", "spider", "--data", str(data), "--predictions", str(out / "predictions.jsonl"),
+                   "-o", str(tmp_path / "rescored")) == 0
+    rescored = [json.loads(line) for line in (tmp_path / "rescored" / "predictions.jsonl").read_text(encoding="utf-8").split("\n") if line]
+    assert [r["prompt"] for r in rescored] == [json.loads(line)["prompt"] for line in written.split("\n") if line]
+
+
+def test_jsonl_records_split_on_newlines_only(tmp_path):
+    from attnlab.data.corpus import jsonl_records
+
+    rows = [{"text": "a\u2028b"}, {"text": "c\u0085d\x1ce"}]
+    content = "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows)
+    assert [r for _, r in jsonl_records(content, tmp_path / "x.jsonl")] == rows
+
+
+# --- sweep: a finished run made with another config is not "done" -------------------------------------
+
+
+def test_a_sweep_rerun_after_the_suite_changed_a_finished_job_refuses_it(tmp_path, small_corpus, tiny, capsys):
+    out = tmp_path / "runs"
+    tiny_set = {k: v for k, v in (o.split("=", 1) for o in tiny)}
+    assert run_cli("train", *sets(tiny), "--run-dir", str(out / "job")) == 0
+    suite = {"name": "s", "set": {**tiny_set, "model.hidden_size": 48}, "jobs": [{"name": "job"}]}
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    before = {p: p.stat().st_mtime_ns for p in (out / "job").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert run_cli("sweep", str(path), "--out-dir", str(out)) == 1
+    printed = capsys.readouterr().out
+    assert "skip" not in printed and "finished earlier" not in printed
+    assert "changed" in printed and "model.hidden_size: 32 -> 48" in " ".join(printed.split())
+    assert {p: p.stat().st_mtime_ns for p in (out / "job").rglob("*") if p.is_file()} == before
+    assert json.loads((out / "sweep.json").read_text())["jobs"][0]["state"] == "changed"
+    # the suite as it was: skipped as finished
+    path.write_text(yaml.safe_dump({**suite, "set": tiny_set}))
+    assert run_cli("sweep", str(path), "--out-dir", str(out)) == 0
+    assert "finished earlier" in capsys.readouterr().out
+
+
+# --- configs: keys given twice, sizes that do not fit -------------------------------------------------
+
+
+def test_a_yaml_key_given_twice_is_refused_with_both_lines(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  hidden_size: 64\ntrain:\n  lr: 0.001\n  max_steps: 20\n  lr: 0.01\n")
+    assert run_cli("preflight", str(path)) == 1
+    assert_one_error(capsys, "'train.lr'", "lines 4 and 6")
+
+
+def test_a_yaml_section_given_twice_is_refused(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 0.001\nmodel:\n  hidden_size: 64\ntrain:\n  max_steps: 20\n")
+    assert run_cli("preflight", str(path)) == 1
+    assert_one_error(capsys, "'train'", "lines 1 and 5")
+
+
+def test_the_duplicate_key_check_follows_aliases_and_merge_keys(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("defaults: &d {lr: 0.001}\ntrain:\n  <<: *d\n  lr: 0.002\nloop: &l [*l]\n")
+    assert run_cli("preflight", str(path)) == 1  # unknown keys 'defaults' and 'loop', not a RecursionError
+    assert_one_error(capsys, "unknown config key 'defaults'")
+
+
+def test_a_suite_key_given_twice_is_refused(tmp_path, capsys):
+    path = tmp_path / "suite.yaml"
+    path.write_text("name: s\ngrid:\n  train.seed: [0, 1]\n  train.seed: [2]\n")
+    assert run_cli("sweep", str(path), "--dry-run") == 1
+    assert_one_error(capsys, "'grid.train.seed'", "lines 3 and 4")
+
+
+def test_max_position_embeddings_below_seq_len_is_refused_by_preflight(tiny, capsys):
+    assert run_cli("preflight", *sets(tiny + ["model.max_position_embeddings=16"])) == 1
+    err = capsys.readouterr()
+    assert "model.max_position_embeddings" in err.out + err.err and "data.seq_len" in err.out + err.err
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_by_generate(tmp_path, capsys):
+    from attnlab.data import ByteTokenizer
+    from attnlab.errors import ConfigError
+    from attnlab.generation import generate
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=16))
+    tokenizer = ByteTokenizer()
+    with pytest.raises(ConfigError, match="longer than the model's 16 positions"):
+        generate(model, tokenizer, ["short", "x" * 40], max_new_tokens=2)
+    assert len(generate(model, tokenizer, "short", max_new_tokens=2)[0].token_ids) == 2
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert run_cli("generate", str(tmp_path / "model"), "-p", "x" * 40, "--device", "cpu") == 1
+    assert_one_error(capsys, "longer than the model's 16 positions", "shorten the prompt")
+
+
+# --- messages that point at the right key --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mixer", ["nsa", "softmax"])
+def test_a_mixer_option_of_the_wrong_type_fails_in_preflight_naming_the_key(tiny, capsys, mixer):
+    assert run_cli("preflight", *sets(tiny + [f"model.mixer={mixer}", "model.mixer_options.num_kv_heads=abc"])) == 1
+    err = capsys.readouterr()
+    assert "model.mixer_options.num_kv_heads" in err.out and "'abc'" in err.out
+    assert "Traceback" not in err.err and len(error_lines(err.err)) == 1
+
+
+def test_a_misspelled_mixer_lists_the_closest_names_not_all(tiny, capsys):
+    assert run_cli("preflight", *sets(tiny + ["model.mixer=glaa"])) == 1
+    out = capsys.readouterr().out
+    assert "did you mean 'gla'" in out
+    assert "linear__output_norm" not in out and "2mamba" not in out
+
+
+def test_max_steps_below_the_default_warmup_names_warmup_steps_and_not_the_default_file(capsys):
+    assert run_cli("preflight", "--set", "train.max_steps=10") == 1
+    err = assert_one_error(capsys, "train.warmup_steps", "--set train.max_steps=10")
+    assert "default.yaml" not in err
+
+
+def test_a_misspelled_generate_setting_suggests_the_generation_key():
+    from attnlab.data import ByteTokenizer
+    from attnlab.errors import ConfigError
+    from attnlab.generation import generate
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2))
+    with pytest.raises(ConfigError) as info:
+        generate(model, ByteTokenizer(), "hi", max_new_token=5)
+    assert "did you mean 'max_new_tokens'" in str(info.value) and "sample_tokens" not in str(info.value)
