@@ -599,8 +599,17 @@ _literal_help(app)
 
 
 def main() -> None:
+    import contextlib
+
+    from attnlab.loading import quiet_gguf_conversion
+
+    # finetune and merge load the built-in GGUF base themselves (generate and eval go through attnlab.loading):
+    # no conversion bar there either; other verbs do not pay for importing transformers' GGUF support
+    verb = sys.argv[1] if len(sys.argv) > 1 else ""
+    quiet = quiet_gguf_conversion() if verb in ("finetune", "merge") and "--help" not in sys.argv else contextlib.nullcontext()
     try:
-        app()
+        with quiet:
+            app()
     except AttnLabError as e:
         err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)

@@ -7,6 +7,8 @@ Weights load through safetensors (or a GGUF file); remote code runs only when as
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -100,15 +102,32 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _from_gguf(auto_class, where: Path, **kwargs):
-    """A model from a GGUF file, without transformers' conversion progress bars; a truncated or
-    damaged file is a CheckpointError, whatever the GGUF reader tripped on."""
-    import transformers
-
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
+@contextlib.contextmanager
+def quiet_gguf_conversion():
+    """Without transformers' "Converting and de-quantizing GGUF tensors" bar, which is a plain tqdm
+    that `transformers.utils.logging.disable_progress_bar` does not reach."""
     try:
-        return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing to silence
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def _from_gguf(auto_class, where: Path, **kwargs):
+    """A model from a GGUF file, without conversion progress bars; a truncated or damaged file is a
+    CheckpointError, whatever the GGUF reader tripped on."""
+    try:
+        with quiet_gguf_conversion():
+            return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001  (the GGUF reader fails on bad bytes with struct, numpy or index errors)
@@ -116,9 +135,6 @@ def _from_gguf(auto_class, where: Path, **kwargs):
             raise
         raise CheckpointError(f"{where} is not a readable GGUF model: the file may be truncated or damaged "
                               f"({where.stat().st_size:,} bytes; the reader stopped at: {e}). Download or convert it again.") from None
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
 
 
 def _read_json(path: Path) -> dict:
