@@ -176,7 +176,7 @@ def load_run(path: Path, name: str | None = None) -> RunRecord:
 def parameter_count(path: Path, status: dict[str, Any]) -> int | None:
     """run.json's `parameters` when the run recorded it; else counted from the saved model config
     (final model or newest checkpoint) on the meta device, which allocates nothing; else None."""
-    value = status.get("parameters")
+    value = status.get("parameters", status.get("total_params"))  # train's key; finetune's
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, dict) and isinstance(value.get("total"), int):
