@@ -127,6 +127,13 @@ def test_generate_refuses_a_gguf_file_with_a_truncated_header(tmp_path, capsys, 
     one_error(capsys, "not a readable GGUF model", "truncated")
 
 
+def test_generate_refuses_a_gguf_named_file_that_is_not_gguf(tmp_path, capsys):
+    path = tmp_path / "model.gguf"
+    path.write_text("<html>404 not found</html>")
+    assert run_cli("generate", str(path), "--prompt", "x") == 1
+    one_error(capsys, "not a GGUF file")
+
+
 def test_generate_with_a_vanishing_temperature_samples_the_greedy_tokens(model_dir, tmp_path, capsys):
     greedy, tiny = tmp_path / "greedy.jsonl", tmp_path / "tiny.jsonl"
     args = ["generate", str(model_dir), "-p", "Hello", "-p", "A", "--max-new-tokens", "6"]

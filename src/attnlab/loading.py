@@ -126,6 +126,14 @@ def _from_gguf(auto_class, where: Path, **kwargs):
     """A model from a GGUF file, without conversion progress bars; a truncated or damaged file is a
     CheckpointError, whatever the GGUF reader tripped on."""
     try:
+        with open(where, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF signature); "
+                              "pass a .gguf model, or an HF model directory")
+    try:
         with quiet_gguf_conversion():
             return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
     except CheckpointError:
@@ -133,8 +141,8 @@ def _from_gguf(auto_class, where: Path, **kwargs):
     except Exception as e:  # noqa: BLE001  (the GGUF reader fails on bad bytes with struct, numpy or index errors)
         if "trust_remote_code" in str(e):
             raise
-        raise CheckpointError(f"{where} is not a readable GGUF model: the file may be truncated or damaged "
-                              f"({where.stat().st_size:,} bytes; the reader stopped at: {e}). Download or convert it again.") from None
+        raise CheckpointError(f"{where} is not a readable GGUF model ({where.stat().st_size:,} bytes; the reader stopped at: {e}). "
+                              "If the file is truncated or damaged, download or convert it again.") from None
 
 
 def _read_json(path: Path) -> dict:
