@@ -602,6 +602,9 @@ def main() -> None:
     import contextlib
 
     from attnlab.loading import quiet_gguf_conversion
+    from attnlab.noise import silence
+
+    silence()  # again: a caller's warnings.catch_warnings around the first import of attnlab would have undone it
 
     # finetune and merge load the built-in GGUF base themselves (generate and eval go through attnlab.loading):
     # no conversion bar there either; other verbs do not pay for importing transformers' GGUF support
