@@ -390,6 +390,8 @@ def test_mixer_statistics_and_eval_metrics_reach_metrics_csv_and_run_json(tmp_pa
     (tmp_path / "config.yaml").write_text("model: {mixer: nsa}\n")
     rec = load_run(tmp_path)  # the report reads the widened file
     assert [r["step"] for r in rec.train] == [2, 4, 6] and rec.train[2]["nsa_k_mean"] == 3.0
+    (tmp_path / "heartbeat.jsonl").unlink()
+    assert load_run(tmp_path).eval_metrics == {"spider/execution_accuracy": 0.25, "spider/examples": 8}  # from run.json
 
 
 def test_resume_keeps_the_widened_metrics_header(tmp_path):

@@ -57,6 +57,8 @@ class RunRecord:
     def eval_metrics(self) -> dict[str, Any]:
         """The newest eval event's metrics (task metrics recorded during training)."""
         events = [h for h in self.heartbeat if h.get("event") == "eval"]
+        if not events and isinstance(self.status.get("eval"), dict):  # run.json keeps the newest one too
+            events = [self.status["eval"]]
         if not events:
             return {}
         return {k: v for k, v in events[-1].items() if k not in ("event", "step", "elapsed_s") and isinstance(v, (int, float))}
