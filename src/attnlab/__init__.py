@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from attnlab.noise import silence as _silence  # noqa: E402
+
+_silence()
+
 
 def load(path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
     """(model, tokenizer) from a run directory, checkpoint, HF model directory or GGUF file."""

@@ -188,18 +188,25 @@ def _read_prompts(path: Path) -> list[dict]:
 
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "save the prompts as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    except OSError as e:
+        raise DataError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
     rows = []
     if path.suffix in (".jsonl", ".json"):
         from attnlab.data.corpus import jsonl_records
 
-        for n, row in jsonl_records(path.read_text(encoding="utf-8"), path):
+        for n, row in jsonl_records(text, path):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise DataError(f'{path}, line {n}: expected an object with a "prompt" string, e.g. {{"id": 1, "prompt": "..."}}')
             rows.append(row)
     else:
         from attnlab.data.corpus import text_lines
 
-        rows = [{"prompt": line} for line in text_lines(path.read_text(encoding="utf-8")) if line.strip()]
+        rows = [{"prompt": line} for line in text_lines(text) if line.strip()]
     if not rows:
         raise DataError(f"{path} holds no prompts")
     return rows
@@ -233,6 +240,7 @@ def generate(
     from attnlab.generation import generate as run_generate
     from attnlab.generation.engine import resolve_config
     from attnlab.loading import describe, load
+    from attnlab.outputs import prepare_output_file, write_text_atomic
 
     if not prompt and input_file is None:
         raise PreflightError("give at least one --prompt or an --input file")
@@ -245,6 +253,8 @@ def generate(
         settings["stop"] = list(stop)
     cfg = resolve_config(settings)  # impossible settings fail here, before the model loads
     rows = [{"prompt": p} for p in prompt] + (_read_prompts(input_file) if input_file else [])
+    if output is not None:
+        prepare_output_file(output)  # before the model loads: no compute spent on results that cannot be written
     err_console.print(f"loading {describe(model)}", highlight=False)
     lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
     presets = getattr(lm, "attnlab_generation_presets", None) or {}  # per-control-token settings of a fine-tuned adapter
@@ -281,9 +291,7 @@ def generate(
             rec["candidates"] = [{"text": c.text, "finish_reason": c.finish_reason, "score": c.score} for c in res.candidates]
         records.append(rec)
     if output is not None:
-        tmp = output.with_name(output.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        tmp.replace(output)
+        write_text_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         console.print(f"wrote {len(records)} results to [bold]{output}[/bold]")
     else:
         for rec in records:
@@ -616,9 +624,42 @@ def bench_data_cmd(
     console.print(f"wrote {out}")
 
 
+def _literal_help(typer_app: typer.Typer, seen: set[int] | None = None) -> None:
+    """Escape square brackets in every option's and argument's help, so that rich prints
+    `[default: 64]` as written instead of eating it as a markup tag."""
+    import inspect
+
+    from typer.models import ParameterInfo
+
+    seen = set() if seen is None else seen
+    for command in typer_app.registered_commands:
+        for param in inspect.signature(command.callback).parameters.values():
+            info = param.default
+            if isinstance(info, ParameterInfo) and info.help and id(info) not in seen:  # options shared by verbs: once
+                seen.add(id(info))
+                info.help = escape(info.help)
+    for group in typer_app.registered_groups:
+        _literal_help(group.typer_instance, seen)
+
+
+_literal_help(app)
+
+
 def main() -> None:
+    import contextlib
+
+    from attnlab.loading import quiet_gguf_conversion
+    from attnlab.noise import silence
+
+    silence()  # again: a caller's warnings.catch_warnings around the first import of attnlab would have undone it
+
+    # finetune and merge load the built-in GGUF base themselves (generate and eval go through attnlab.loading):
+    # no conversion bar there either; other verbs do not pay for importing transformers' GGUF support
+    verb = sys.argv[1] if len(sys.argv) > 1 else ""
+    quiet = quiet_gguf_conversion() if verb in ("finetune", "merge") and "--help" not in sys.argv else contextlib.nullcontext()
     try:
-        app()
+        with quiet:
+            app()
     except AttnLabError as e:
         err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(getattr(e, "exit_code", 1))

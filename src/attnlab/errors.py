@@ -39,3 +39,7 @@ class PreflightError(AttnLabError):
 
 class TrainingDivergedError(AttnLabError):
     """The loss became NaN or infinite; no checkpoint was written after it."""
+
+
+class OutputError(AttnLabError):
+    """An output file or directory cannot be created or written (a file in the way, no permission, a full disk)."""

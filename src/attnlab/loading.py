@@ -7,12 +7,14 @@ Weights load through safetensors (or a GGUF file); remote code runs only when as
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
 import torch
 
-from attnlab.errors import CheckpointError
+from attnlab.errors import CheckpointError, ConfigError
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -72,8 +74,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
 
     transformers.utils.logging.disable_progress_bar()
     where = resolve_model_dir(path)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if (where / "attnlab_adapter.json").is_file():  # fine-tuned: base + control-token resize + adapter, in one call
         from attnlab.finetune.adapter import load_adapter
 
@@ -83,7 +84,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     try:
         if where.suffix == ".gguf":
-            model = AutoModelForCausalLM.from_pretrained(where.parent, gguf_file=where.name, dtype=torch_dtype, **common)
+            model = _from_gguf(AutoModelForCausalLM, where, dtype=torch_dtype, **common)
             try:
                 tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(where.parent, gguf_file=where.name, **common), str(where))
             except Exception as e:  # a GGUF file without tokenizer metadata
@@ -103,6 +104,79 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
     return model.to(device).eval(), tokenizer
 
 
+def resolve_device(device: str) -> str:
+    """`auto` as the machine offers (cuda if visible, else cpu); a device that is not there is refused."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device takes auto, cpu or cuda (or cuda:N), not {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA device is visible to this process (torch {torch.__version__}); "
+                              "use --device cpu, or auto to take a GPU when there is one")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: this machine shows {torch.cuda.device_count()} CUDA device(s), "
+                              f"numbered from 0; pick one of them or use --device cuda")
+    elif dev.type != "cpu":
+        raise ConfigError(f"--device takes auto, cpu or cuda (or cuda:N), not {device!r}")
+    return device
+
+
+@contextlib.contextmanager
+def quiet_gguf_conversion():
+    """Without transformers' "Converting and de-quantizing GGUF tensors" bar, which is a plain tqdm
+    that `transformers.utils.logging.disable_progress_bar` does not reach."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing to silence
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def _from_gguf(auto_class, where: Path, **kwargs):
+    """A model from a GGUF file, without conversion progress bars; a truncated or damaged file is a
+    CheckpointError, whatever the GGUF reader tripped on."""
+    try:
+        with open(where, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF signature); "
+                              "pass a .gguf model, or an HF model directory")
+    try:
+        with quiet_gguf_conversion():
+            return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the GGUF reader fails on bad bytes with struct, numpy or index errors)
+        if "trust_remote_code" in str(e):
+            raise
+        raise CheckpointError(f"{where} is not a readable GGUF model ({where.stat().st_size:,} bytes; the reader stopped at: {e}). "
+                              "If the file is truncated or damaged, download or convert it again.") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the original model or checkpoint") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object; restore it from the original model or checkpoint")
+    return value
+
+
 def _refuse_pickled_only(where: Path) -> None:
     if not list(where.glob("*.safetensors")) and list(where.glob("*.bin")):
         raise CheckpointError(f"{where} holds only pickled weights (*.bin), which attnlab does not load; convert them to safetensors")
@@ -113,7 +187,7 @@ def describe(path: str | Path) -> str:
     if where.suffix == ".gguf":
         return f"GGUF {where.name}"
     if (where / "attnlab_adapter.json").is_file():
-        base = json.loads((where / "attnlab_adapter.json").read_text()).get("base_model")
+        base = _read_json(where / "attnlab_adapter.json").get("base_model")
         return f"adapter {where} on {base}"
-    cfg = json.loads((where / "config.json").read_text())
+    cfg = _read_json(where / "config.json")
     return f"{cfg.get('model_type', '?')} model from {where}"

@@ -81,10 +81,13 @@ def eval_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from attnlab.loading import describe, load
+    from attnlab.outputs import prepare_output_dir
 
     from .runner import evaluate, evaluate_perplexity, generation_config, resolve_data, write_outputs
     from .tasks import get_task, task_name
 
+    if output_dir is not None:
+        prepare_output_dir(output_dir)  # before the model loads: no compute spent on results that cannot be written
     if lm_eval is not None:
         return _lm_eval(model, lm_eval, lm_eval_include, limit, output_dir, batch_size or 8, device, trust_remote_code)
     if task is None:
@@ -136,6 +139,7 @@ def eval_command(
 def _lm_eval(model: str, tasks: str, include: Optional[Path], limit: Optional[int], output_dir: Optional[Path],
              batch_size: int, device: str, trust_remote_code: bool) -> None:
     from attnlab.loading import describe, load
+    from attnlab.outputs import prepare_output_dir, write_text_atomic
 
     from .lmeval import require_lm_eval, run_lm_eval
 
@@ -147,9 +151,9 @@ def _lm_eval(model: str, tasks: str, include: Optional[Path], limit: Optional[in
         raise ConfigError(f"--lm-eval-include {include} is not a directory of task YAMLs")
     lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
     metrics = run_lm_eval(lm, tokenizer, names, limit=limit, include_path=str(include) if include else None, batch_size=batch_size)
-    out = output_dir or _default_out("lmeval")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps({"task": "lmeval", "tasks": names, "model": describe(model), "metrics": metrics}, indent=1) + "\n")
+    out = prepare_output_dir(output_dir or _default_out("lmeval"))
+    write_text_atomic(out / "metrics.json", json.dumps({"task": "lmeval", "tasks": names, "model": describe(model), "metrics": metrics}, indent=1) + "\n",
+                      what="the eval output")
     console.print(_summary("lm-evaluation-harness", metrics))
     console.print(f"wrote [bold]{out / 'metrics.json'}[/bold]")
 
@@ -169,6 +173,10 @@ def score_command(
     name = task_name(task)
     if name == "perplexity":
         raise ConfigError("perplexity scores a model, not predictions; use attnlab eval MODEL --task perplexity")
+    if output_dir is not None:
+        from attnlab.outputs import prepare_output_dir
+
+        prepare_output_dir(output_dir)
     where = resolve_data(name, data)
     result = score(name, predictions, where, split, limit)
     result.data = str(where)

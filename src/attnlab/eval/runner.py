@@ -199,12 +199,12 @@ def _default_seq_len(model, path: Path) -> int:
 
 def write_outputs(result: EvalResult, out_dir: Path, extra: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """metrics.json and predictions.jsonl in `out_dir`, each written to a temporary name and renamed."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from attnlab.outputs import prepare_output_dir, write_text_atomic
+
+    out_dir = prepare_output_dir(out_dir)
     metrics_path, predictions_path = out_dir / "metrics.json", out_dir / "predictions.jsonl"
     payload = {"task": result.task, "data": result.data, "metrics": result.metrics, **(extra or {})}
     for path, text in ((predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records)),
                        (metrics_path, json.dumps(payload, indent=1, ensure_ascii=False) + "\n")):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomic(path, text, what="the eval output")
     return metrics_path, predictions_path

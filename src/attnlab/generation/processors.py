@@ -22,8 +22,14 @@ def repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: float)
 
 
 def warp_for_sampling(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus), as HF's sampling warpers; removed tokens get -inf."""
-    scores = scores / temperature
+    """Temperature, then top-k, then top-p (nucleus), as HF's sampling warpers; removed tokens get -inf.
+
+    The best score is subtracted before dividing by the temperature (softmax is unchanged by it): a
+    tiny temperature then sends the others to -inf instead of every score to +-inf, whose difference
+    is NaN, so that temperature -> 0 samples the most likely token as greedy decoding picks it.
+    """
+    scores = scores.float()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_k > 0:
         k = min(top_k, scores.shape[-1])
         kth_best = torch.topk(scores, k, dim=-1).values[:, -1:]

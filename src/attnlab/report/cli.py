@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from attnlab.errors import AttnLabError
+
 
 def report(
     run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR...", help="Run directories, or a sweep's output directory (all runs in it)."),
@@ -21,8 +23,15 @@ def report(
     from .render import write_report
 
     console = Console()
+    err_console = Console(stderr=True)
     runs = load_runs(run_dirs)
-    paths = write_report(runs, out, title or f"attnlab report: {len(runs)} runs")
+    bad = [r for r in runs if r.error is not None]
+    if len(bad) == len(runs):
+        raise AttnLabError("no run could be read: " + "; ".join(f"{r.path}: {r.error}" for r in bad))
+    for r in bad:
+        err_console.print(f"[yellow]warning:[/yellow] left out {escape(str(r.path))}: {escape(r.error)}", highlight=False, soft_wrap=True)
+    readable = len(runs) - len(bad)
+    paths = write_report(runs, out, title or f"attnlab report: {readable} runs")
     console.print((paths["md"]).read_text(), highlight=False, markup=False)
     for kind, p in paths.items():
         console.print(f"{kind}: {escape(str(p))}", highlight=False)

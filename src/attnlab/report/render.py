@@ -14,8 +14,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
 
 from .load import RunRecord, config_differences  # noqa: E402
+
+# Runs whose curves coincide (two seeds that agree, a rerun) stay apart: each run has its own
+# colour, line style and marker, so that one line drawn over another still shows both.
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
 def _fig_png(fig) -> bytes:
@@ -30,44 +36,80 @@ def _colors(n: int):
     return [cmap(i % cmap.N) for i in range(n)]
 
 
-def loss_plot(runs: list[RunRecord]) -> bytes:
-    """The main plot: validation loss (markers) over training loss (faint line) against steps."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for run, c in zip(runs, _colors(len(runs))):
+def _styles(n: int) -> list[dict]:
+    """Colour, line style and marker of each of `n` runs: no two runs share all three."""
+    return [dict(color=c, linestyle=LINE_STYLES[i % len(LINE_STYLES)], marker=MARKERS[i % len(MARKERS)])
+            for i, c in enumerate(_colors(n))]
+
+
+def _spaced_ticks(ax, engineering: bool = False) -> None:
+    """At most four x ticks from 0 (steps, tokens, seconds and rates are never negative), large numbers
+    as 2k / 1.5M: tick labels never run into each other, nor into the next panel's."""
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=4, min_n_ticks=2))
+    if engineering:
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.set_xlim(left=0)
+
+
+def _legend(fig, ax, n: int) -> None:
+    """Inside the plot for a few runs; beside it, in columns, for many (it would hide the curves)."""
+    if n <= 6:
+        ax.legend(fontsize=8, loc="upper right")
+    else:
+        fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="outside right upper", ncols=1 + n // 25)
+
+
+def loss_figure(runs: list[RunRecord]):
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    for run, style in zip(runs, _styles(len(runs))):
         if run.train:
-            ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=c, alpha=0.3, linewidth=1)
+            ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=style["color"],
+                    linestyle=style["linestyle"], alpha=0.55, linewidth=1.2, zorder=1)
         if run.val:
-            ax.plot([r["step"] for r in run.val], [r["val_loss"] for r in run.val], color=c, marker="o", markersize=3, linewidth=1.8, label=run.name)
+            ax.plot([r["step"] for r in run.val], [r["val_loss"] for r in run.val], **style, markersize=4,
+                    markerfacecolor="none", linewidth=1.8, label=run.name, zorder=2)
         elif run.train:
-            ax.plot([], [], color=c, label=f"{run.name} (train only)")
+            ax.plot([], [], color=style["color"], linestyle=style["linestyle"], label=f"{run.name} (train only)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("validation loss (markers) and training loss (faint)")
+    ax.set_title("validation loss (markers) and training loss (thin line)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    return _fig_png(fig)
+    _spaced_ticks(ax, engineering=True)
+    _legend(fig, ax, len(runs))
+    return fig
+
+
+def loss_plot(runs: list[RunRecord]) -> bytes:
+    """The main plot: validation loss (markers) over training loss (thin line, same colour) against steps."""
+    return _fig_png(loss_figure(runs))
+
+
+def bpb_figure(runs: list[RunRecord]):
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True, layout="constrained")
+    fig.get_layout_engine().set(wspace=0.06)  # room between the panels for their outermost tick labels
+    xs = (("step", lambda r, run: r["step"]), ("tokens", lambda r, run: r["step"] * run.tokens_per_step),
+          ("wall time (s)", lambda r, run: r.get("elapsed_s") or 0.0))
+    for ax, (label, fx) in zip(axes, xs):
+        for run, style in zip(runs, _styles(len(runs))):
+            pts = [(fx(r, run), r["val_bpb"]) for r in run.val if r.get("val_bpb") is not None]
+            if pts:
+                ax.plot(*zip(*pts), **style, markersize=4, markerfacecolor="none", label=run.name)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+        _spaced_ticks(ax, engineering=True)
+    axes[0].set_ylabel("validation bits per byte")
+    _legend(fig, axes[-1], len(runs))
+    fig.suptitle("validation bits per byte")
+    return fig
 
 
 def bpb_plots(runs: list[RunRecord]) -> bytes:
     """Validation bits per byte against steps, tokens and wall time."""
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
-    xs = (("step", lambda r, run: r["step"]), ("tokens", lambda r, run: r["step"] * run.tokens_per_step),
-          ("wall time (s)", lambda r, run: r.get("elapsed_s") or 0.0))
-    for ax, (label, fx) in zip(axes, xs):
-        for run, c in zip(runs, _colors(len(runs))):
-            pts = [(fx(r, run), r["val_bpb"]) for r in run.val if r.get("val_bpb") is not None]
-            if pts:
-                ax.plot(*zip(*pts), color=c, marker="o", markersize=3, label=run.name)
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation bits per byte")
-    axes[-1].legend(fontsize=8)
-    fig.suptitle("validation bits per byte")
-    return _fig_png(fig)
+    return _fig_png(bpb_figure(runs))
 
 
-def throughput_plots(runs: list[RunRecord]) -> bytes:
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, max(2.5, 0.35 * len(runs) + 1.2)))
+def throughput_figure(runs: list[RunRecord]):
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, max(2.5, 0.35 * len(runs) + 1.2)), layout="constrained")
     names = [r.name for r in runs]
     colors = _colors(len(runs))
     a1.barh(names, [r.tokens_per_s or 0 for r in runs], color=colors)
@@ -79,35 +121,60 @@ def throughput_plots(runs: list[RunRecord]) -> bytes:
     else:
         a2.barh(names, [r.peak("cpu_rss_mib") or 0 for r in runs], color=colors)
         a2.set_xlabel("peak CPU resident memory (MiB)")
-    a2.set_yticklabels([])
+    a2.set_yticks(range(len(names)), [""] * len(names))
     for ax in (a1, a2):
         ax.invert_yaxis()
         ax.grid(alpha=0.3, axis="x")
-    return _fig_png(fig)
+        _spaced_ticks(ax, engineering=True)
+    return fig
+
+
+def throughput_plots(runs: list[RunRecord]) -> bytes:
+    return _fig_png(throughput_figure(runs))
 
 
 def _num(x, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else ""
 
 
+def parameters(n: int | None) -> str:
+    """135M, 2.4M, 53.3k: a parameter count as people say it; "—" when unknown."""
+    if n is None:
+        return "—"
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
 def summary_rows(runs: list[RunRecord]) -> tuple[list[str], list[list[str]]]:
+    """The summary table of the readable runs."""
+    runs = [r for r in runs if r.error is None]
     gpu = any(r.peak("gpu_mem_reserved_mib") is not None for r in runs)
-    header = ["run", "mixer", "status", "steps", "val loss", "val bpb", "tokens/s", "peak GPU MiB" if gpu else "peak RSS MiB", "wall s"]
+    header = ["run", "mixer", "status", "parameters", "steps", "val loss", "val bpb", "tokens/s",
+              "peak GPU MiB" if gpu else "peak RSS MiB", "wall s"]
     rows = []
     for r in runs:
         vl = r.status.get("val_loss", r.val[-1]["val_loss"] if r.val else None)
         vb = r.status.get("val_bpb", r.val[-1].get("val_bpb") if r.val else None)
         mem = r.peak("gpu_mem_reserved_mib") if gpu else r.peak("cpu_rss_mib")
-        rows.append([r.name, r.mixer, str(r.status.get("status", "?")), str(r.steps), _num(vl, ".4f"), _num(vb, ".3f"),
-                     _num(r.tokens_per_s, ",.0f"), _num(mem, ",.0f"), _num(r.status.get("wall_s"), ".0f")])
+        rows.append([r.name, r.mixer, str(r.status.get("status", "?")), parameters(r.parameters), str(r.steps), _num(vl, ".4f"),
+                     _num(vb, ".3f"), _num(r.tokens_per_s, ",.0f"), _num(mem, ",.0f"), _num(r.status.get("wall_s"), ".0f")])
     return header, rows
+
+
+VAL_LOSS = 5  # column of the summary table the Markdown table is sorted by
 
 
 def markdown_table(runs: list[RunRecord]) -> str:
     header, rows = summary_rows(runs)
-    order = sorted(range(len(rows)), key=lambda i: float(rows[i][4]) if rows[i][4] else float("inf"))
+    order = sorted(range(len(rows)), key=lambda i: float(rows[i][VAL_LOSS]) if rows[i][VAL_LOSS] else float("inf"))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i >= 3 else "---" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in rows[i]) + " |" for i in order]
+    bad = [r for r in runs if r.error is not None]
+    if bad:
+        lines += ["", "Unreadable runs (left out above):", ""]
+        lines += [f"- {r.name} ({r.path}): {r.error}" for r in bad]
     return "\n".join(lines) + "\n"
 
 
@@ -133,14 +200,20 @@ pre{white-space:pre-wrap;margin:0;font-size:0.85em} h2{border-bottom:1px solid #
 
 
 def render_html(runs: list[RunRecord], main_png: bytes, title: str) -> str:
+    bad = [r for r in runs if r.error is not None]
+    runs = [r for r in runs if r.error is None]
     header, rows = summary_rows(runs)
+    counted = f"{len(runs)} runs" + (f" ({len(bad)} more could not be read)" if bad else "")
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
-             f"<p>{len(runs)} runs, generated {html.escape(time.strftime('%Y-%m-%d %H:%M'))}.</p>",
-             "<h2>Summary</h2>", _table(header, rows),
-             "<h2>Loss</h2>", _img(main_png, "validation and training loss against steps"),
-             "<h2>Bits per byte</h2>", _img(bpb_plots(runs), "validation bits per byte against steps, tokens and wall time"),
-             "<h2>Throughput and memory</h2>", _img(throughput_plots(runs), "tokens per second and peak memory")]
+             f"<p>{counted}, generated {html.escape(time.strftime('%Y-%m-%d %H:%M'))}.</p>",
+             "<h2>Summary</h2>", _table(header, rows)]
+    if bad:
+        parts += ["<h2>Unreadable runs</h2>", "<p>Left out of the tables and plots; fix or remove the file named.</p>",
+                  _table(["run", "directory", "reason"], [[r.name, str(r.path), r.error] for r in bad])]
+    parts += ["<h2>Loss</h2>", _img(main_png, "validation and training loss against steps"),
+              "<h2>Bits per byte</h2>", _img(bpb_plots(runs), "validation bits per byte against steps, tokens and wall time"),
+              "<h2>Throughput and memory</h2>", _img(throughput_plots(runs), "tokens per second and peak memory")]
     metrics = {r.name: r.eval_metrics for r in runs if r.eval_metrics}
     if metrics:
         keys = sorted(set().union(*metrics.values()))
@@ -170,13 +243,12 @@ def render_html(runs: list[RunRecord], main_png: bytes, title: str) -> str:
 
 def write_report(runs: list[RunRecord], out: Path, title: str) -> dict[str, Path]:
     """Write OUT.html, OUT.png (the main loss plot) and OUT.md (the summary table)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    main_png = loss_plot(runs)
+    from attnlab.outputs import prepare_output_file, write_bytes_atomic, write_text_atomic
+
+    out = prepare_output_file(Path(out), what="--out")
+    main_png = loss_plot([r for r in runs if r.error is None])
     paths = {"html": out, "png": out.with_suffix(".png"), "md": out.with_suffix(".md")}
-    paths["png"].write_bytes(main_png)
-    paths["md"].write_text(markdown_table(runs), encoding="utf-8")
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text(render_html(runs, main_png, title), encoding="utf-8")
-    tmp.replace(out)
+    write_bytes_atomic(paths["png"], main_png, what="the report's plot")
+    write_text_atomic(paths["md"], markdown_table(runs), what="the report's table")
+    write_text_atomic(out, render_html(runs, main_png, title), what="the report")
     return paths

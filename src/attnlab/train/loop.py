@@ -695,6 +695,13 @@ def _write_status(run_dir: Path, status: str, cfg: RunConfig, report: PreflightR
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **{k: v for k, v in extra.items() if v is not None},
     }
+    if "eval" not in record:  # the latest evaluation during training, which the logger merges in, stays
+        try:
+            old = json.loads((run_dir / "run.json").read_text())
+        except (OSError, ValueError):
+            old = None
+        if isinstance(old, dict) and "eval" in old:
+            record["eval"] = old["eval"]
     tmp = run_dir / "run.json.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(run_dir / "run.json")

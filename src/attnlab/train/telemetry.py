@@ -64,11 +64,14 @@ class RunLogger:
         if not self.metrics_path.exists():
             with open(self.metrics_path, "w", newline="") as f:
                 csv.writer(f).writerow(METRICS_COLUMNS)
+        self.columns = _csv_header(self.metrics_path) or list(METRICS_COLUMNS)
+        self.eval_metrics: dict[str, Any] = {}  # the newest evaluation during training, as run.json records it
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def heartbeat(self, record: dict[str, Any]) -> None:
+        extra = [k for k in record if k not in METRICS_COLUMNS]  # statistics a mixer reports (NSA's nsa_*)
         record = {**record, **memory_fields()}
         if self.rank_path is not None:
             with open(self.rank_path, "a") as f:
@@ -77,7 +80,7 @@ class RunLogger:
             return
         with open(self.heartbeat_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self._row(record)
+        self._row(record, extra)
         step = record["step"]
         for key, value in record.items():
             if key not in ("step", "elapsed_s") and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -96,6 +99,9 @@ class RunLogger:
         """Task metrics from evaluation during training (e.g. spider/execution_accuracy)."""
         with open(self.heartbeat_path, "a") as f:
             f.write(json.dumps({"step": step, "event": "eval", **metrics}) + "\n")
+        self._row({"step": step, **metrics}, list(metrics))
+        self.eval_metrics = {"step": step, **metrics}
+        _merge_into_json(self.run_dir / "run.json", "eval", self.eval_metrics)
         for key, value in metrics.items():
             if isinstance(value, (int, float)):
                 self.tb.add_scalar(f"eval/{key}", value, step)
@@ -109,9 +115,13 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({"sample": prompt + text}, step=step)
 
-    def _row(self, record: dict[str, Any]) -> None:
+    def _row(self, record: dict[str, Any], extra: list[str] = ()) -> None:
+        new = [k for k in extra if k not in self.columns and isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)]
+        if new:  # a statistic or eval metric seen for the first time: one more column, earlier rows blank there
+            self.columns += new
+            _widen_csv(self.metrics_path, self.columns)
         with open(self.metrics_path, "a", newline="") as f:
-            csv.writer(f).writerow([_fmt(record.get(c)) for c in METRICS_COLUMNS])
+            csv.writer(f).writerow([_fmt(record.get(c)) for c in self.columns])
 
     def close(self) -> None:
         if self.tb is not None:
@@ -189,6 +199,37 @@ def check_telemetry(run_dir: Path) -> None:
                  *sorted(run_dir.glob("heartbeat_rank*.jsonl"))]:
         read_jsonl(path)
     read_csv_rows(run_dir / "metrics.csv")
+
+
+def _csv_header(path: Path) -> list[str]:
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
+
+
+def _widen_csv(path: Path, columns: list[str]) -> None:
+    """Rewrite `path` under the header `columns` (the old ones first), atomically."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))[1:]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        writer.writerows(row + [""] * (len(columns) - len(row)) for row in rows)
+    tmp.replace(path)
+
+
+def _merge_into_json(path: Path, key: str, value: Any) -> None:
+    """Set `key` in the JSON object at `path` (written whole under a temporary name, then renamed)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {}
+    if not isinstance(record, dict):
+        record = {}
+    record[key] = value
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
 
 
 def _truncate_jsonl_after(path: Path, step: int) -> None:

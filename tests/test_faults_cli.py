@@ -1,0 +1,449 @@
+"""Bad input and faults met by generate, eval, score and report: one `error:` line that says what to do,
+a non-zero exit, no traceback, and nothing half-written left behind."""
+
+import errno
+import json
+import struct
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from attnlab.data import ByteTokenizer
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("model") / "m"
+    AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2, mixer="gla")).save_pretrained(path)
+    ByteTokenizer().save_pretrained(path)
+    return path
+
+
+def one_error(capsys, *words: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.count("error:") == 1, err
+    for word in words:
+        assert word in err, err
+    return err
+
+
+# --- generate ---------------------------------------------------------------------------------------------
+
+
+def test_generate_refuses_a_prompt_file_that_is_not_utf8(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("café\n".encode("latin-1"))
+    assert run_cli("generate", str(model_dir), "--input", str(prompts)) == 1
+    one_error(capsys, "not UTF-8", str(prompts))
+
+
+def test_generate_refuses_cuda_when_no_cuda_device_is_visible(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_cli("generate", str(model_dir), "--prompt", "x", "--device", "cuda") == 1
+    one_error(capsys, "no CUDA device", "--device cpu")
+
+
+def test_generate_refuses_a_device_it_does_not_know(model_dir, capsys):
+    assert run_cli("generate", str(model_dir), "--prompt", "x", "--device", "gpu") == 1
+    one_error(capsys, "--device takes auto, cpu or cuda")
+
+
+def test_generate_creates_the_missing_directories_of_its_output(model_dir, tmp_path):
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    assert run_cli("generate", str(model_dir), "-p", "a", "-p", "b", "--output", str(out), "--max-new-tokens", "2") == 0
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["a", "b"]
+
+
+def test_generate_refuses_an_output_that_is_a_directory(model_dir, tmp_path, capsys):
+    assert run_cli("generate", str(model_dir), "-p", "a", "-p", "b", "--output", str(tmp_path), "--max-new-tokens", "2") == 1
+    one_error(capsys, "is a directory")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0, reason="root writes anywhere")
+def test_generate_refuses_an_output_in_a_read_only_directory_before_loading_the_model(model_dir, tmp_path, capsys, monkeypatch):
+    import attnlab.loading
+
+    monkeypatch.setattr(attnlab.loading, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert run_cli("generate", str(model_dir), "-p", "a", "-p", "b", "--output", str(locked / "out.jsonl")) == 1
+    finally:
+        locked.chmod(0o755)
+    one_error(capsys, "not writable")
+    assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")])
+def test_generate_says_when_its_output_cannot_be_written_and_leaves_nothing_behind(model_dir, tmp_path, capsys, monkeypatch, code, reason):
+    from pathlib import Path
+
+    write_text = Path.write_text
+
+    def failing(self, *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            write_text(self, "partial")  # the disk filled up half way
+            raise OSError(code, reason)
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    out = tmp_path / "out.jsonl"
+    assert run_cli("generate", str(model_dir), "-p", "a", "-p", "b", "--output", str(out), "--max-new-tokens", "2") == 1
+    one_error(capsys, reason, str(out))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_refuses_a_model_whose_config_json_is_malformed(model_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "config.json").write_text('{"model_type": "attnlab", ')
+    assert run_cli("generate", str(broken), "--prompt", "x") == 1
+    one_error(capsys, "config.json", "not valid JSON")
+
+
+def test_generate_refuses_a_model_whose_config_json_is_not_an_object(model_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("[1, 2]")
+    assert run_cli("generate", str(broken), "--prompt", "x") == 1
+    one_error(capsys, "config.json", "not an object")
+
+
+@pytest.mark.parametrize("cut", [10, 40])
+def test_generate_refuses_a_gguf_file_with_a_truncated_header(tmp_path, capsys, cut):
+    key = b"general.architecture"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 2) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 8) + struct.pack("<Q", 5) + b"llama"
+    path = tmp_path / "model.gguf"
+    path.write_bytes(header[:cut])
+    assert run_cli("generate", str(path), "--prompt", "x") == 1
+    one_error(capsys, "not a readable GGUF model", "truncated")
+
+
+def test_generate_refuses_a_gguf_named_file_that_is_not_gguf(tmp_path, capsys):
+    path = tmp_path / "model.gguf"
+    path.write_text("<html>404 not found</html>")
+    assert run_cli("generate", str(path), "--prompt", "x") == 1
+    one_error(capsys, "not a GGUF file")
+
+
+def test_generate_with_a_vanishing_temperature_samples_the_greedy_tokens(model_dir, tmp_path, capsys):
+    greedy, tiny = tmp_path / "greedy.jsonl", tmp_path / "tiny.jsonl"
+    args = ["generate", str(model_dir), "-p", "Hello", "-p", "A", "--max-new-tokens", "6"]
+    assert run_cli(*args, "--output", str(greedy)) == 0
+    assert run_cli(*args, "--do-sample", "--temperature", "1e-45", "--output", str(tiny)) == 0
+    assert "error" not in capsys.readouterr().err
+    tokens = lambda path: [json.loads(line)["token_ids"] for line in path.read_text().splitlines()]
+    assert tokens(tiny) == tokens(greedy)
+
+
+def test_sampling_warper_never_yields_nan_probabilities():
+    from attnlab.generation.processors import warp_for_sampling
+
+    scores = torch.tensor([[3.0, 1.0, 3.0, -2.0], [0.5, 0.25, 0.0, 40.0]])
+    for temperature in (1e-45, 1e-30, 1e-6):
+        probs = warp_for_sampling(scores, temperature, top_k=0, top_p=0.9).softmax(-1)
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs.argmax(-1), torch.tensor([0, 3]))
+    assert torch.allclose(warp_for_sampling(scores, 0.7, 0, 1.0).softmax(-1), (scores / 0.7).softmax(-1))
+
+
+# --- eval and score ---------------------------------------------------------------------------------------
+
+
+def test_eval_refuses_an_output_dir_that_is_a_file_before_loading_the_model(model_dir, tmp_path, capsys, monkeypatch):
+    import attnlab.loading
+
+    monkeypatch.setattr(attnlab.loading, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    assert run_cli("eval", str(model_dir), "--task", "perplexity", "--output-dir", str(taken)) == 1
+    one_error(capsys, "is a file")
+    assert taken.read_text() == "keep me"
+
+
+def test_score_refuses_an_output_dir_that_is_a_file(tmp_path, capsys):
+    taken, predictions = tmp_path / "taken", tmp_path / "predictions.txt"
+    taken.write_text("keep me")
+    predictions.write_text("SELECT 1\n")
+    assert run_cli("score", "--task", "spider", "--predictions", str(predictions), "--output-dir", str(taken)) == 1
+    one_error(capsys, "is a file")
+    assert taken.read_text() == "keep me"
+
+
+# --- help -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verb, shown", [("generate", "at most [default: 64]"), ("eval", "at most [default: the task's]")])
+def test_help_shows_the_defaults_written_in_brackets(verb, shown, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    assert run_cli(verb, "--help") == 0
+    out = capsys.readouterr().out
+    assert shown in out and "Sampling temperature [default: 1.0]" in out
+    assert "at most ." not in out and "temperature ." not in out
+
+
+# --- report -----------------------------------------------------------------------------------------------
+
+
+def fake_run(path, seed: int = 0, steps: int = 6, **status):
+    """A run directory as attnlab train leaves it (config, run.json, metrics, heartbeat), without training."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(f"model:\n  mixer: gla\n  hidden_size: 32\ntrain:\n  seed: {seed}\n  batch_size: 4\ndata:\n  seq_len: 32\n")
+    (path / "run.json").write_text(json.dumps({"status": "finished", "wall_s": 9.5, **status}))
+    rows = ["step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb"]
+    beats = []
+    for step in range(2, steps + 1, 2):
+        loss = 5.5 - 0.1 * step - 0.01 * seed
+        rows.append(f"{step},{step * 1.5},{loss},0.001,1.0,500.0,,")
+        rows.append(f"{step},{step * 1.5 + 0.5},,,,,{loss + 0.05},{(loss + 0.05) / 0.69}")
+        beats.append(json.dumps({"step": step, "loss": loss, "elapsed_s": step * 1.5, "tokens_per_s": 500.0, "cpu_rss_mib": 600.0}))
+    (path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    (path / "heartbeat.jsonl").write_text("\n".join(beats) + "\n")
+    return path
+
+
+def break_heartbeat(run):
+    (run / "heartbeat.jsonl").write_bytes(b'{"step": 2, "loss": 5.3}\n\x00 garbage \x13\n{"step": 4, "loss": 5.1}\n')
+
+
+def break_metrics(run):
+    with open(run / "metrics.csv", "a") as f:
+        f.write("8,12.0,five point one,0.001,1.0,500.0,,\n10,15.0,5.0,0.001,1.0,500.0,,\n")
+
+
+def break_run_json(run):
+    (run / "run.json").write_text('{"status": "finish')
+
+
+def list_run_json(run):
+    (run / "run.json").write_text('["finished", 9.5]')
+
+
+def break_config(run):
+    (run / "config.yaml").write_text("model: {mixer: gla\ntrain: [1, 2\n")
+
+
+def list_config(run):
+    (run / "config.yaml").write_text("- model\n- train\n")
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (break_heartbeat, "heartbeat.jsonl line 2"), (break_metrics, "metrics.csv line"), (break_run_json, "run.json is not valid JSON"),
+    (list_run_json, "run.json holds a list"), (break_config, "config.yaml is not valid YAML"), (list_config, "config.yaml holds a list"),
+])
+def test_report_lists_an_unreadable_run_with_the_reason_and_reports_the_others(tmp_path, capsys, damage, reason):
+    runs = tmp_path / "suite"
+    fake_run(runs / "a", seed=0)
+    fake_run(runs / "b", seed=1)
+    damage(fake_run(runs / "broken", seed=2))
+    page = tmp_path / "report.html"
+    assert run_cli("report", str(runs), "--out", str(page)) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "broken" in err and reason in err
+    html = page.read_text()
+    assert "Unreadable runs" in html and reason in html
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("Unreadable runs")[0]
+    assert "| a |" in table and "| b |" in table and "broken" not in table
+    assert reason in md.split("Unreadable runs")[1]
+
+
+def test_report_with_no_readable_run_exits_with_one_error(tmp_path, capsys):
+    break_run_json(fake_run(tmp_path / "suite" / "only"))
+    assert run_cli("report", str(tmp_path / "suite"), "--out", str(tmp_path / "r.html")) == 1
+    one_error(capsys, "no run could be read", "run.json")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_keeps_a_run_whose_files_end_in_a_line_cut_by_a_kill(tmp_path, capsys):
+    from attnlab.report.load import load_run
+
+    run = fake_run(tmp_path / "killed")
+    with open(run / "heartbeat.jsonl", "a") as f:
+        f.write('{"step": 8, "loss": 4.')
+    with open(run / "metrics.csv", "a") as f:
+        f.write("8,12.0,4.")
+    rec = load_run(run)
+    assert rec.steps == 6 and len(rec.heartbeat) == 3
+
+
+def test_report_refuses_an_out_path_that_is_a_directory(tmp_path, capsys):
+    fake_run(tmp_path / "suite" / "a")
+    assert run_cli("report", str(tmp_path / "suite"), "--out", str(tmp_path)) == 1
+    one_error(capsys, "is a directory")
+
+
+def test_report_shows_parameter_counts_from_run_json_else_the_saved_model_else_a_dash(tmp_path, model_dir):
+    from attnlab.models import AttnLabForCausalLM
+    from attnlab.report.load import load_runs
+    from attnlab.report.render import markdown_table
+
+    fake_run(tmp_path / "suite" / "recorded", parameters=135_000_000)
+    saved = fake_run(tmp_path / "suite" / "saved")
+    (saved / "final").mkdir()
+    (saved / "final" / "config.json").write_text((model_dir / "config.json").read_text())
+    fake_run(tmp_path / "suite" / "unknown")
+    runs = {r.name: r for r in load_runs([tmp_path / "suite"])}
+    expected = sum(p.numel() for p in AttnLabForCausalLM.from_pretrained(model_dir).parameters())
+    assert runs["recorded"].parameters == 135_000_000
+    assert runs["saved"].parameters == expected
+    assert runs["unknown"].parameters is None
+    md = markdown_table(list(runs.values()))
+    assert "parameters" in md.splitlines()[0] and "135M" in md and "—" in md
+
+
+def _overlaps(fig) -> list[tuple[str, str]]:
+    """Pairs of texts of `fig` (tick labels of every panel, axis labels, titles) whose boxes overlap."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [fig._suptitle] if fig._suptitle is not None else []
+    for ax in fig.axes:
+        texts.append(ax.title)
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            drawn = [t.label1 for t in axis.get_major_ticks() if lo <= t.get_loc() <= hi and t.label1.get_visible()]
+            texts += drawn + [axis.label, axis.get_offset_text()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_text()]
+    return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+
+
+def test_report_plots_have_no_overlapping_tick_labels_at_large_step_and_token_counts(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from attnlab.report.load import load_run
+    from attnlab.report.render import bpb_figure, loss_figure, throughput_figure
+
+    for n, scale, steps, rate in [(3, 1, 6, 500), (12, 123_457, 4, 1_234_567), (30, 1000, 8, 98_765), (5, 7, 400, 33_333)]:
+        runs = []
+        for seed in range(n):
+            run = fake_run(tmp_path / f"{n}-{scale}" / f"run-with-a-long-name-{seed}", seed=seed, steps=steps)
+            lines = (run / "metrics.csv").read_text().splitlines()
+            # long runs: steps in the hundreds of thousands, tokens in the billions, throughput in the millions
+            lines = [lines[0]] + [",".join([str(int(r.split(",")[0]) * scale)] + r.split(",")[1:5] + [str(rate)] + r.split(",")[6:])
+                                  for r in lines[1:]]
+            (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+            runs.append(load_run(run))
+        for make in (loss_figure, bpb_figure, throughput_figure):
+            fig = make(runs)
+            assert _overlaps(fig) == [], (n, make.__name__)
+            plt.close(fig)
+
+
+def test_report_curves_that_coincide_stay_distinguishable_and_training_loss_is_coloured(tmp_path):
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    from attnlab.report.load import load_run
+    from attnlab.report.render import loss_figure
+
+    a, b = (load_run(fake_run(tmp_path / name, seed=0)) for name in ("a", "b"))  # the same numbers twice
+    fig = loss_figure([a, b])
+    lines = [line for line in fig.axes[0].get_lines() if len(line.get_xdata())]
+    val = [line for line in lines if line.get_label() in ("a", "b")]
+    train = [line for line in lines if line not in val]
+    assert len(val) == 2 and len(train) == 2
+    looks = {(line.get_linestyle(), line.get_marker(), to_rgba(line.get_color())) for line in val}
+    assert len(looks) == 2 and val[0].get_linestyle() != val[1].get_linestyle() and val[0].get_marker() != val[1].get_marker()
+    for t, v in zip(train, val):
+        assert to_rgba(t.get_color())[:3] == to_rgba(v.get_color())[:3]  # the run's colour, not grey
+        assert t.get_alpha() >= 0.5
+    plt.close(fig)
+
+
+# --- telemetry: what the heartbeat holds reaches metrics.csv, eval metrics reach run.json ----------------
+
+
+def test_mixer_statistics_and_eval_metrics_reach_metrics_csv_and_run_json(tmp_path):
+    import csv
+
+    from attnlab.train.telemetry import RunLogger
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running"}))
+    logger = RunLogger(tmp_path)
+    logger.heartbeat({"step": 2, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "elapsed_s": 1.0})
+    logger.heartbeat({"step": 4, "loss": 4.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "elapsed_s": 2.0,
+                      "nsa_gate_entropy_mean": 0.9, "nsa_k_mean": 3.5})
+    logger.validation(4, 2.5, 4.2, 6.0)
+    logger.validation_metrics(4, {"spider/execution_accuracy": 0.25, "spider/examples": 8})
+    logger.heartbeat({"step": 6, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "elapsed_s": 3.0,
+                      "nsa_gate_entropy_mean": 0.8, "nsa_k_mean": 3.0})
+    logger.close()
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv", newline="")))
+    assert [r["step"] for r in rows] == ["2", "4", "4", "4", "6"]
+    assert rows[0]["nsa_k_mean"] == "" and rows[1]["nsa_k_mean"] == "3.5" and rows[4]["nsa_gate_entropy_mean"] == "0.8"
+    assert rows[3]["spider/execution_accuracy"] == "0.25" and rows[2]["val_loss"] == "4.2"
+    assert "cpu_rss_mib" not in rows[0]  # memory stays in the heartbeat
+    status = json.loads((tmp_path / "run.json").read_text())
+    assert status["status"] == "running" and status["eval"] == {"step": 4, "spider/execution_accuracy": 0.25, "spider/examples": 8}
+    assert logger.eval_metrics == status["eval"]
+
+    from attnlab.report.load import load_run
+
+    (tmp_path / "config.yaml").write_text("model: {mixer: nsa}\n")
+    rec = load_run(tmp_path)  # the report reads the widened file
+    assert [r["step"] for r in rec.train] == [2, 4, 6] and rec.train[2]["nsa_k_mean"] == 3.0
+    (tmp_path / "heartbeat.jsonl").unlink()
+    assert load_run(tmp_path).eval_metrics == {"spider/execution_accuracy": 0.25, "spider/examples": 8}  # from run.json
+
+
+def test_resume_keeps_the_widened_metrics_header(tmp_path):
+    from attnlab.train.telemetry import RunLogger
+
+    logger = RunLogger(tmp_path)
+    logger.heartbeat({"step": 2, "loss": 5.0, "elapsed_s": 1.0, "nsa_k_mean": 3.5})
+    logger.heartbeat({"step": 4, "loss": 4.0, "elapsed_s": 2.0, "nsa_k_mean": 3.0})
+    logger.close()
+    resumed = RunLogger(tmp_path, resume_step=2)
+    resumed.heartbeat({"step": 4, "loss": 4.5, "elapsed_s": 2.0, "nsa_k_mean": 2.0})
+    resumed.close()
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[0].endswith(",nsa_k_mean") and len(lines) == 3 and lines[2].startswith("4,") and lines[2].endswith(",2")
+
+
+# --- noise ------------------------------------------------------------------------------------------------
+
+
+QUIET_IMPORTS = """
+import attnlab.cli, transformers.trainer, peft  # the import chain of train, preflight, finetune and merge
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+assert model.is_gradient_checkpointing is False  # what peft asks on every fine-tune
+"""
+
+
+def test_attnlab_runs_print_neither_the_bitsandbytes_kernel_message_nor_the_gradient_checkpointing_warning():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # transformers' Trainer imports peft, which imports bitsandbytes when it is installed; every FutureWarning shown
+    done = subprocess.run([sys.executable, "-W", "always::FutureWarning", "-c", QUIET_IMPORTS], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "gemm_4bit" not in done.stderr and "kernels-community" not in done.stderr
+    assert "is_gradient_checkpointing" not in done.stderr
+
+
+def test_gguf_conversion_bars_are_off_inside_quiet_gguf_conversion(capsys):
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from attnlab.loading import quiet_gguf_conversion
+
+    with quiet_gguf_conversion():
+        assert list(gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")) == [0, 1, 2]
+    assert "Converting" not in capsys.readouterr().err
+    bar = gguf_utils.tqdm(range(1), disable=False)  # restored afterwards
+    assert not bar.disable
+    bar.close()
