@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import run_cli, sets
 
 IGNORE = -100
@@ -541,11 +540,11 @@ def gguf_base(tmp_path_factory):
     d, ff = 32, 64
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(128); w.add_embedding_length(d); w.add_block_count(1); w.add_feed_forward_length(ff)  # noqa: E702
-    w.add_head_count(2); w.add_head_count_kv(2); w.add_rope_dimension_count(d // 2); w.add_layer_norm_rms_eps(1e-6)  # noqa: E702
-    w.add_vocab_size(len(tokens)); w.add_tokenizer_model("gpt2"); w.add_token_list(tokens); w.add_token_merges(merges)  # noqa: E702
-    w.add_token_types([3 if t in special else 1 for t in tokens]); w.add_chat_template(tok.chat_template)  # noqa: E702
-    w.add_bos_token_id(tok.bos_token_id); w.add_eos_token_id(tok.eos_token_id); w.add_pad_token_id(tok.pad_token_id)  # noqa: E702
+    w.add_context_length(128); w.add_embedding_length(d); w.add_block_count(1); w.add_feed_forward_length(ff)
+    w.add_head_count(2); w.add_head_count_kv(2); w.add_rope_dimension_count(d // 2); w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(tokens)); w.add_tokenizer_model("gpt2"); w.add_token_list(tokens); w.add_token_merges(merges)
+    w.add_token_types([3 if t in special else 1 for t in tokens]); w.add_chat_template(tok.chat_template)
+    w.add_bos_token_id(tok.bos_token_id); w.add_eos_token_id(tok.eos_token_id); w.add_pad_token_id(tok.pad_token_id)
     rng = np.random.default_rng(0)
     w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), d)) * 0.05).astype(np.float32))
     for name, shape in [("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)), ("attn_output", (d, d)),
@@ -553,7 +552,7 @@ def gguf_base(tmp_path_factory):
         w.add_tensor(f"blk.0.{name}.weight", (rng.standard_normal(shape) * 0.05).astype(np.float32))
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
         w.add_tensor(name, np.ones(d, np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return path
 
 
@@ -566,8 +565,9 @@ def cache(tmp_path, monkeypatch):
 def _autopeft_logits(adapter_dir, ids):
     import warnings
 
-    import attnlab.models  # noqa: F401  (attnlab's Auto classes)
     from peft import AutoPeftModelForCausalLM
+
+    import attnlab.models  # noqa: F401  (attnlab's Auto classes)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -621,7 +621,7 @@ def test_merged_model_is_saved_in_the_base_models_dtype(llama_dir, tmp_path):
                           tmp_path / "run")
     merged = merge_adapter(result.adapter_dir, tmp_path / "merged")
     with safe_open(str(merged / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118 (safe_open is not iterable)
     assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
 
 

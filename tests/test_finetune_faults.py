@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import run_cli, sets
 
 ROWS = [{"prompt": f"<T> what is {w}?\n", "completion": f"{w}."} for w in ("red", "sky", "sea", "sun")] + \
@@ -67,6 +66,9 @@ def test_finetune_on_non_utf8_data_is_refused_and_the_run_is_marked_failed(attnl
     assert "is not UTF-8" in err and "line 1" in err and "iconv" in err
     status = _status(run)
     assert status["status"] == "failed" and "not UTF-8" in status["error"]
+    # nothing was trained, so the same command with the data fixed starts the run again
+    assert _finetune(run, attnlab_dir, _jsonl(tmp_path / "latin1.jsonl", ROWS)) == 0
+    assert _status(run)["status"] == "finished"
 
 
 def test_a_failure_while_preparing_never_leaves_run_json_at_preparing(attnlab_dir, tmp_path, capsys, monkeypatch):

@@ -99,12 +99,11 @@ def _save_in_dtype(model, path: Path, dtype: torch.dtype | None) -> None:
         model.save_pretrained(path)
         return
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
-    old = getattr(model.config, "dtype", None)
-    model.config.dtype = dtype
-    try:
-        model.save_pretrained(path, state_dict=state)
-    finally:
-        model.config.dtype = old
+    model.save_pretrained(path, state_dict=state)
+    config_path = Path(path) / "config.json"  # save_pretrained records the dtype of the model's own parameters
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _effective_head_weight(head) -> torch.Tensor:

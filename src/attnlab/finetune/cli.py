@@ -46,7 +46,9 @@ def finetune_command(
             raise PreflightError(f"{run_dir} already holds a finished fine-tuning run; choose another --run-dir "
                                  "(or continue it with --resume --set train.max_steps=N)")
         if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
-            raise PreflightError(f"{run_dir} already holds a fine-tuning run. Continue it with --resume, or choose another --run-dir.")
+            if not _failed_before_any_checkpoint(run_dir):
+                raise PreflightError(f"{run_dir} already holds a fine-tuning run. Continue it with --resume, or choose another --run-dir.")
+            console.print(f"[yellow]{run_dir} holds a run that failed before its first checkpoint; starting it again[/yellow]")
     console.print(Panel(Syntax(finetune_config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
     console.print(f"run directory: [bold]{run_dir}[/bold]")
     result = run_finetune(cfg, run_dir, console, resume=resume)
@@ -84,6 +86,20 @@ def finetune_command(
     if "merged_model" in r:
         table.add_row("merged model", r["merged_model"])
     console.print(table)
+
+
+def _failed_before_any_checkpoint(run_dir: Path) -> bool:
+    """Whether `run_dir` holds only a run that ended (failed, diverged, interrupted) before writing any checkpoint:
+    there is nothing to resume, and starting it again loses nothing."""
+    import json
+
+    from attnlab.train.checkpoint import CheckpointManager
+
+    try:
+        status = json.loads((run_dir / "run.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return status in ("failed", "diverged", "interrupted") and not CheckpointManager(run_dir).checkpoints()
 
 
 def merge_command(

@@ -65,7 +65,7 @@ class FinetuneSection(Section):
     merge: bool = Field(False, description="also write a merged, standalone model to RUN/merged")
 
     @model_validator(mode="after")
-    def _check(self) -> "FinetuneSection":
+    def _check(self) -> FinetuneSection:
         problems = []
         if len(set(self.control_tokens)) != len(self.control_tokens):
             problems.append("finetune.control_tokens lists a token twice")
@@ -119,7 +119,7 @@ RESUME_FREE = ("train.max_steps", "train.epochs", "train.save_every", "train.kee
                "finetune.generation", "eval")
 
 
-def resume_changes(old: "FinetuneConfig", new: "FinetuneConfig") -> list[str]:
+def resume_changes(old: FinetuneConfig, new: FinetuneConfig) -> list[str]:
     """The fields outside RESUME_FREE whose values differ, as 'key: old -> new'."""
     from attnlab.config.loader import _flatten
 

@@ -55,7 +55,7 @@ def generate_with_presets(model, tokenizer, prompts: list[str], presets: dict[st
 
 
 def style_separation(model, tokenizer, prompts: list[str], control_tokens: list[str], max_new_tokens: int,
-                     chat: bool = False, batch_size: int = 8) -> dict[str, Any]:
+                     chat: bool = False, batch_size: int = 32) -> dict[str, Any]:
     """Mean generated length (tokens) per control token on held-out prompts, every prompt decoded under the
     same settings: greedy, one `max_new_tokens` budget (well above the longest answer expected), stopping
     at EOS. The separation is the mean under the last control token over the mean under the first (list the

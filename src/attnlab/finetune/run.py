@@ -20,10 +20,21 @@ import transformers
 from rich.console import Console
 
 import attnlab
-from attnlab.errors import AttnLabError, CheckpointError, ConfigError, DataError, TrainingDivergedError
+from attnlab.errors import (
+    AttnLabError,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    TrainingDivergedError,
+)
 from attnlab.train.loop import AttnLabTrainer
 
-from .config import FinetuneConfig, finetune_config_to_yaml, resume_changes, save_finetune_config
+from .config import (
+    FinetuneConfig,
+    finetune_config_to_yaml,
+    resume_changes,
+    save_finetune_config,
+)
 
 MIB = 1024 * 1024
 CONTROL_FILE = "style_control.json"  # the style metric of the untuned base, measured once when the run starts
@@ -53,7 +64,12 @@ def _precision(cfg: FinetuneConfig, device: str) -> str:
 def prepare(cfg: FinetuneConfig, console: Console | None = None):
     """Everything before training: base model, control tokens, data, peft wrapping. Fails early with one message."""
     from .data import encode_rows, pack_examples, read_rows
-    from .model import add_control_tokens, load_base, quantization_config, wrap_with_peft
+    from .model import (
+        add_control_tokens,
+        load_base,
+        quantization_config,
+        wrap_with_peft,
+    )
 
     console = console or Console(quiet=True)
     device = _device(cfg)
@@ -146,10 +162,11 @@ def _plain(model):
 
 def check_resume(cfg: FinetuneConfig, run_dir: Path) -> Path:
     """The checkpoint a strict resume continues from; CheckpointError / ConfigError when there is none or the config changed."""
-    from .config import FinetuneConfig as Schema
+    import yaml
+
     from attnlab.train.checkpoint import CheckpointManager
 
-    import yaml
+    from .config import FinetuneConfig as Schema
 
     resume_from = CheckpointManager(run_dir).resume_point()  # the newest complete, verified checkpoint, or a refusal
     own = resume_from / "run_config.yaml"
@@ -158,7 +175,7 @@ def check_resume(cfg: FinetuneConfig, run_dir: Path) -> Path:
     except FileNotFoundError:
         raise CheckpointError(f"{resume_from} records no run_config.yaml: it was not written by attnlab finetune. "
                               "Start a new run in another --run-dir.") from None
-    except Exception as e:  # YAML or schema errors
+    except (OSError, ValueError, yaml.YAMLError) as e:  # pydantic's ValidationError is a ValueError
         raise CheckpointError(f"the config recorded in {own} cannot be read ({str(e).splitlines()[0]}); "
                               "start a new run in another --run-dir") from None
     changed = resume_changes(saved, cfg)
