@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -49,6 +50,12 @@ def resolve_base(path: str) -> Path:
 
 
 def _file_digest(path: Path) -> str:
+    st = path.stat()
+    return _digest(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -67,11 +74,9 @@ def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
 
     from attnlab.data.tokenizer import _prepare_for_lm
 
-    from .smollm2 import cache_dir
-
     gguf = Path(gguf).resolve()
-    target = cache_dir() / "gguf-hf" / f"{gguf.stem}-{_file_digest(gguf)}"
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+    target = _gguf_hf_target(gguf)
+    if _complete(target):
         return target
     common = {"local_files_only": True}
     if tokenizer is None:
@@ -97,6 +102,16 @@ def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _gguf_hf_target(gguf: Path) -> Path:
+    from .smollm2 import cache_dir
+
+    return cache_dir() / "gguf-hf" / f"{gguf.stem}-{_file_digest(gguf)}"
+
+
+def _complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
 
 
 def _drop_gguf_quantization(model) -> None:
@@ -146,7 +161,11 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     extra = {"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}
     try:
-        if where.suffix == ".gguf":
+        if where.suffix == ".gguf" and _complete(_gguf_hf_target(where.resolve())):
+            where = _gguf_hf_target(where.resolve())  # dequantised earlier (reading the GGUF's tokenizer alone takes seconds)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
+            tokenizer = load_tokenizer(str(where))
+        elif where.suffix == ".gguf":
             try:
                 tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(where.parent, gguf_file=where.name, **common), str(where))
             except Exception as e:
