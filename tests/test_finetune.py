@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import run_cli, sets
 
 IGNORE = -100
@@ -280,9 +279,12 @@ def test_finetune_cli_writes_the_run_artifacts_and_the_report(attnlab_dir, tmp_p
     for key in ("trainable_params", "trainable_pct", "peak_cpu_rss_mib", "tokens_per_s", "final_loss", "val_loss", "style_separation"):
         assert report[key] is not None, key
     assert 0 < report["trainable_pct"] < 100
-    means = report["style"]["mean_new_tokens"]
-    assert means["<T>"] <= 4 and means["<V>"] >= 8  # each style decoded with its own preset
-    assert "style separation" in capsys.readouterr().out
+    for measured in (report["style"], report["style_control"]):  # after training, and the untuned base before it
+        assert measured["decoding"].startswith("greedy, the same budget")
+        assert measured["max_new_tokens"] == 2 * max(len(r["completion"].encode()) + 1 for r in STYLE_ROWS)  # + EOS
+    assert report["style_separation_untuned"] == report["style_control"]["style_separation"]
+    out = capsys.readouterr().out
+    assert "style separation" in out and "untuned base" in out
 
 
 def test_generation_presets_follow_the_control_token_in_the_prompt():
@@ -375,3 +377,263 @@ def test_qlora_trains_a_4bit_base_on_cpu_and_reloads_it_quantised(llama_dir, tmp
     model, tok = attnlab.load(result.adapter_dir, device="cpu")
     assert type(model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
     assert tok.convert_tokens_to_ids("<T>") == result.report["control_tokens"]["<T>"]
+
+
+
+# --- the style metric measures the model, not the decoding settings ------------------------------------
+
+def test_style_metric_decodes_both_styles_under_one_budget_and_an_untrained_model_scores_one(attnlab_dir):
+    import attnlab
+    from attnlab.finetune.model import add_control_tokens
+    from attnlab.finetune.presets import style_separation
+
+    model, tok = attnlab.load(attnlab_dir, device="cpu")
+    add_control_tokens(model, tok, ["<T>", "<V>"])
+    prompts = ["<T> what is red?\n", "<V> what is red?\n", "<T> what is sky?\n", "<V> what is sky?\n"]
+    presets_that_would_separate = {"<T>": {"max_new_tokens": 2}, "<V>": {"min_new_tokens": 10, "max_new_tokens": 10}}
+    model.attnlab_generation_presets = presets_that_would_separate  # ignored by the metric
+    out = style_separation(model, tok, prompts, ["<T>", "<V>"], max_new_tokens=12)
+    assert out["max_new_tokens"] == 12 and out["prompts"] == {"<T>": 2, "<V>": 2}
+    # an untrained model never picks EOS: both styles run into the one budget, and the separation is 1.0
+    assert out["mean_new_tokens"] == {"<T>": 12, "<V>": 12} and out["hit_budget"] == {"<T>": 2, "<V>": 2}
+    assert out["style_separation"] == 1.0
+
+
+def test_style_metric_ratio_follows_where_the_model_stops(attnlab_dir, monkeypatch):
+    import attnlab.generation
+    from attnlab.finetune.presets import style_separation
+    from attnlab.generation.engine import Candidate, GenerationResult
+
+    seen = []
+
+    def fake_generate(model, tokenizer, prompts, settings):
+        seen.append(settings)
+        return [GenerationResult(p, [Candidate("x", [1] * (2 if "<T>" in p else 8), "eos")]) for p in prompts]
+
+    monkeypatch.setattr(attnlab.generation, "generate", fake_generate)
+    out = style_separation(None, None, ["<T> a", "<V> a", "<T> b", "<V> b"], ["<T>", "<V>"], max_new_tokens=40)
+    assert out["style_separation"] == 4.0 and out["hit_budget"] == {"<T>": 0, "<V>": 0}
+    assert len(seen) == 1 and seen[0].max_new_tokens == 40 and not seen[0].do_sample and seen[0].min_new_tokens == 0
+
+
+# --- finetune shares train's machinery -------------------------------------------------------------------
+
+def _adapter_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_resume_continues_to_the_uninterrupted_runs_adapter(attnlab_dir, tmp_path):
+    from attnlab.finetune.run import run_finetune
+
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    common = ["finetune.control_tokens=[<T>, <V>]", "train.schedule=constant", "train.warmup_steps=0", "train.save_every=3"]
+    whole = run_finetune(_cfg(attnlab_dir, data, tmp_path, common), tmp_path / "whole")
+    part = _cfg(attnlab_dir, data, tmp_path, [*common, "train.max_steps=3"])
+    run_finetune(part, tmp_path / "split")
+    assert (tmp_path / "split" / "checkpoints" / "step-0000003").is_dir()
+    rest = _cfg(attnlab_dir, data, tmp_path, common)  # max_steps 6: only the length changes
+    resumed = run_finetune(rest, tmp_path / "split", resume=True)
+    assert resumed.report["steps"] == whole.report["steps"] == 6
+    a, b = _adapter_tensors(whole.adapter_dir), _adapter_tensors(resumed.adapter_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / "heartbeat.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # the telemetry continues, no step twice
+    assert json.loads((tmp_path / "split" / "run.json").read_text())["status"] == "finished"
+
+
+def test_eval_section_runs_during_finetuning_and_records_the_best_checkpoint(attnlab_dir, tmp_path):
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(attnlab_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["train.save_every=2", "eval.every=2", "eval.tasks=[{task: perplexity, limit: 1}]",
+                "eval.best_metric=perplexity/bits_per_byte", "eval.best_mode=min"])
+    result = run_finetune(cfg, tmp_path / "run")
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 4, 6]
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["value"] == min(e["perplexity/bits_per_byte"] for e in evals)
+    assert (tmp_path / "run" / best["checkpoint"]).is_dir()  # kept by the rotation
+    assert result.report["best"]["step"] == best["step"] and "perplexity/bits_per_byte" in result.report["eval"]
+
+
+def test_packing_concatenates_examples_and_keeps_each_label_mask():
+    from attnlab.finetune.data import IGNORE, pack_examples
+
+    ex = [{"input_ids": [1, 2, 3], "labels": [IGNORE, IGNORE, 3]}, {"input_ids": [4, 5], "labels": [IGNORE, 5]},
+          {"input_ids": [6, 7, 8, 9], "labels": [IGNORE, 7, 8, 9]}]
+    rows = pack_examples(ex, max_len=6)
+    assert rows == [{"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, IGNORE, 3, IGNORE, 5]},
+                    {"input_ids": [6, 7, 8, 9], "labels": [IGNORE, 7, 8, 9]}]
+
+
+def test_packing_and_epochs_set_the_rows_and_the_steps(attnlab_dir, tmp_path):
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(attnlab_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["data.packing=true", "data.max_len=128", "train.epochs=2", "train.batch_size=1"])
+    report = run_finetune(cfg, tmp_path / "run").report
+    assert report["packing"] and report["train_examples"] == 8 and report["train_rows"] < 8
+    assert report["steps"] == report["max_steps"] == 2 * report["train_rows"]
+
+
+def test_epochs_shorter_than_the_warmup_are_refused(attnlab_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    code, err = _cli_error(tmp_path, capsys, [f"base.path={attnlab_dir}", f"data.train={data}", "train.epochs=0.5",
+                                              "train.batch_size=4", "train.warmup_steps=2"])
+    assert code == 1 and "fewer than train.warmup_steps=2" in err
+
+
+def test_full_finetuning_trains_every_parameter_and_writes_a_whole_model(llama_dir, tmp_path):
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["finetune.method=full", "finetune.control_tokens=[<T>, <V>]", "train.lr=1e-3", "train.save_every=3"])
+    result = run_finetune(cfg, tmp_path / "run")
+    assert result.report["trainable_pct"] == 100.0 and result.report["target_modules"] == ["all"]
+    final = result.adapter_dir
+    assert (final / "config.json").is_file() and not (final / "attnlab_adapter.json").exists()
+    model, tok = attnlab.load(tmp_path / "run", device="cpu")  # the run resolves to its whole model
+    base, _ = attnlab.load(llama_dir, device="cpu")
+    assert model.get_input_embeddings().weight.shape[0] == len(tok) == base.get_input_embeddings().weight.shape[0] + 2
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+    resumed = run_finetune(_cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+                                ["finetune.method=full", "finetune.control_tokens=[<T>, <V>]", "train.lr=1e-3",
+                                 "train.save_every=3", "train.max_steps=8"]), tmp_path / "run", resume=True)
+    assert resumed.report["steps"] == 8
+
+
+# --- adapters record a base that loads; merged models keep the base's dtype ------------------------------
+
+def _bytelevel_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["Q: what is two? A: two is a number.", "Q: name a colour: blue", "answer: yes", "x: y"] * 50
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def gguf_base(tmp_path_factory):
+    """A tiny Llama as a GGUF file with an embedded byte-level BPE tokenizer (as SmolLM2's), tied head. Its vocabulary
+    lacks <|endoftext|>, which transformers' GGUF tokenizer conversion then appends: one token beyond the embedding."""
+    import gguf
+    import numpy as np
+
+    tok = _bytelevel_tokenizer()
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    tokens = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    special = {"<|im_start|>", "<|im_end|>", "<pad>"}
+    d, ff = 32, 64
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128); w.add_embedding_length(d); w.add_block_count(1); w.add_feed_forward_length(ff)
+    w.add_head_count(2); w.add_head_count_kv(2); w.add_rope_dimension_count(d // 2); w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(tokens)); w.add_tokenizer_model("gpt2"); w.add_token_list(tokens); w.add_token_merges(merges)
+    w.add_token_types([3 if t in special else 1 for t in tokens]); w.add_chat_template(tok.chat_template)
+    w.add_bos_token_id(tok.bos_token_id); w.add_eos_token_id(tok.eos_token_id); w.add_pad_token_id(tok.pad_token_id)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), d)) * 0.05).astype(np.float32))
+    for name, shape in [("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)), ("attn_output", (d, d)),
+                        ("ffn_gate", (ff, d)), ("ffn_up", (ff, d)), ("ffn_down", (d, ff))]:
+        w.add_tensor(f"blk.0.{name}.weight", (rng.standard_normal(shape) * 0.05).astype(np.float32))
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, np.ones(d, np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _autopeft_logits(adapter_dir, ids):
+    import warnings
+
+    from peft import AutoPeftModelForCausalLM
+
+    import attnlab.models  # noqa: F401  (attnlab's Auto classes)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32).eval()
+    assert not [w for w in caught if "vocabulary" in str(w.message)], [str(w.message) for w in caught]
+    return model(input_ids=ids).logits
+
+
+def test_adapter_on_a_gguf_base_opens_with_autopeft_and_matches_attnlab_load(gguf_base, tmp_path, cache):
+    import warnings
+
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(gguf_base, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["finetune.control_tokens=[<T>, <V>]", "data.chat_template=true", "train.save_every=3"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_finetune(cfg, tmp_path / "run")
+    assert not [w for w in caught if "vocabulary" in str(w.message)]  # checkpoints and the adapter: no guess about the vocabulary
+    adapter_cfg = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    base_dir = adapter_cfg["base_model_name_or_path"]
+    assert base_dir.startswith(str(cache)) and (tmp_path / base_dir / "config.json").is_file()
+    model, tok = attnlab.load(result.adapter_dir, device="cpu")
+    ids = torch.tensor([tok("<T> what is two?")["input_ids"]])
+    torch.testing.assert_close(_autopeft_logits(result.adapter_dir, ids), model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_untied_head_adapter_opens_with_autopeft_with_the_trained_control_rows(llama_dir, tmp_path):
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(llama_dir, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.control_tokens=[<T>, <V>]"])
+    result = run_finetune(cfg, tmp_path / "run")
+    model, tok = attnlab.load(result.adapter_dir, device="cpu")
+    ids = torch.tensor([tok("<T> what is red?")["input_ids"]])
+    torch.testing.assert_close(_autopeft_logits(result.adapter_dir, ids), model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_merged_model_is_saved_in_the_base_models_dtype(llama_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnlab.finetune.adapter import merge_adapter
+    from attnlab.finetune.run import run_finetune
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(llama_dir).save_pretrained(bf16)
+    result = run_finetune(_cfg(bf16, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path, ["finetune.control_tokens=[<T>, <V>]"]),
+                          tmp_path / "run")
+    merged = merge_adapter(result.adapter_dir, tmp_path / "merged")
+    with safe_open(str(merged / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118 (safe_open is not iterable)
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_qlora_on_a_gguf_base_dequantises_then_quantises(gguf_base, tmp_path, cache):
+    pytest.importorskip("bitsandbytes")
+    import attnlab
+    from attnlab.finetune.run import run_finetune
+
+    cfg = _cfg(gguf_base, _jsonl(tmp_path / "d.jsonl", STYLE_ROWS), tmp_path,
+               ["finetune.method=qlora", "finetune.control_tokens=[<T>, <V>]", "train.max_steps=2"])
+    result = run_finetune(cfg, tmp_path / "run")
+    assert result.report["final_loss"] is not None
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
+    model, _ = attnlab.load(result.adapter_dir, device="cpu")
+    assert type(model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"

@@ -6,6 +6,11 @@ An adapter directory holds
   tokenizer files                                  the tokenizer with the control tokens added
   finetune_config.yaml                             the resolved fine-tuning config
   attnlab_adapter.json                             the base model reference, vocabulary size, control tokens, generation presets
+
+adapter_config.json names as its base (base_model_name_or_path) a directory that `from_pretrained` opens: for a
+GGUF base, the dequantised HF copy in attnlab's cache (finetune/model.py, gguf_hf_dir). So peft's
+AutoPeftModelForCausalLM opens the directory too: it resizes the embeddings to the tokenizer, and the control
+tokens' rows (input embedding and an untied head) come back from the adapter's trainable-token weights.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str)
     tmp = out.with_name("." + out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if meta.get("base_model_dir"):  # a base that from_pretrained (and AutoPeftModelForCausalLM) can open
+        for config in peft_model.peft_config.values():
+            config.base_model_name_or_path = meta["base_model_dir"]
     peft_model.save_pretrained(tmp, save_embedding_layers=False)
     tokenizer.save_pretrained(tmp)
     ids = sorted(meta.get("control_tokens", {}).values())
@@ -51,6 +59,12 @@ def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str)
     meta = {**meta, "embedding_rows": int(base.get_input_embeddings().weight.shape[0]), "tokenizer_size": len(tokenizer)}
     (tmp / META).write_text(json.dumps(meta, indent=1))
     (tmp / "finetune_config.yaml").write_text(config_yaml, encoding="utf-8")
+    _publish(tmp, out)
+    return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished directory `tmp` to `out`, replacing what was there."""
     if out.exists():
         old = out.with_name("." + out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -59,7 +73,37 @@ def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.replace(out)
+
+
+def save_full_model(model, tokenizer, out: Path, meta: dict, config_yaml: str) -> Path:
+    """finetune.method=full: the whole fine-tuned model as a standalone model directory, in the base's stored
+    dtype, with its tokenizer, generation presets and fine-tuning config (as `attnlab merge` writes)."""
+    from .model import stored_dtype
+
+    out = Path(out)
+    tmp = out.with_name("." + out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dtype = stored_dtype(Path(meta["base_model_dir"])) if meta.get("base_model_dir") else None
+    _save_in_dtype(model, tmp, dtype)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
+    (tmp / "finetune_config.yaml").write_text(config_yaml, encoding="utf-8")
+    _publish(tmp, out)
     return out
+
+
+def _save_in_dtype(model, path: Path, dtype: torch.dtype | None) -> None:
+    """save_pretrained in `dtype` (None: as the model is), leaving the model itself as it was."""
+    param = next(model.parameters())
+    if dtype is None or param.dtype == dtype:
+        model.save_pretrained(path)
+        return
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    model.save_pretrained(path, state_dict=state)
+    config_path = Path(path) / "config.json"  # save_pretrained records the dtype of the model's own parameters
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _effective_head_weight(head) -> torch.Tensor:
@@ -72,9 +116,23 @@ def _effective_head_weight(head) -> torch.Tensor:
 
 def read_meta(path: Path) -> dict:
     try:
-        return json.loads((Path(path) / META).read_text())
+        meta = json.loads((Path(path) / META).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {Path(path) / META}: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{Path(path) / META} holds a {type(meta).__name__}, not the adapter's metadata object; "
+                              "the adapter directory is damaged: fine-tune again, or restore it from a copy")
+    return meta
+
+
+def base_reference(path: Path, meta: dict) -> str:
+    """The base model an adapter was trained on, from its metadata; a clear error when it records none."""
+    base = meta.get("base_model")
+    if not isinstance(base, str) or not base:
+        raise CheckpointError(f"{Path(path) / META} records no base_model, so the base this adapter belongs to is unknown. "
+                              "Add \"base_model\": \"<the base.path it was trained with>\" to that file (the run's config.yaml "
+                              "says it under base.path), then run again.")
+    return base
 
 
 def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False, merged: bool = False):
@@ -91,7 +149,7 @@ def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", tru
 
     path = Path(path)
     meta = read_meta(path)
-    base_ref = meta["base_model"]
+    base_ref = base_reference(path, meta)
     quant = None
     if meta.get("method") == "qlora" and not merged:  # the adapter was trained on the 4-bit base: rebuild that base
         from .config import FinetuneConfig
@@ -128,17 +186,32 @@ def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", tru
     return out, tokenizer
 
 
+def _base_dtype(meta: dict) -> torch.dtype | None:
+    """The dtype the adapter's base stores its weights in (bf16 for a GGUF base's dequantised copy)."""
+    from .model import resolve_base, stored_dtype
+
+    where = meta.get("base_model_dir")
+    if not where or not Path(where).is_dir():
+        where = resolve_base(meta["base_model"])
+        if where.suffix == ".gguf":
+            return torch.bfloat16
+    return stored_dtype(Path(where))
+
+
 def merge_adapter(path: str | Path, out: str | Path, trust_remote_code: bool = False) -> Path:
     """Write base + adapter as one standalone model directory (safetensors, tokenizer, presets)."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; choose a new directory for the merged model")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new directory for the merged model")
+    meta = read_meta(Path(path))
+    base_reference(Path(path), meta)  # refuses before the model loads
     model, tokenizer = load_adapter(path, device="cpu", dtype="fp32", trust_remote_code=trust_remote_code, merged=True)
     tmp = out.with_name("." + out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    _save_in_dtype(model, tmp, _base_dtype(meta))  # merged in fp32, saved in the base's own dtype
     tokenizer.save_pretrained(tmp)
-    meta = read_meta(Path(path))
     (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
     shutil.copy(Path(path) / "finetune_config.yaml", tmp / "finetune_config.yaml")
     if out.exists():

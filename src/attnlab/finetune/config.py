@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from attnlab.config.loader import _format_validation_error, _read_yaml, apply_overrides
 from attnlab.config.schema import GenerateConfig, Section, TrainSection
 from attnlab.errors import ConfigError
+from attnlab.eval.config import EvalSection
 
 
 class BaseModelSection(Section):
@@ -35,12 +36,15 @@ class FinetuneDataSection(Section):
     max_len: int = Field(512, gt=1, description="tokens per example at most; longer completions are truncated, examples with no completion token left are dropped")
     chat_template: bool = Field(False, description="render {prompt, completion} rows as a user/assistant exchange with the tokenizer's chat template")
     add_eos: bool = Field(True, description="append the EOS token to plain (non-chat) completions, so the model learns to stop")
+    packing: bool = Field(False, description="concatenate examples, in order, into rows of at most data.max_len tokens (fewer "
+                          "padding tokens); each keeps its own label mask, but attends to the examples before it in its row")
 
 
 class FinetuneSection(Section):
     """The adaptation method and what it touches."""
 
-    method: Literal["lora", "dora", "qlora"] = Field("lora", description="lora, dora (weight-decomposed LoRA) or qlora (LoRA on a 4-bit NF4 base)")
+    method: Literal["lora", "dora", "qlora", "full"] = Field("lora", description="lora, dora (weight-decomposed LoRA), qlora (LoRA on a "
+                                                           "4-bit NF4 base) or full (every parameter trains; RUN/final is a whole model)")
     r: int = Field(16, gt=0, description="LoRA rank")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with rslora)")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the LoRA input")
@@ -53,12 +57,15 @@ class FinetuneSection(Section):
     compute_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="qlora: matmul dtype; auto = bf16 on CUDA, fp32 on CPU")
     generation: dict[str, dict[str, Any]] = Field(default_factory=dict, description="generation presets keyed by control token "
                                                   "(e.g. {'<STYLE_TERSE>': {max_new_tokens: 20}}); used when a prompt carries that token")
-    eval_prompts: str | None = Field(None, description="held-out JSONL whose prompts are generated from after training (style separation)")
-    eval_max_prompts: int = Field(40, gt=0, description="held-out prompts generated from, at most")
+    eval_prompts: str | None = Field(None, description="held-out JSONL whose prompts are generated from before and after training "
+                                     "(the style separation of the untuned base and of the fine-tuned model)")
+    eval_max_prompts: int = Field(40, gt=0, description="held-out prompts per control token generated from, at most")
+    eval_max_new_tokens: int | None = Field(None, gt=0, description="the style metric's one decoding budget, shared by every style "
+                                            "(greedy, stops at EOS); null = twice the longest held-out completion")
     merge: bool = Field(False, description="also write a merged, standalone model to RUN/merged")
 
     @model_validator(mode="after")
-    def _check(self) -> "FinetuneSection":
+    def _check(self) -> FinetuneSection:
         problems = []
         if len(set(self.control_tokens)) != len(self.control_tokens):
             problems.append("finetune.control_tokens lists a token twice")
@@ -88,6 +95,8 @@ class FinetuneTrainSection(TrainSection):
     eval_every: int = Field(0, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")
     sample_tokens: int = Field(0, ge=0, description="tokens sampled at each validation; 0 = no samples")
+    epochs: float = Field(0.0, ge=0, description="passes over the training examples; > 0 sets the number of optimizer steps "
+                          "(train.max_steps is then ignored); 0 = train.max_steps")
 
 
 class FinetuneConfig(Section):
@@ -97,9 +106,31 @@ class FinetuneConfig(Section):
     data: FinetuneDataSection = Field(default_factory=FinetuneDataSection)
     finetune: FinetuneSection = Field(default_factory=FinetuneSection)
     train: FinetuneTrainSection = Field(default_factory=FinetuneTrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
 
 
-FREE_FORM = ("finetune.generation",)
+FREE_FORM = ("finetune.generation", "eval.generation")
+
+# What a resume may change: how long the run goes on, how often it reports and saves, what is evaluated.
+# Every other field changes the model, the data or the optimisation, and a resume refuses to continue.
+RESUME_FREE = ("train.max_steps", "train.epochs", "train.save_every", "train.keep_last", "train.log_every", "train.eval_every",
+               "train.eval_batches", "train.sample_tokens", "train.sample_prompt", "train.wandb", "train.wandb_project",
+               "finetune.eval_prompts", "finetune.eval_max_prompts", "finetune.eval_max_new_tokens", "finetune.merge",
+               "finetune.generation", "eval")
+
+
+def resume_changes(old: FinetuneConfig, new: FinetuneConfig) -> list[str]:
+    """The fields outside RESUME_FREE whose values differ, as 'key: old -> new'."""
+    from attnlab.config.loader import _flatten
+
+    flat_old, flat_new = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
+    out = []
+    for k in sorted(set(flat_old) | set(flat_new)):
+        if any(k == f or k.startswith(f + ".") for f in RESUME_FREE):
+            continue
+        if flat_old.get(k) != flat_new.get(k):
+            out.append(f"{k}: {flat_old.get(k)!r} -> {flat_new.get(k)!r}")
+    return out
 
 
 def default_finetune_config_path() -> Path:

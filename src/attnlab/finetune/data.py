@@ -34,8 +34,16 @@ def read_rows(spec: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DataError(f"dataset not found: {path}. Point data.train / data.val at a JSONL file of "
                         '{"prompt": ..., "completion": ...} or {"messages": [...]} rows.')
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}, line {line}: {e.reason}); re-encode it as UTF-8, e.g. "
+                        f"iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
     rows = []
-    for n, row in jsonl_records(path.read_text(encoding="utf-8"), path):
+    for n, row in jsonl_records(text, path):
         if not isinstance(row, dict):
             raise DataError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
         if "messages" in row:
@@ -121,6 +129,24 @@ def encode_rows(tokenizer, rows: list[dict], max_len: int, chat_template: bool =
         out.completion_tokens += len(completion_ids)
         out.completion_bytes += len(tokenizer.decode(completion_ids).encode("utf-8"))
     return out
+
+
+def pack_examples(examples: list[dict[str, list[int]]], max_len: int) -> list[dict[str, list[int]]]:
+    """Concatenate examples, in order, into rows of at most `max_len` tokens. Labels stay exactly as each
+    example had them (-100 on its prompt), so no token is trained on that was not trained on unpacked; an
+    example attends to the examples before it in its row."""
+    rows: list[dict[str, list[int]]] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    for e in examples:
+        if ids and len(ids) + len(e["input_ids"]) > max_len:
+            rows.append({"input_ids": ids, "labels": labels})
+            ids, labels = [], []
+        ids = ids + e["input_ids"]
+        labels = labels + e["labels"]
+    if ids:
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
 
 
 class ExampleDataset(torch.utils.data.Dataset):

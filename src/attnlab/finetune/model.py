@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -45,6 +49,89 @@ def resolve_base(path: str) -> Path:
     return resolve_model_dir(p)
 
 
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    return _digest(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
+    """A Hugging Face model directory holding the GGUF file's weights, dequantised once into attnlab's cache.
+
+    Fine-tuning, QLoRA (bitsandbytes quantises HF weights, never GGUF ones), adapter reloads and merges all
+    load the base from this directory, so an adapter's base is a directory that `from_pretrained` (and peft's
+    AutoPeftModelForCausalLM) open. The weights are written in bf16: the rounding (at most 2^-9 relative) is far
+    below the quantisation step of the 4/5/8-bit GGUF types, and the directory is half the size of fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnlab.data.tokenizer import _prepare_for_lm
+
+    gguf = Path(gguf).resolve()
+    target = _gguf_hf_target(gguf)
+    if _complete(target):
+        return target
+    common = {"local_files_only": True}
+    if tokenizer is None:
+        tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **common), str(gguf))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **common)
+    _drop_gguf_quantization(model)
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "dtype": "bf16"}, indent=1) + "\n")
+        try:
+            tmp.replace(target)
+        except OSError:  # another process wrote it first: theirs is the same
+            if not (target / "config.json").is_file():
+                raise
+    except OSError as e:
+        raise CheckpointError(f"cannot write the dequantised copy of {gguf.name} to {target.parent}: {e}. Free disk space there "
+                              "or set ATTNLAB_CACHE to a writable directory.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _gguf_hf_target(gguf: Path) -> Path:
+    from .smollm2 import cache_dir
+
+    return cache_dir() / "gguf-hf" / f"{gguf.stem}-{_file_digest(gguf)}"
+
+
+def _complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
+
+
+def _drop_gguf_quantization(model) -> None:
+    """The GGUF weights were dequantised on load: a plain, trainable model."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def stored_dtype(where: Path) -> torch.dtype | None:
+    """The dtype a model directory's weights are stored in (its config's dtype), or None when it says none."""
+    try:
+        config = json.loads((Path(where) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(name)
+
+
 def quantization_config(ft, device: str):
     """BitsAndBytesConfig for QLoRA, or a clear error when bitsandbytes is missing."""
     try:
@@ -74,18 +161,19 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     extra = {"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}
     try:
-        if where.suffix == ".gguf":
+        if where.suffix == ".gguf" and _complete(_gguf_hf_target(where.resolve())):
+            where = _gguf_hf_target(where.resolve())  # dequantised earlier (reading the GGUF's tokenizer alone takes seconds)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
+            tokenizer = load_tokenizer(str(where))
+        elif where.suffix == ".gguf":
             try:
                 tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(where.parent, gguf_file=where.name, **common), str(where))
             except Exception as e:
                 raise CheckpointError(f"{where} holds no usable tokenizer ({type(e).__name__}: {e}); use a GGUF file that "
                                       "embeds its tokenizer") from None
-            model = AutoModelForCausalLM.from_pretrained(where.parent, gguf_file=where.name, dtype=td, **common, **extra)
-            if quantization is None:  # the GGUF weights were dequantised on load: a plain, trainable model
-                model.hf_quantizer = None
-                model.is_quantized = False
-                if hasattr(model.config, "quantization_config"):
-                    del model.config.quantization_config
+            where = gguf_hf_dir(where, tokenizer)  # dequantised once; every later load reads this directory
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
+            tokenizer = load_tokenizer(str(where))
         else:
             config = json.loads((where / "config.json").read_text())
             if config.get("model_type") == "gla":
@@ -135,11 +223,19 @@ def add_control_tokens(model, tokenizer, tokens: list[str]) -> dict[str, int]:
         emb = model.get_input_embeddings()
         head = model.get_output_embeddings()
         tied = head is not None and head.weight.data_ptr() == emb.weight.data_ptr()
-        for i in ids.values():
+        # every new row (a control token's, or one the tokenizer already had beyond the embedding, e.g. an
+        # <|endoftext|> that a GGUF tokenizer conversion appends) starts at the mean row, never at random
+        for i in sorted(set(ids.values()) | set(range(old_rows, new_rows))):
             emb.weight[i] = mean_in.to(emb.weight.dtype)
             if head is not None and not tied:
                 head.weight[i] = mean_out.to(head.weight.dtype)
+    model.attnlab_grown_rows = list(range(old_rows, new_rows))
     return ids
+
+
+def owned_rows(model, token_ids: list[int]) -> list[int]:
+    """The embedding rows the fine-tuning adds and trains: the control tokens' and every row the resize grew."""
+    return sorted(set(token_ids) | set(getattr(model, "attnlab_grown_rows", [])))
 
 
 def _linear_names(model) -> list[str]:
@@ -183,24 +279,44 @@ def resolve_targets(model, target_modules) -> list[str] | str:
     return targets
 
 
-def lora_config(ft, targets, token_ids: list[int]):
+def token_targets(model, token_ids: list[int]) -> list[int] | dict[str, list[int]] | None:
+    """peft's trainable_token_indices: the control tokens' rows of the input embedding and, when the head is
+    untied, of the LM head too. The adapter then carries every row the added tokens own, so a loader that
+    resizes the embeddings its own way (peft's AutoPeftModelForCausalLM draws new rows at random) still gets
+    the trained rows back."""
+    if not token_ids:
+        return None
+    ids = sorted(token_ids)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() == emb.weight.data_ptr():
+        return ids  # peft finds the input embedding and follows a tied head itself
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(emb)]: ids, names[id(head)]: ids}
+
+
+def lora_config(ft, targets, token_ids: list[int], model=None):
     from peft import LoraConfig, TaskType
 
+    indices = token_targets(model, token_ids) if model is not None else (sorted(token_ids) if token_ids else None)
     return LoraConfig(
         task_type=TaskType.CAUSAL_LM, r=ft.r, lora_alpha=ft.alpha, lora_dropout=ft.dropout, use_rslora=ft.rslora,
-        use_dora=ft.method == "dora", target_modules=targets, bias="none",
-        trainable_token_indices=sorted(token_ids) if token_ids else None,
+        use_dora=ft.method == "dora", target_modules=targets, bias="none", trainable_token_indices=indices,
     )
 
 
 def wrap_with_peft(model, ft, token_ids: list[int], gradient_checkpointing: bool = False):
-    """The peft model: LoRA/DoRA on the target modules, the control-token rows trainable, everything else frozen."""
+    """The peft model: LoRA/DoRA on the target modules, the control-token rows trainable, everything else frozen.
+    finetune.method=full: the model itself, every parameter trainable (targets: 'all')."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    if ft.method == "full":
+        for param in model.parameters():
+            param.requires_grad_(True)
+        return model, ["all"]
     targets = resolve_targets(model, ft.target_modules)
     if ft.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    peft_model = get_peft_model(model, lora_config(ft, targets, token_ids))
+    peft_model = get_peft_model(model, lora_config(ft, targets, owned_rows(model, token_ids), model))
     return peft_model, targets
 
 
