@@ -150,7 +150,7 @@ def load_finetune_config(path: str | Path | None = None, overrides: list[str] | 
     try:
         return FinetuneConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, str(source)).replace("did you mean", "did you mean")) from None
+        raise ConfigError(_format_validation_error(e, str(source), FinetuneConfig)) from None
 
 
 def finetune_config_to_yaml(cfg: FinetuneConfig) -> str:
