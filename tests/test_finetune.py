@@ -637,3 +637,39 @@ def test_qlora_on_a_gguf_base_dequantises_then_quantises(gguf_base, tmp_path, ca
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
     model, _ = attnlab.load(result.adapter_dir, device="cpu")
     assert type(model.model.layers[0].self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+
+
+def test_sigterm_saves_at_the_next_step_marks_the_run_interrupted_and_resume_finishes_it(attnlab_dir, tmp_path, monkeypatch):
+    """A fine-tuning run stopped by SIGTERM (Slurm preemption, `timeout`) as `attnlab train` is: the step under
+    way finishes, a checkpoint is saved, run.json says "interrupted"; --resume continues to the end."""
+    import os
+    import signal
+
+    import transformers
+
+    from attnlab.errors import RunInterrupted
+    from attnlab.finetune.run import run_finetune
+
+    class TermAtStep2(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives during step 2
+
+    real_init = transformers.Trainer.__init__
+
+    def with_term(self, *args, callbacks=None, **kwargs):
+        real_init(self, *args, callbacks=[*(callbacks or []), TermAtStep2()], **kwargs)
+
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    cfg = _cfg(attnlab_dir, data, tmp_path, ["finetune.control_tokens=[<T>, <V>]", "train.save_every=100"])
+    monkeypatch.setattr(transformers.Trainer, "__init__", with_term)
+    with pytest.raises(RunInterrupted) as stopped:
+        run_finetune(cfg, tmp_path / "run")
+    monkeypatch.undo()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "interrupted"
+    assert (tmp_path / "run" / "checkpoints" / "step-0000002").is_dir()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    resumed = run_finetune(cfg, tmp_path / "run", resume=True)
+    assert resumed.report["steps"] == 6
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"

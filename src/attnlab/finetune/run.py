@@ -25,6 +25,7 @@ from attnlab.errors import (
     CheckpointError,
     ConfigError,
     DataError,
+    RunInterrupted,
     TrainingDivergedError,
 )
 from attnlab.train.loop import AttnLabTrainer
@@ -164,11 +165,13 @@ def check_resume(cfg: FinetuneConfig, run_dir: Path) -> Path:
     """The checkpoint a strict resume continues from; CheckpointError / ConfigError when there is none or the config changed."""
     import yaml
 
-    from attnlab.train.checkpoint import CheckpointManager
+    from attnlab.train.checkpoint import RESUME_FILES, CheckpointManager
 
     from .config import FinetuneConfig as Schema
 
-    resume_from = CheckpointManager(run_dir).resume_point()  # the newest complete, verified checkpoint, or a refusal
+    # the newest complete, verified checkpoint, or a refusal; an adapter's checkpoint holds the adapter's weights
+    weights = "model*.safetensors" if cfg.finetune.method == "full" else "adapter_model.safetensors"
+    resume_from = CheckpointManager(run_dir).resume_point(require=(weights, *(f for f in RESUME_FILES if f != "model.safetensors")))
     own = resume_from / "run_config.yaml"
     try:
         saved = Schema.model_validate(yaml.safe_load(own.read_text(encoding="utf-8")))
@@ -211,6 +214,8 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path, console: Console | None = N
     except KeyboardInterrupt:
         state["status"] = "interrupted"
         raise
+    except RunInterrupted:  # saved at a step boundary: run.json says "interrupted"
+        raise
     except AttnLabError as e:
         report["error"] = str(e)
         raise
@@ -229,7 +234,7 @@ def _carried(previous: dict) -> dict:
 
 def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path | None, report: dict, state: dict) -> FinetuneResult:
     from attnlab.train.checkpoint import CheckpointManager
-    from attnlab.train.loop import TelemetryCallback, _elapsed_at, training_arguments
+    from attnlab.train.loop import StopOnSignal, TelemetryCallback, _elapsed_at, training_arguments
     from attnlab.train.telemetry import RunLogger
 
     from .adapter import merge_adapter, save_adapter, save_full_model
@@ -281,7 +286,8 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     bytes_per_token = (p.val.completion_bytes / max(p.val.completion_tokens, 1)) if has_val else None
     telemetry = TelemetryCallback(run_cfg, logger, p.tokenizer, bytes_per_token, console, tokens_per_step,
                                   _elapsed_at(run_dir, start_step), start_step)
-    callbacks: list[transformers.TrainerCallback] = [telemetry, _PeakRss()]
+    stopper = StopOnSignal()  # SIGINT / SIGTERM: save at the next step boundary, then stop
+    callbacks: list[transformers.TrainerCallback] = [telemetry, _PeakRss(), stopper]
     evaluator = None
     if cfg.eval.tasks:
         from attnlab.eval.callback import EvalDuringTraining
@@ -303,13 +309,20 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     _write_status(run_dir, {"status": "running", **report})
     t0 = time.perf_counter()
     adapter_dir = run_dir / "final"
+    stopper.install()
     try:
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     finally:
+        stopper.restore()
         telemetry.progress.stop()
         logger.close()
         checkpoints.clear_staging()
         state["status"] = "failed"
+    if stopper.stopped_at is not None and trainer.state.global_step < trainer.state.max_steps:  # at the end: just finish
+        state["status"] = "interrupted"
+        raise RunInterrupted(
+            f"stopped by {stopper.name} at step {stopper.stopped_at}; its checkpoint {checkpoints.newest()} is saved. "
+            f"Continue with: attnlab finetune --resume --run-dir {run_dir}", exit_code=128 + int(stopper.signum))
     train_s = time.perf_counter() - t0
     history = [h for h in trainer.state.log_history if "loss" in h]
     peak_rss = next(c for c in callbacks if isinstance(c, _PeakRss)).peak
@@ -361,6 +374,12 @@ class FinetuneTrainer(AttnLabTrainer):
             return super()._save(output_dir, state_dict)
         finally:
             del model.save_pretrained
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """An adapter's checkpoint holds the adapter: Trainer's own loading (peft's) restores it."""
+        if hasattr(model if model is not None else self.model, "peft_config"):
+            return transformers.Trainer._load_from_checkpoint(self, resume_from_checkpoint, model)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
 class _PeakRss(transformers.TrainerCallback):
