@@ -66,3 +66,17 @@ def random_nsa_inputs(batch, seq_len, heads, kv_heads, dim, seed=0):
     v = torch.randn(batch, seq_len, kv_heads, dim, generator=gen)
     gates = torch.rand(batch, seq_len, heads, 3, generator=gen).unbind(-1)
     return q, k, v, gates
+
+
+@pytest.fixture(scope="module")
+def attnlab_dir(tmp_path_factory):
+    """A tiny attnlab GLA model (tied head) with the byte tokenizer, saved once per test module."""
+    from attnlab.data import load_tokenizer
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2))
+    path = tmp_path_factory.mktemp("attnlab")
+    model.save_pretrained(path)
+    load_tokenizer("byte").save_pretrained(path)
+    return path

@@ -44,20 +44,6 @@ def llama_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def attnlab_dir(tmp_path_factory):
-    """A tiny attnlab GLA model (tied head) with the byte tokenizer."""
-    from attnlab.data import load_tokenizer
-    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
-
-    torch.manual_seed(0)
-    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2))
-    path = tmp_path_factory.mktemp("attnlab")
-    model.save_pretrained(path)
-    load_tokenizer("byte").save_pretrained(path)
-    return path
-
-
 STYLE_ROWS = [{"prompt": f"<T> what is {w}?\n", "completion": f"{w}."} for w in ("red", "sky", "sea", "sun")] + \
              [{"prompt": f"<V> what is {w}?\n", "completion": f"{w} is a thing that we all know well, a long answer."} for w in ("red", "sky", "sea", "sun")]
 

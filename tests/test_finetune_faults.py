@@ -4,28 +4,12 @@ files (run.json, the last good checkpoint) left saying what happened."""
 import json
 import sys
 
-import pytest
-import torch
 from conftest import run_cli, sets
 
 ROWS = [{"prompt": f"<T> what is {w}?\n", "completion": f"{w}."} for w in ("red", "sky", "sea", "sun")] + \
        [{"prompt": f"<V> what is {w}?\n", "completion": f"{w} is a thing that we all know well."} for w in ("red", "sky", "sea", "sun")]
 QUICK = ["train.max_steps=2", "train.warmup_steps=0", "train.batch_size=4", "train.log_every=1", "train.device=cpu",
          "finetune.r=4", "finetune.dropout=0.0", "data.max_len=64"]
-
-
-@pytest.fixture(scope="module")
-def attnlab_dir(tmp_path_factory):
-    """A tiny attnlab GLA model (tied head) with the byte tokenizer."""
-    from attnlab.data import load_tokenizer
-    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
-
-    torch.manual_seed(0)
-    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2))
-    path = tmp_path_factory.mktemp("attnlab")
-    model.save_pretrained(path)
-    load_tokenizer("byte").save_pretrained(path)
-    return path
 
 
 def _jsonl(path, rows):
