@@ -264,6 +264,28 @@ def text_lines(content: str) -> list[str]:
     return [line.removesuffix("\r") for line in content.split("\n")]
 
 
+def telemetry_records(content: str) -> list[dict]:
+    """The JSON objects of a JSON Lines file that a killed process may have been writing: a torn last
+    line (no newline after it) is dropped. Any other non-blank line that is not a JSON object raises
+    ValueError(line number, what it holds)."""
+    lines = content.split("\n")
+    torn = lines[-1] != ""  # a complete file ends with a newline
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if torn and n == len(lines):
+                continue  # torn by a kill mid-write
+            raise ValueError(n, "not JSON" if record is None else f"a JSON {type(record).__name__}, not an object")
+        records.append(record)
+    return records
+
+
 def jsonl_records(content: str, path: Path, hint: str = ""):
     """(line number, parsed value) for every non-blank line of JSON Lines text; a line that is not
     JSON is a DataError naming the file and the line (and `hint`, what to do about it)."""

@@ -91,24 +91,15 @@ def _text(path: Path) -> str:
 
 def _jsonl(path: Path) -> list[dict]:
     """The records of a JSONL file; a last line cut short by a kill is left out, any other bad line is an error."""
+    from attnlab.data.corpus import telemetry_records
+
     if not path.exists():
         return []
-    text = _text(path)
-    lines = text.split("\n")
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if n == len(lines) and not text.endswith("\n"):
-                continue  # the torn last line of a killed writer
-            raise UnreadableRun(f"{path.name} line {n} is not JSON") from None
-        if not isinstance(record, dict):
-            raise UnreadableRun(f"{path.name} line {n} holds a JSON {type(record).__name__}, not an object")
-        out.append(record)
-    return out
+    try:
+        return telemetry_records(_text(path))
+    except ValueError as e:
+        line, holds = e.args
+        raise UnreadableRun(f"{path.name} line {line} holds {holds}") from None
 
 
 def _metrics(path: Path) -> tuple[list[dict[str, float]], list[dict[str, float]]]:

@@ -142,38 +142,28 @@ def _fmt(v: Any) -> str:
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSONL telemetry file. A torn last line (no newline: a process killed while writing it)
     is dropped; any other line that is not a JSON object is real damage, refused as a RunDirError."""
+    from attnlab.data.corpus import telemetry_records
+
     if not path.exists():
         return []
     try:
-        text = path.read_text(encoding="utf-8")
+        return telemetry_records(_read_text(path))
+    except ValueError as e:
+        raise RunDirError(f"{path}, line {e.args[0]}, is not a JSON record: the file is damaged. {_REPAIR}") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise RunDirError(f"{path} is not UTF-8 text: the file is damaged. {_REPAIR}") from None
-    lines = text.split("\n")
-    torn = lines[-1] != ""  # a complete file ends with a newline
-    records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
-            if torn and n == len(lines):
-                continue  # torn by a kill mid-write: what it held is past the last checkpoint anyway
-            raise RunDirError(f"{path}, line {n}, is not a JSON record: the file is damaged. {_REPAIR}")
-        records.append(record)
-    return records
 
 
 def read_csv_rows(path: Path) -> list[list[str]]:
     """metrics.csv as rows (header first); a torn last line is dropped, a malformed row is a RunDirError."""
     if not path.exists():
         return []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise RunDirError(f"{path} is not UTF-8 text: the file is damaged. {_REPAIR}") from None
+    text = _read_text(path)
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]  # torn by a kill mid-write
     rows = list(csv.reader(io.StringIO(text, newline="")))
