@@ -211,8 +211,10 @@ def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_conti
     ids = torch.randint(0, 97, (2, 333), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :50] = 0
+    bf16_ref_model = AttnLabForCausalLM(family_config(name, 256, 4, kernels="torch")).cuda().train()
+    bf16_ref_model.load_state_dict(ref_model.state_dict())
     results = []
-    for lm, autocast in ((ref_model, False), (model, True)):
+    for lm, autocast in ((ref_model, False), (model, True), (bf16_ref_model, True)):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = lm(input_ids=ids, attention_mask=mask)
             (out.logits.float() * mask[..., None]).square().mean().backward()
@@ -220,16 +222,20 @@ def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_conti
                 first = lm(input_ids=ids[:, :200], attention_mask=mask[:, :200], use_cache=True)
                 rest = lm(input_ids=ids[:, 200:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
         results.append((out.logits.float(), rest.logits.float(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}))
-    (ref_logits, ref_rest, ref_grads), (logits, rest, grads) = results
+    (ref_logits, ref_rest, ref_grads), (logits, rest, grads), (_, _, bf16_ref_grads) = results
     keep = mask.bool()
     assert rel_err(logits[keep], ref_logits[keep]) <= 2e-2
     assert rel_err(rest, ref_rest) <= 2e-2
     # Relative to each gradient, floored at 1% of the largest: some are near zero by construction
     # (a per-head gate before a per-head norm reaches the loss only through the norm's epsilon).
+    # Within 5e-2, or within 1.5x of what the reference itself loses under the same bf16 autocast: an
+    # unnormalised sum over the whole prefix (`linear_cosine`) loses more than 5e-2 in bf16 whoever computes it.
     floor = 1e-2 * max(float(g.norm()) for g in ref_grads.values())
     for key, ref in ref_grads.items():
-        err = float((grads[key].double() - ref.double()).norm()) / max(float(ref.norm()), floor)
-        assert err <= 5e-2, (key, err)
+        scale = max(float(ref.norm()), floor)
+        err = float((grads[key].double() - ref.double()).norm()) / scale
+        bf16_err = float((bf16_ref_grads[key].double() - ref.double()).norm()) / scale
+        assert err <= max(5e-2, 1.5 * bf16_err), (key, err, bf16_err)
 
 
 @pytest.mark.parametrize("denominator", ["none", "sum", "sum_clamped", "sum_detached", "sum_detached_eps", "count"])
