@@ -131,3 +131,40 @@ def test_split_patterns_reads_the_pre_tokenizer_json():
     assert split_patterns({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
                                                                   {**byte_level, "use_regex": True}]}) == [r"\p{N}", GPT2_PATTERN]
     assert split_patterns({"type": "Metaspace"}) is None and split_patterns(None) is None
+
+
+def test_a_pool_of_workers_prepares_the_ids_of_tokenizers(tmp_path):
+    import json
+
+    from attnlab.data.corpus import read_documents
+    from attnlab.data.prepare import prepare_corpus
+
+    tokenizer = byte_level_bpe(PRE_TOKENIZERS["llama3"]())
+    tokenizer.save_pretrained(tmp_path / "tok")
+    docs = hard_documents()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs if d))
+    manifest = prepare_corpus(str(tmp_path / "src"), tmp_path / "out", str(tmp_path / "tok"), workers=2, val_fraction=0.0)
+    read = list(read_documents(str(tmp_path / "src")))  # the reader skips the blank documents
+    assert len(read) > 50
+    expected = [t for e in tokenizer._tokenizer.encode_batch(read, add_special_tokens=False) for t in [*e.ids, tokenizer.eos_token_id]]
+    got = np.concatenate([np.fromfile(p, dtype=manifest["dtype"]) for p in sorted((tmp_path / "out").glob("shard-*.bin"))])
+    assert got.tolist() == expected
+
+
+def test_a_worker_encodes_without_importing_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    tokenizer = byte_level_bpe(PRE_TOKENIZERS["gpt2"]())
+    (tmp_path / "backend.json").write_text(tokenizer._tokenizer.to_str())
+    code = (
+        "import sys, pathlib, numpy as np\n"
+        "from attnlab.data import prepare\n"
+        "prepare._init_worker('unused', 0, pathlib.Path(sys.argv[1]).read_text())\n"
+        "flat, lengths, _ = prepare.encode_batch(['hello world', 'again'], 'uint16')\n"
+        "print(type(prepare.encoder(prepare._WORKER['tokenizer'])).__name__, lengths.tolist(), 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "backend.json")], capture_output=True, text=True, check=True)
+    name, *rest = out.stdout.split(maxsplit=1)
+    assert name == "WordCachedEncoder" and rest[0].strip().endswith("False"), out.stdout

@@ -154,11 +154,27 @@ class _Bytes:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
-def _init_worker(spec: str, eos_token_id: int) -> None:
+class _Backend:
+    """An HF fast tokenizer's `tokenizers` backend, as the reading process loaded it (transformers applied
+    the tokenizer's config to it), without loading transformers: what a worker needs to encode."""
+
+    is_fast = True
+
+    def __init__(self, backend_json: str, eos_token_id: int):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_str(backend_json)
+        self.eos_token_id = eos_token_id
+
+
+def _init_worker(spec: str, eos_token_id: int, backend_json: str | None = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the main process, which shuts the pool down
     if spec == "byte":
         _WORKER["tokenizer"] = _Bytes(eos_token_id)
+        return
+    if backend_json is not None:  # a worker starts in a fraction of a second instead of importing transformers
+        _WORKER["tokenizer"] = _Backend(backend_json, eos_token_id)
         return
     from attnlab.data.tokenizer import load_tokenizer
 
@@ -254,8 +270,10 @@ class _Encoded:
         self.dtype, self.workers, self.tokenizer = dtype.name, workers, tokenizer
         self.pool = None
         if workers > 1:
+            backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+            backend_json = backend.to_str() if backend is not None and hasattr(backend, "to_str") else None
             self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                                            initargs=(spec, tokenizer.eos_token_id))
+                                            initargs=(spec, tokenizer.eos_token_id, backend_json))
 
     def map(self, batches: Iterator[tuple[int, list[int], list[str]]]):
         """(first document number, unit indices, encode_batch's result) for every batch, in order."""
