@@ -502,7 +502,7 @@ def bench_train_cmd(
         console.print(f"wrote {out} and {plot_train(rows, out.with_suffix('.png'), torch.cuda.get_device_name())}")
 
 
-from attnlab.bench.zoo import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS  # noqa: E402
+from attnlab.bench.names import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS  # noqa: E402
 
 
 @bench_app.command("zoo")
@@ -648,7 +648,6 @@ _literal_help(app)
 def main() -> None:
     import contextlib
 
-    from attnlab.loading import quiet_gguf_conversion
     from attnlab.noise import silence
 
     silence()  # again: a caller's warnings.catch_warnings around the first import of attnlab would have undone it
@@ -656,7 +655,11 @@ def main() -> None:
     # finetune and merge load the built-in GGUF base themselves (generate and eval go through attnlab.loading):
     # no conversion bar there either; other verbs do not pay for importing transformers' GGUF support
     verb = sys.argv[1] if len(sys.argv) > 1 else ""
-    quiet = quiet_gguf_conversion() if verb in ("finetune", "merge") and "--help" not in sys.argv else contextlib.nullcontext()
+    quiet = contextlib.nullcontext()
+    if verb in ("finetune", "merge") and "--help" not in sys.argv:
+        from attnlab.loading import quiet_gguf_conversion  # imports torch: not for the other verbs
+
+        quiet = quiet_gguf_conversion()
     try:
         with quiet:
             app()

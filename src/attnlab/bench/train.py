@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.bench.names import FLA_MODELS
 from attnlab.bench.timing import median_time, peak_gib, profile_step, release
 
 PEERS = ("attnlab-gla", "attnlab-gla-eager", "fla-gla", "hf-llama")  # what `attnlab bench train` compares by default
-FLA_MODELS = ("fla-gla", "fla-forgetting-transformer", "fla-nsa", "fla-mamba2")
 
 
 def fla_mlp_width(hidden: int, ratio: int = 4, multiple: int = 256) -> int:

@@ -32,17 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.bench.timing import median_time, peak_gib, release, sync
-from attnlab.bench.train import FLA_MODELS, build, train_step
+from attnlab.bench.names import FLA_MODELS, OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS  # noqa: F401
+from attnlab.bench.train import build, train_step
 from attnlab.errors import PreflightError
 
-PRESETS = ("softmax", "gla", "mamba2", "nsa", "2mamba", "2mamba-e", "gated_softmax", "softmax_divs",
-           "softmax_taylor_80terms", "linear_elu", "linear__output_norm")
-TRAIN_PEERS = ("hf-llama", *FLA_MODELS)
-OP_PRESETS = ("2mamba", "2mamba-e", "gated_softmax", "softmax_divs", "softmax_taylor_80terms", "linear_elu", "linear__output_norm")
-OP_PEERS = ("sdpa", "fla-parallel_forgetting_attn", "fla-chunk_gla")
-# `attnlab-<mixer>-stats`: the model stepped with its training-health statistics recorded, as
-# `attnlab train` steps it (NSA's gate and selection statistics); beside `attnlab-<mixer>`, their cost
-STATS_SUFFIX = "-stats"
 
 
 def _bench_names(names: list[str], peers: tuple[str, ...], valid: list[str], option: str, what: str) -> list[str]:
