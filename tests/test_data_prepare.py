@@ -298,3 +298,21 @@ def test_data_verbs_have_help(verb, capsys):
     if verb == ["data", "prepare"]:
         for option in ("--out", "--tokenizer", "--workers", "--text-field", "--val-fraction", "--seed", "--shard-tokens", "--overwrite"):
             assert option in out
+
+
+def test_workers_started_from_a_script_without_a_main_guard_fail_with_one_clear_error(tmp_path):
+    """spawn imports the script again in each worker; the call there fails at once, and the script's own
+    call reports it instead of waiting for ever on a worker that died while it was being started."""
+    import subprocess
+    import sys
+
+    spec = _word_tokenizer(tmp_path / "tok", 300)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "c.jsonl").write_text("".join(json.dumps({"text": f"w{i} w{i + 1}"}) + "\n" for i in range(50)))
+    script = tmp_path / "no_guard.py"
+    script.write_text("from attnlab.data.prepare import prepare_corpus\n"
+                      f"prepare_corpus({str(src)!r}, {str(tmp_path / 'out')!r}, {spec!r}, workers=2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode != 0
+    assert 'call it under `if __name__ == "__main__":`, or pass workers=1' in done.stderr.splitlines()[-1]

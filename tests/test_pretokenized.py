@@ -157,11 +157,11 @@ def test_a_worker_encodes_without_importing_transformers(tmp_path):
     import sys
 
     tokenizer = byte_level_bpe(PRE_TOKENIZERS["gpt2"]())
-    (tmp_path / "backend.json").write_text(tokenizer._tokenizer.to_str())
+    tokenizer._tokenizer.save(str(tmp_path / "backend.json"))
     code = (
         "import sys, pathlib, numpy as np\n"
         "from attnlab.data import prepare\n"
-        "prepare._init_worker('unused', 0, pathlib.Path(sys.argv[1]).read_text())\n"
+        "prepare._init_worker('unused', 0, sys.argv[1])\n"
         "flat, lengths, _ = prepare.encode_batch(['hello world', 'again'], 'uint16')\n"
         "print(type(prepare.encoder(prepare._WORKER['tokenizer'])).__name__, lengths.tolist(), 'transformers' in sys.modules)\n"
     )

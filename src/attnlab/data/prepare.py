@@ -41,11 +41,13 @@ import hashlib
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, TimeoutError
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing import current_process, get_context
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +59,11 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 BATCH_BYTES = 1 << 20  # text per batch sent to a worker
+WORKER_CHECK_S = 2.0  # how often a wait for a batch checks that the workers are alive
+WORKERS_NEED_MAIN_GUARD = (
+    "Worker processes start with 'spawn', which imports the __main__ module again: where prepare_corpus runs "
+    'from a script, call it under `if __name__ == "__main__":`, or pass workers=1.'
+)
 UINT16_LIMIT = 1 << 16
 
 
@@ -160,21 +167,21 @@ class _Backend:
 
     is_fast = True
 
-    def __init__(self, backend_json: str, eos_token_id: int):
+    def __init__(self, backend_file: str, eos_token_id: int):
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_str(backend_json)
+        self._tokenizer = Tokenizer.from_file(backend_file)
         self.eos_token_id = eos_token_id
 
 
-def _init_worker(spec: str, eos_token_id: int, backend_json: str | None = None) -> None:
+def _init_worker(spec: str, eos_token_id: int, backend_file: str | None = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; no threads per worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the main process, which shuts the pool down
     if spec == "byte":
         _WORKER["tokenizer"] = _Bytes(eos_token_id)
         return
-    if backend_json is not None:  # a worker starts in a fraction of a second instead of importing transformers
-        _WORKER["tokenizer"] = _Backend(backend_json, eos_token_id)
+    if backend_file is not None:  # a worker starts in a fraction of a second instead of importing transformers
+        _WORKER["tokenizer"] = _Backend(backend_file, eos_token_id)
         return
     from attnlab.data.tokenizer import load_tokenizer
 
@@ -268,12 +275,20 @@ class _Encoded:
 
     def __init__(self, spec: str, tokenizer, dtype: np.dtype, workers: int):
         self.dtype, self.workers, self.tokenizer = dtype.name, workers, tokenizer
-        self.pool = None
+        self.pool, self.backend_file = None, None
+        if workers > 1 and getattr(current_process(), "_inheriting", False):
+            # a worker process of another preparation, importing that script's __main__ as it starts
+            raise DataError(WORKERS_NEED_MAIN_GUARD)
         if workers > 1:
             backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-            backend_json = backend.to_str() if backend is not None and hasattr(backend, "to_str") else None
+            if backend is not None and hasattr(backend, "save"):
+                # through a file, not the arguments: what a spawned worker is sent must fit the pipe's buffer,
+                # or the start of a worker that dies before reading it waits for ever (multiprocessing)
+                handle, self.backend_file = tempfile.mkstemp(prefix="attnlab-tokenizer-", suffix=".json")
+                os.close(handle)
+                backend.save(self.backend_file)
             self.pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                                            initargs=(spec, tokenizer.eos_token_id, backend_json))
+                                            initargs=(spec, tokenizer.eos_token_id, self.backend_file))
 
     def map(self, batches: Iterator[tuple[int, list[int], list[str]]]):
         """(first document number, unit indices, encode_batch's result) for every batch, in order."""
@@ -283,17 +298,45 @@ class _Encoded:
             return
         window: collections.deque = collections.deque()
         for first, units, docs in batches:
-            window.append((first, units, self.pool.submit(encode_batch, docs, self.dtype)))
+            try:
+                window.append((first, units, self.pool.submit(encode_batch, docs, self.dtype)))
+            except (BrokenPipeError, BrokenProcessPool) as error:  # a worker died as it started
+                self.close(force=True)
+                raise DataError(f"A tokenizing worker process failed to start ({type(error).__name__}). {WORKERS_NEED_MAIN_GUARD}") from None
             if len(window) >= 2 * self.workers:
                 first, units, future = window.popleft()
-                yield first, units, future.result()
+                yield first, units, self._result(future)
         while window:
             first, units, future = window.popleft()
-            yield first, units, future.result()
+            yield first, units, self._result(future)
 
-    def close(self) -> None:
+    def _result(self, future):
+        """The batch's result; a clear error where a worker process died, which can leave the pool waiting
+        for ever (a worker that fails while the batch is still being sent to it)."""
+        while True:
+            try:
+                return future.result(timeout=WORKER_CHECK_S)
+            except TimeoutError:
+                codes = [p.exitcode for p in list((self.pool._processes or {}).values()) if p.exitcode not in (None, 0)]
+                if codes:
+                    self.close(force=True)
+                    raise DataError(f"A tokenizing worker process exited (exit code {codes[0]}). {WORKERS_NEED_MAIN_GUARD}") from None
+            except BrokenProcessPool:
+                self.close(force=True)
+                raise DataError(f"A tokenizing worker process died. {WORKERS_NEED_MAIN_GUARD}") from None
+
+    def close(self, force: bool = False) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            if force:  # a broken pool: stop its processes rather than wait for them
+                for process in list((self.pool._processes or {}).values()):
+                    process.terminate()
+                self.pool.shutdown(wait=False, cancel_futures=True)
+            else:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        if self.backend_file is not None:
+            Path(self.backend_file).unlink(missing_ok=True)
+            self.backend_file = None
 
 
 # --- files: atomic writes and the shard records -------------------------------------------------
