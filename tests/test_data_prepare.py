@@ -315,4 +315,4 @@ def test_workers_started_from_a_script_without_a_main_guard_fail_with_one_clear_
                       f"prepare_corpus({str(src)!r}, {str(tmp_path / 'out')!r}, {spec!r}, workers=2)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert done.returncode != 0
-    assert 'call it under `if __name__ == "__main__":`, or pass workers=1' in done.stderr.splitlines()[-1]
+    assert 'call it under `if __name__ == "__main__":`; or pass workers=1' in done.stderr.splitlines()[-1]

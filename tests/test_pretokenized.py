@@ -121,6 +121,14 @@ def test_other_pipelines_keep_the_tokenizers_encoder_and_its_ids(normalizer, pre
     assert [g.tolist() for g in encoder(tokenizer)(docs)] == [e.ids for e in tokenizer._tokenizer.encode_batch(docs, add_special_tokens=False)]
 
 
+def test_a_split_regex_that_python_cannot_read_keeps_the_tokenizers_encoder():
+    onig_only = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{L}+|(?~abc)"), behavior="isolated"),
+                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer = byte_level_bpe(onig_only)
+    assert WordCachedEncoder.of(tokenizer._tokenizer) is None
+    assert encoder(tokenizer)(["abc def"])[0].tolist() == tokenizer._tokenizer.encode("abc def", add_special_tokens=False).ids
+
+
 def test_split_patterns_reads_the_pre_tokenizer_json():
     assert split_patterns({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}) == [GPT2_PATTERN]
     assert split_patterns({"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}) is None

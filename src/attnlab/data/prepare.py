@@ -43,8 +43,9 @@ import os
 import signal
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor, TimeoutError
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import current_process, get_context
@@ -59,10 +60,9 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
 BATCH_BYTES = 1 << 20  # text per batch sent to a worker
-WORKER_CHECK_S = 2.0  # how often a wait for a batch checks that the workers are alive
 WORKERS_NEED_MAIN_GUARD = (
     "Worker processes start with 'spawn', which imports the __main__ module again: where prepare_corpus runs "
-    'from a script, call it under `if __name__ == "__main__":`, or pass workers=1.'
+    'from a script, call it under `if __name__ == "__main__":`; or pass workers=1.'
 )
 UINT16_LIMIT = 1 << 16
 
@@ -188,17 +188,17 @@ def _init_worker(spec: str, eos_token_id: int, backend_file: str | None = None) 
     _WORKER["tokenizer"] = load_tokenizer(spec)
 
 
-_WORD_CACHED: dict[int, tuple] = {}
+_WORD_CACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _word_cached(backend):
-    """The process's `WordCachedEncoder` of a `tokenizers` backend (its cache of pieces lives as long as the
-    backend), or None where the backend's pipeline is not one it reproduces."""
+def _word_cached(tokenizer, backend):
+    """The `WordCachedEncoder` of a tokenizer's `tokenizers` backend, one per tokenizer so that its cache of
+    pieces lasts as long as the tokenizer; None where the pipeline is not one it reproduces."""
     from attnlab.data.pretokenized import WordCachedEncoder
 
-    kept = _WORD_CACHED.get(id(backend))
+    kept = _WORD_CACHED.get(tokenizer)
     if kept is None or kept[0] is not backend:
-        kept = _WORD_CACHED[id(backend)] = (backend, WordCachedEncoder.of(backend))
+        kept = _WORD_CACHED[tokenizer] = (backend, WordCachedEncoder.of(backend))
     return kept[1]
 
 
@@ -211,7 +211,7 @@ def encoder(tokenizer):
         return lambda docs: [tokenizer.encode_bytes(d) for d in docs]
     backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None and hasattr(backend, "encode_batch"):  # HF `tokenizers`
-        fast = _word_cached(backend)
+        fast = _word_cached(tokenizer, backend)
         if fast is not None:  # a byte-level BPE pipeline: the same ids, pre-tokenized here, each piece encoded once
             return fast
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # _fast: the same ids, no offsets
@@ -311,28 +311,15 @@ class _Encoded:
             yield first, units, self._result(future)
 
     def _result(self, future):
-        """The batch's result; a clear error where a worker process died, which can leave the pool waiting
-        for ever (a worker that fails while the batch is still being sent to it)."""
-        while True:
-            try:
-                return future.result(timeout=WORKER_CHECK_S)
-            except TimeoutError:
-                codes = [p.exitcode for p in list((self.pool._processes or {}).values()) if p.exitcode not in (None, 0)]
-                if codes:
-                    self.close(force=True)
-                    raise DataError(f"A tokenizing worker process exited (exit code {codes[0]}). {WORKERS_NEED_MAIN_GUARD}") from None
-            except BrokenProcessPool:
-                self.close(force=True)
-                raise DataError(f"A tokenizing worker process died. {WORKERS_NEED_MAIN_GUARD}") from None
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            self.close(force=True)
+            raise DataError(f"A tokenizing worker process died (killed, or it failed as it started). {WORKERS_NEED_MAIN_GUARD}") from None
 
     def close(self, force: bool = False) -> None:
         if self.pool is not None:
-            if force:  # a broken pool: stop its processes rather than wait for them
-                for process in list((self.pool._processes or {}).values()):
-                    process.terminate()
-                self.pool.shutdown(wait=False, cancel_futures=True)
-            else:
-                self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=not force, cancel_futures=True)  # force: a broken pool, nothing to wait for
             self.pool = None
         if self.backend_file is not None:
             Path(self.backend_file).unlink(missing_ok=True)

@@ -95,14 +95,17 @@ class WordCachedEncoder:
     @classmethod
     def of(cls, backend) -> WordCachedEncoder | None:
         try:
-            import regex  # noqa: F401  (transformers' own dependency)
+            import regex
         except ImportError:
             return None
         spec = json.loads(backend.to_str())
         patterns = split_patterns(spec.get("pre_tokenizer"))
         if spec.get("normalizer") is not None or patterns is None or not hasattr(backend.model, "tokenize"):
             return None
-        return cls(backend, patterns)
+        try:
+            return cls(backend, patterns)
+        except regex.error:  # Oniguruma syntax that `regex` does not read
+            return None
 
     def split(self, text: str) -> list[str]:
         """The pieces of `text`: each pattern in turn splits every piece, keeping the matches and the text
