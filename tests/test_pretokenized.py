@@ -10,7 +10,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from attnlab.data.prepare import encoder  # noqa: E402
-from attnlab.data.pretokenized import GPT2_PATTERN, WordCachedEncoder, split_patterns  # noqa: E402
+from attnlab.data.pretokenized import GPT2_PATTERN, WordCachedEncoder, ascii_pattern, split_patterns  # noqa: E402
 
 # Llama 3's split (the one Qwen's tokenizers use differs only in \p{N} vs \p{N}{1,3})
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -60,6 +60,7 @@ def hard_documents() -> list[str]:
     return [
         *TRAIN_TEXT[:4], "", " ", "\n\n\n", "   leading and trailing   ", "word", "12345678901234567890",
         "controls \x1c\x1d\x1e\x1f \x85 \x0b\x0c and separators \u2028\u2029 \u00a0nbsp \u3000ideographic \u200bzero-width",
+        "ASCII controls \x00\x01 a\x1c\x1db \x1e\x1f c\x0b\x0c d\x7f e \x1c \r\n\t x\x1f",
         "an <eos> in the text and <|im_start|>system too, <eos><eos>",
         "combining e\u0301 a\u0308 ﬁ ligature, Ⅻ ⅻ ① ⁵ ₅ ٣ ߂ 𝟘 digits of other scripts",
         "newer characters \U00030000\U00031350\U00032000 and \U0001FAE8 \U0001F9CC",
@@ -103,7 +104,7 @@ def test_a_character_the_regex_engines_split_differently_is_found_by_its_probe(m
     tokenizer = byte_level_bpe(PRE_TOKENIZERS["gpt2"]())
     encode = WordCachedEncoder.of(tokenizer._tokenizer)
     split = encode.split
-    monkeypatch.setattr(encode, "split", lambda text: [w for piece in split(text) for w in piece.split("q")])  # 'q' cut out
+    monkeypatch.setattr(encode, "split", lambda text, unicode=False: [w for piece in split(text, unicode) for w in piece.split("q")])  # 'q' cut out
     encode._check({"a", "q", "é"})
     assert encode.differs == {"q"} and encode.checked == {"a", "q", "é"}
 
@@ -127,6 +128,19 @@ def test_a_split_regex_that_python_cannot_read_keeps_the_tokenizers_encoder():
     tokenizer = byte_level_bpe(onig_only)
     assert WordCachedEncoder.of(tokenizer._tokenizer) is None
     assert encoder(tokenizer)(["abc def"])[0].tolist() == tokenizer._tokenizer.encode("abc def", add_special_tokens=False).ids
+
+
+def test_ascii_text_splits_through_the_ascii_patterns_as_through_the_unicode_ones():
+    rng = random.Random(1)
+    ascii_docs = ["".join(rng.choice([chr(c) for c in range(128)] + ["e", " ", "'s", "'LL", "12", "\r\n"] * 8)
+                          for _ in range(400)) for _ in range(30)]
+    for name in PRE_TOKENIZERS:
+        encode = WordCachedEncoder.of(byte_level_bpe(PRE_TOKENIZERS[name]())._tokenizer)
+        assert encode.ascii_patterns is not None
+        for doc in ascii_docs:
+            assert encode.split(doc) == encode.split(doc, unicode=True)
+    assert ascii_pattern(r"\p{L}+|[^\s\p{N}]|\s+(?!\S)") == r"[A-Za-z]+|[^\t\n\x0b\x0c\r 0-9]|[\t\n\x0b\x0c\r ]+(?![^\t\n\x0b\x0c\r ])"
+    assert ascii_pattern(r"\w+") is None and ascii_pattern(r"\p{Lu}") is None
 
 
 def test_split_patterns_reads_the_pre_tokenizer_json():

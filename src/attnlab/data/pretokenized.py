@@ -19,6 +19,7 @@ and Digits(individual) steps ending in ByteLevel. Two things stay with `tokenize
 from __future__ import annotations
 
 import json
+import re
 from itertools import chain
 
 import numpy as np
@@ -47,6 +48,48 @@ BYTE_TABLE = _byte_table()
 def byte_chars(piece: str) -> str:
     """A piece as ByteLevel hands it to the model: one character per UTF-8 byte."""
     return piece.encode("utf-8").decode("latin-1").translate(BYTE_TABLE)
+
+
+# What the Unicode classes of the split patterns hold among ASCII characters (\s: Unicode's White_Space)
+_ASCII_CLASSES = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9", r"\s": r"\t\n\x0b\x0c\r "}
+
+
+def ascii_pattern(pattern: str) -> str | None:
+    r"""`pattern` for text of ASCII characters only, in the syntax of Python's `re` (about twice as fast as
+    `regex` with the Unicode classes): \p{L}, \p{N}, \s and \S become their ASCII members. None where the
+    pattern holds another class escape (\p{..}, \w, \d, \b, ...)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            escape = pattern[i : i + 5] if pattern.startswith(("\\p{", "\\P{"), i) else pattern[i : i + 2]
+            if escape in _ASCII_CLASSES:
+                members = _ASCII_CLASSES[escape]
+                out.append(members if in_class else f"[{members}]")
+            elif escape == r"\S" and not in_class:
+                out.append("[^" + _ASCII_CLASSES[r"\s"] + "]")
+            elif len(escape) == 2 and escape[1] in "trnfv'\"\\.[](){}|?*+^$- ":
+                out.append(escape)
+            else:
+                return None
+            i += len(escape)
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            i += 1
+            if pattern.startswith("^", i):
+                out.append("^")
+                i += 1
+            if pattern.startswith("]", i):  # a ] first in a class is a member
+                out.append("\\]")
+                i += 1
+            continue
+        if c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def split_patterns(pre_tokenizer: dict | None) -> list[str] | None:
@@ -86,6 +129,8 @@ class WordCachedEncoder:
         self.backend = backend
         self.model = backend.model
         self.patterns = [regex.compile(p) for p in patterns]
+        ascii_patterns = [ascii_pattern(p) for p in patterns]
+        self.ascii_patterns = [re.compile(p) for p in ascii_patterns] if None not in ascii_patterns else None
         added = sorted({t.content for t in backend.get_added_tokens_decoder().values() if t.content}, key=len, reverse=True)
         self.added = regex.compile("|".join(regex.escape(t) for t in added)) if added else None
         self.cache: dict[str, tuple[int, ...]] = {}
@@ -107,11 +152,13 @@ class WordCachedEncoder:
         except regex.error:  # Oniguruma syntax that `regex` does not read
             return None
 
-    def split(self, text: str) -> list[str]:
+    def split(self, text: str, unicode: bool = False) -> list[str]:
         """The pieces of `text`: each pattern in turn splits every piece, keeping the matches and the text
-        between them (the Isolated behaviour), dropping empty pieces."""
+        between them (the Isolated behaviour), dropping empty pieces. ASCII text goes through the ASCII
+        patterns (`ascii_pattern`) unless `unicode`."""
         pieces = [text]
-        for pattern in self.patterns:
+        ascii_only = self.ascii_patterns is not None and not unicode and text.isascii()
+        for pattern in self.ascii_patterns if ascii_only else self.patterns:
             out = []
             for piece in pieces:
                 found = pattern.findall(piece)
@@ -138,7 +185,10 @@ class WordCachedEncoder:
         for c in chars:
             probe = PROBE.format(c=c)
             try:
-                same = [p for p, _ in pre.pre_tokenize_str(probe)] == [byte_chars(w) for w in self.split(probe)]
+                expected = [p for p, _ in pre.pre_tokenize_str(probe)]
+                # an ASCII character through both ways of splitting: the ASCII patterns, and the Unicode ones
+                # that split it where it stands beside characters of other scripts
+                same = all(expected == [byte_chars(w) for w in self.split(probe, unicode)] for unicode in {False, not c.isascii(), True})
             except Exception:  # a lone surrogate, which neither side encodes
                 same = False
             if not same:
