@@ -186,9 +186,8 @@ class WordCachedEncoder:
             probe = PROBE.format(c=c)
             try:
                 expected = [p for p, _ in pre.pre_tokenize_str(probe)]
-                # an ASCII character through both ways of splitting: the ASCII patterns, and the Unicode ones
-                # that split it where it stands beside characters of other scripts
-                same = all(expected == [byte_chars(w) for w in self.split(probe, unicode)] for unicode in {False, not c.isascii(), True})
+                # both ways of splitting: an ASCII character also meets the Unicode patterns, beside other scripts
+                same = all(expected == [byte_chars(w) for w in self.split(probe, unicode)] for unicode in (False, True))
             except Exception:  # a lone surrogate, which neither side encodes
                 same = False
             if not same:
