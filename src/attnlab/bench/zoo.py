@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.bench.timing import median_time, peak_gib, release, sync
-from attnlab.bench.names import FLA_MODELS, OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS  # noqa: F401
+from attnlab.bench.names import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS
 from attnlab.bench.train import build, train_step
 from attnlab.errors import PreflightError
 

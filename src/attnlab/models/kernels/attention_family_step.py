@@ -36,10 +36,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 STEP_FIRST_INDICES = 4  # power2's first indices per step program (their packed rows balanced across programs)
-# rows (a, b) per tile and warps per step program, by the state's bytes per element. Timed in the model
+# rows (a, b) per tile and warps per step program, for bf16 and fp32 states alike. Timed in the model
 # (`attnlab bench decode`, 2mamba, 8 rows x 20 layers x 16 heads of 64, H100): the fp32 state's step kernel
 # took 1.37 ms per token in tiles of 64 rows on 4 warps, 1.16 ms in tiles of 32 on 2.
-STEP_SHAPES = {4: (32, 2), 2: (32, 2)}
+STEP_BLOCK_J = 32
+STEP_WARPS = 2
 
 DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5,
                      "sum_detached_eps": 6}
@@ -192,8 +193,7 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
         raise ValueError(f"normalizer must be a contiguous fp32 [{batch}, {heads}, {features}] tensor")
     mode = DENOMINATOR_MODES[denominator]
     o = torch.empty(batch, heads, value_dim, dtype=v.dtype, device=v.device)
-    block_rows, warps = STEP_SHAPES[state.element_size()]
-    block_j = min(block_rows, triton.next_power_of_2(head_dim))
+    block_j = min(STEP_BLOCK_J, triton.next_power_of_2(head_dim))
     block_v = min(64, triton.next_power_of_2(value_dim))
     a_per = 1  # power2: first indices a per program (a divisor of D), so that each program reads enough rows
     if power == 2:
@@ -215,7 +215,7 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
         *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
         H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
         HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per,
-        num_warps=warps,
+        num_warps=STEP_WARPS,
     )
     if not finish:
         _finish_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
