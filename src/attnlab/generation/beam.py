@@ -140,7 +140,7 @@ def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConf
                 done_scores, done_flags = done_scores.index_select(0, still), done_flags.index_select(0, still)
                 improvable = improvable.index_select(0, still)
                 items, item_rows = [items[j] for j in still.tolist()], item_rows.index_select(0, still)
-        runner.select(state, beam_rows.reshape(-1))
+        runner.select(state, beam_rows.reshape(-1), group=K)  # rows stay within their prompt's K beams
         logits = runner.step(running[:, :, t].reshape(-1), state)
     return out  # type: ignore[return-value]
 

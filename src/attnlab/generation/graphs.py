@@ -130,13 +130,21 @@ class StaticStep:
                 out[i][name] = picked[j]
         return out
 
-    def reorder(self, rows: torch.Tensor) -> None:
+    def reorder(self, rows: torch.Tensor, group: int = 0) -> None:
         """Row r of every state becomes old row rows[r] (beam search: rows move among the beams of
         one prompt), in place. KV buffers are moved from `prefix` on: the prompt's columns are the
-        same in every beam of the prompt."""
+        same in every beam of the prompt. With `group` (rows move only within groups of that many)
+        one pass that touches only the rows that change; else a gather and a copy."""
+        if group:
+            from attnlab.models.kernels.beam_reorder import reorder_rows_
         for stacked, (name, _, _) in zip(self.stacks, self.shapes):
-            if name in self.columns and self.prefix:
-                tail = stacked[:, :, self.prefix:]
+            prefix = self.prefix if name in self.columns else 0
+            if group:
+                per_column = stacked[0, 0, 0].numel() if prefix else 0
+                reorder_rows_(stacked, rows, group, row_dim=1, outer_dim=0, start=prefix * per_column,
+                              count=stacked[0, 0].numel() - prefix * per_column)
+            elif prefix:
+                tail = stacked[:, :, prefix:]
                 tail.copy_(tail.index_select(1, rows))
             else:
                 stacked.copy_(stacked.index_select(1, rows))
@@ -203,11 +211,11 @@ class StaticRunner(ModelRunner):
     def step(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
         return state.cache.step(tokens)
 
-    def select(self, state: DecodeState, rows: torch.Tensor) -> None:
+    def select(self, state: DecodeState, rows: torch.Tensor, group: int = 0) -> None:
         rows = rows.to(self.device)
         current: StaticStep = state.cache
-        if len(rows) == current.batch:  # beam reorder: a gather into the same buffers
-            current.reorder(rows)
+        if len(rows) == current.batch:  # beam reorder: in the same buffers
+            current.reorder(rows, group)
         else:
             state.cache = self._static(current.gather(rows), prefix=current.prefix)
 

@@ -182,10 +182,18 @@ class HFStaticStep:
             yield layer.keys
             yield layer.values
 
-    def reorder(self, rows: torch.Tensor) -> None:
+    def reorder(self, rows: torch.Tensor, group: int = 0) -> None:
         """Row r becomes old row rows[r] (beam search: rows move among the beams of one prompt), in
-        place, over the slots written after the prompt: every beam of a prompt holds the same prompt."""
+        place, over the slots written after the prompt: every beam of a prompt holds the same prompt.
+        With `group` (rows move only within groups of that many) one pass over the rows that change."""
+        if group:
+            from attnlab.models.kernels.beam_reorder import reorder_rows_
         for buf in self._buffers():
+            if group and buf.is_contiguous():  # [batch, heads, capacity, dim]
+                width = buf.shape[-1]
+                reorder_rows_(buf, rows, group, row_dim=0, outer_dim=1, start=self.prefix * width,
+                              count=(self.length - self.prefix) * width)
+                continue
             written = buf[:, :, self.prefix:self.length]
             written.copy_(written.index_select(0, rows))
         self.positions.copy_(self.positions.index_select(0, rows))
@@ -254,11 +262,11 @@ class HFStaticRunner(ModelRunner):
         return state.cache.step(tokens)
 
     @torch.no_grad()
-    def select(self, state: DecodeState, rows: torch.Tensor) -> None:
+    def select(self, state: DecodeState, rows: torch.Tensor, group: int = 0) -> None:
         rows = rows.to(self.device)
         current: HFStaticStep = state.cache
-        if len(rows) == current.batch:  # beam reorder: a gather into the same buffers
-            current.reorder(rows)
+        if len(rows) == current.batch:  # beam reorder: in the same buffers
+            current.reorder(rows, group)
         else:
             target = self._step(len(rows))
             target.load_rows(current, rows)

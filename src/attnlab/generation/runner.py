@@ -88,8 +88,10 @@ class ModelRunner:
         state.next_position = state.next_position + 1
         return logits
 
-    def select(self, state: DecodeState, rows: torch.Tensor) -> None:
-        """Keep (or reorder, or repeat) rows of the batch: row i becomes old row rows[i]."""
+    def select(self, state: DecodeState, rows: torch.Tensor, group: int = 0) -> None:
+        """Keep (or reorder, or repeat) rows of the batch: row i becomes old row rows[i]. `group` > 0
+        promises that rows move only within groups of that many (beam search's beams of a prompt):
+        static runners then reorder in one pass."""
         rows = rows.to(self.device)
         cache = state.cache
         if hasattr(cache, "select"):  # AttnLabCache
