@@ -530,6 +530,7 @@ def bench_zoo_cmd(
     op_head_dim: int = typer.Option(64, "--op-head-dim", help="Head dim of the ops' inputs."),
     skip_train: bool = typer.Option(False, "--skip-train", help="Time the ops only."),
     skip_ops: bool = typer.Option(False, "--skip-ops", help="Train the models only."),
+    profile: bool = typer.Option(False, "--profile", help="On CUDA: also profile one forward+backward of each op (its kernels' GPU time, the host's time to issue it)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the results as JSON here (after every row), and a PNG plot beside it (same name, .png)."),
     device: str = typer.Option("cuda", "--device", hidden=True, help="cuda, or cpu for a functional check at tiny sizes (fp32, no memory figures)."),
 ):
@@ -549,7 +550,7 @@ def bench_zoo_cmd(
     size = dict(hidden=hidden, layers=layers, heads=heads, vocab=vocab, intermediate=intermediate,
                 mixer_options=mixer_options(mixer_option or []))
     result = run_zoo(models, op_models, shapes, size, op_heads, op_head_dim, steps, warmup, op_repeats, torch.device(device), out,
-                     log=lambda line: console.print(line, highlight=False, soft_wrap=True))
+                     log=lambda line: console.print(line, highlight=False, soft_wrap=True), profile=profile)
     where = result["env"]["gpu"] or "cpu"
     columns = [f"{b}x{t}" for b, t in shapes]
 

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from attnlab.bench.timing import median_time, peak_gib, release, sync
+from attnlab.bench.timing import median_time, peak_gib, profile_step, release, sync
 from attnlab.bench.names import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS
 from attnlab.bench.train import build, train_step
 from attnlab.errors import PreflightError
@@ -207,9 +207,12 @@ def op_inputs(name: str, batch: int, seq_len: int, heads: int, head_dim: int, de
     return mix, [q, k, v, log_decay]
 
 
-def op_row(name: str, batch: int, seq_len: int, heads: int, head_dim: int, repeats: int, warmup: int, device: torch.device) -> dict:
+def op_row(name: str, batch: int, seq_len: int, heads: int, head_dim: int, repeats: int, warmup: int, device: torch.device,
+           profile: bool = False) -> dict:
     """Median milliseconds of the op's forward and backward (gradients of every input), and the
-    memory it takes beyond its inputs (peak allocated during one forward and backward)."""
+    memory it takes beyond its inputs (peak allocated during one forward and backward). With
+    `profile` (CUDA), also one forward and backward under the profiler: its kernels' GPU time and
+    the host's time to issue it (when that is close to the median, the op waits for the host)."""
     torch.manual_seed(0)
     fn, inputs = op_inputs(name, batch, seq_len, heads, head_dim, device)
     for t in inputs:
@@ -231,7 +234,10 @@ def op_row(name: str, batch: int, seq_len: int, heads: int, head_dim: int, repea
         sync(device)
         extra_gib = round((torch.cuda.max_memory_allocated(device) - before) / 2**30, 3)
     seconds, _ = median_time(fwd_bwd, repeats, device)
-    return {"fwd_bwd_ms": round(seconds * 1000, 3), "extra_gib": extra_gib}
+    row = {"fwd_bwd_ms": round(seconds * 1000, 3), "extra_gib": extra_gib}
+    if profile and device.type == "cuda":
+        row["profile"] = profile_step(fwd_bwd)
+    return row
 
 
 def describe(section: str, key: str, row: dict) -> str:
@@ -240,6 +246,11 @@ def describe(section: str, key: str, row: dict) -> str:
         return f"{section} {key}: error: {row['error']}"
     if section == "ops":
         extra = "" if row["extra_gib"] is None else f", {row['extra_gib']} GiB beyond the inputs"
+        prof = row.get("profile")
+        if prof:
+            top = ", ".join(f"{name} {ms}" for name, ms in prof["top_kernels_ms"][:6])
+            extra += (f"; profiled: {prof['gpu_ms']} ms in {prof['kernels']} kernels on the GPU, issued in {prof['host_issue_ms']} ms"
+                      f" by the host; top kernels (ms): {top}")
         return f"{section} {key}: forward+backward {row['fwd_bwd_ms']} ms{extra}"
     memory = ("" if row["peak_allocated_gib"] is None
               else f", peak {row['peak_allocated_gib']} / {row['peak_reserved_gib']} GiB allocated / reserved")
@@ -258,7 +269,7 @@ def write(result: dict, out: Path) -> None:
 
 def run_zoo(models: list[str], ops: list[str], shapes: list[tuple[int, int]], size: dict, op_heads: int, op_head_dim: int,
             steps: int, warmup: int, op_repeats: int, device: torch.device, out: Path | None = None,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, profile: bool = False) -> dict:
     """Measure every op, then every model, at every shape (the ops first: seconds in all); a line to
     `log` and the JSON rewritten after each row."""
     result = {"env": environment(device), "train": {}, "ops": {}, "decode": {}}
@@ -270,7 +281,7 @@ def run_zoo(models: list[str], ops: list[str], shapes: list[tuple[int, int]], si
             if section == "train":
                 row = train_row(name, size, batch, seq_len, steps, warmup, device)
             else:
-                row = op_row(name, batch, seq_len, op_heads, op_head_dim, op_repeats, warmup, device)
+                row = op_row(name, batch, seq_len, op_heads, op_head_dim, op_repeats, warmup, device, profile)
         except Exception as exc:  # noqa: BLE001  (any failure of one row is that row's result)
             row = {"error": reason(exc)}
         release(device)

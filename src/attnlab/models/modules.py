@@ -153,7 +153,7 @@ class SwiGLU(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x)
-        if kernels.use_fla(self.kernels, x):
+        if kernels.use_triton(self.kernels, x):
             if type(self.down_proj) is nn.Linear:  # not when an adapter (LoRA) wraps down_proj
                 return kernels.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
             return self.down_proj(kernels.swiglu(gate, up))

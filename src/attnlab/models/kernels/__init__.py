@@ -300,16 +300,17 @@ def rms_norm_swish_gate(x, gate, weight, eps: float):
 
 
 def swiglu(gate, up):
-    from fla.modules.activations import swiglu as fla_swiglu
+    """silu(gate) * up through attnlab's elementwise kernels (`kernels/swiglu.py`)."""
+    from attnlab.models.kernels.swiglu import swiglu as triton_swiglu
 
-    return fla_swiglu(gate, up)
+    return triton_swiglu(gate, up)
 
 
 def swiglu_linear(gate, up, weight, bias):
     """down(swiglu(gate, up)) that keeps only gate and up for the backward (the product is recomputed)."""
-    from fla.modules.activations import swiglu_linear as fla_swiglu_linear
+    from attnlab.models.kernels.swiglu import swiglu_linear as triton_swiglu_linear
 
-    return fla_swiglu_linear(gate, up, weight, bias)
+    return triton_swiglu_linear(gate, up, weight, bias)
 
 
 def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "mean"):
