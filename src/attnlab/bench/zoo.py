@@ -249,8 +249,9 @@ def describe(section: str, key: str, row: dict) -> str:
         prof = row.get("profile")
         if prof:
             top = ", ".join(f"{name} {ms}" for name, ms in prof["top_kernels_ms"][:6])
+            host = ", ".join(f"{name} x{count} {ms}" for name, count, ms in prof["host_self_ms"][:8])
             extra += (f"; profiled: {prof['gpu_ms']} ms in {prof['kernels']} kernels on the GPU, issued in {prof['host_issue_ms']} ms"
-                      f" by the host; top kernels (ms): {top}")
+                      f" by the host; top kernels (ms): {top}; host's own time (ms): {host}")
         return f"{section} {key}: forward+backward {row['fwd_bwd_ms']} ms{extra}"
     memory = ("" if row["peak_allocated_gib"] is None
               else f", peak {row['peak_allocated_gib']} / {row['peak_reserved_gib']} GiB allocated / reserved")

@@ -239,7 +239,7 @@ def _fwd_kernel(
         if WANT_SUM:
             l_i += tl.sum(w, 1)
         acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
-    tl.store(NUM + b * snb + h * snh + offs_m[:, None] * snt + offs_dv[None, :], acc,
+    tl.store(NUM + b * snb + h * snh + offs_m[:, None] * snt + offs_dv[None, :], acc.to(NUM.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if WANT_SUM:
         tl.store(L + b * slb + h + offs_m * slt, l_i, mask=row_ok)
@@ -390,11 +390,11 @@ def _head_blocks(dk: int, dv: int) -> dict:
 
 class _AttentionTerms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cq, ck, key_mask, opts):
+    def forward(ctx, q, k, v, cq, ck, key_mask, opts, num_dtype):
         batch, num_queries, heads, dk = q.shape
         num_keys, dv = k.shape[1], v.shape[-1]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv take these strides
-        num = torch.empty(batch, num_queries, heads, dv, device=q.device, dtype=torch.float32)
+        num = torch.empty(batch, num_queries, heads, dv, device=q.device, dtype=num_dtype)
         rows = torch.empty(batch, num_queries, heads, device=q.device, dtype=torch.float32)  # row sums
         row_max = torch.empty_like(rows) if opts["USE_MAX"] else rows
         has_decay = cq is not None
@@ -436,7 +436,7 @@ class _AttentionTerms(torch.autograd.Function):
                 (q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck), args, constexprs, num_keys * batch * heads)
         _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
                 (q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq), args, constexprs, num_queries * batch * heads)
-        return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None
+        return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None, None
 
 
 def _launch(kernel, grid, tensors, scalars, constexprs, programs_at_most: int) -> None:
@@ -457,10 +457,14 @@ def _bht(t: torch.Tensor) -> tuple[int, int, int]:
 
 def attention_terms(
     q, k, v, *, similarity, scale, clamp=None, taylor_terms=80, denominator="sum",
-    query_log_decay=None, key_log_decay=None, key_mask=None,
+    query_log_decay=None, key_log_decay=None, key_mask=None, out_dtype=None,
 ):
     """As `attnlab.models.ops.attention_family.attention_terms` (same arguments and results:
-    num [B, H, Tq, Dv] and den [B, H, Tq, 1] or None, fp32), through the kernels above."""
+    num [B, H, Tq, Dv] and den [B, H, Tq, 1] or None, fp32), through the kernels above. With the
+    denominator "none" the numerator is the output: `out_dtype` has it written in that dtype
+    (`writes_output`), which spares the division's passes both ways."""
+    if out_dtype is not None and denominator != "none":
+        raise ValueError("attention_terms writes the output itself only for the denominator 'none'")
     from attnlab.models.ops.attention_family import EXP_SIMILARITIES, SUM_DENOMINATORS
 
     lo, hi = taylor_exp_range(taylor_terms) if similarity == "taylor" else (0.0, 0.0)
@@ -475,12 +479,13 @@ def attention_terms(
         from attnlab.models.ops.attention_family import attention_terms as reference
 
         warnings.warn("attnlab's attention-family kernels take no float64: this call runs the PyTorch reference", stacklevel=2)
-        return reference(q, k, v, similarity=similarity, scale=scale, clamp=clamp, taylor_terms=taylor_terms, denominator=denominator,
-                         query_log_decay=query_log_decay, key_log_decay=key_log_decay, key_mask=key_mask)
+        num, den = reference(q, k, v, similarity=similarity, scale=scale, clamp=clamp, taylor_terms=taylor_terms, denominator=denominator,
+                             query_log_decay=query_log_decay, key_log_decay=key_log_decay, key_mask=key_mask)
+        return (num, den) if out_dtype is None else (num.to(out_dtype), den)
     if len(dtypes) > 1:  # e.g. autocast keeps a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
         dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtypes)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    num, rows = _AttentionTerms.apply(q, k, v, query_log_decay, key_log_decay, key_mask, opts)
+    num, rows = _AttentionTerms.apply(q, k, v, query_log_decay, key_log_decay, key_mask, opts, out_dtype or torch.float32)
     num = num.transpose(1, 2)  # [B, H, Tq, Dv]
     if denominator in SUM_DENOMINATORS:
         return num, rows.transpose(1, 2)[..., None]
@@ -596,3 +601,4 @@ def divide(num: torch.Tensor, den: torch.Tensor | None, denominator: str, out_dt
 
 
 attention_terms.divide = divide  # `parallel_attention` divides through it
+attention_terms.writes_output = True  # and, for the denominator "none", has the output written by the forward kernel

@@ -223,7 +223,11 @@ def parallel_attention(
 ) -> torch.Tensor:
     """The quadratic form; see `attention_terms`. Returns o [B, Tq, H, Dv] in fp32 (or `out_dtype`).
     `terms` computes the numerator and raw denominator: this reference or a kernel with the same
-    contract; a kernel's `terms.divide(num, den, denominator, dtype)` may finish the division too."""
+    contract; a kernel's `terms.divide(num, den, denominator, dtype)` may finish the division too,
+    and one with `writes_output` writes the output itself where there is nothing to divide by."""
+    if denominator == "none" and getattr(terms, "writes_output", False):
+        num, _ = terms(q, k, v, denominator=denominator, out_dtype=out_dtype or torch.float32, **kwargs)
+        return num.transpose(1, 2)
     num, den = terms(q, k, v, denominator=denominator, **kwargs)
     divide = getattr(terms, "divide", None)
     if divide is not None:
