@@ -17,8 +17,9 @@ keys (dk, dv and the key side of the decay), one over keys for a block of querie
 query side of the decay). Nothing of size [T, T] is stored in either direction.
 
 The truncated series equals exp to fp32 precision on [lo, hi] (computed per number of terms), where
-the kernels use exp. Each kernel notes which of its programs met a score outside that range, and a
-second launch redoes only those with the series summed in float64 there, as the reference does.
+the kernels use exp. A program that met a score outside that range does its rows again, in small
+tiles, with the series summed in float64 there, as the reference does; the others never run that
+code, and one launch per kernel serves both.
 
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that in CI.
 """
@@ -177,39 +178,26 @@ def _tuning(kernel: str) -> dict:
                 prune_configs_by={"early_config_prune": prune})
 
 
-@triton.autotune(**_tuning("fwd"))
+REDO_BLOCK = tl.constexpr(16)  # keys (forward, dq) or queries (dk, dv) per tile where a program redoes its rows with the float64 series
+
+
 @triton.jit
-def _fwd_kernel(
-    Q, K, V, CQ, CK, KM, NUM, L, M, LEFT,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
-    Tq, Tk, H, DK, DV, scale,
-    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    past = Tk - Tq
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+def _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end,
+              skb, skt, skh, svb, svt, svh, sdb, sdt, skmb, Tk, DK, DV, scale,
+              SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr,
+              HI: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr,
+              WANT_SUM: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """A block of queries over the keys [0, n_end): (numerator, row sums, row maxima, rows that met a
+    score outside the series' [LO, HI])."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    redo = 1  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
-    if EXACT:
-        redo = tl.load(LEFT + pid)
     left = tl.zeros([BLOCK_M], tl.int32)
-    row_ok = offs_m < tl.where(redo != 0, Tq, 0)
-    q = _tile(Q, b, h, offs_m, row_ok, sqb, sqt, sqh, offs_dk, DK)
-    cq = tl.zeros([BLOCK_M], tl.float32)
-    if HAS_DECAY:
-        cq = _vec(CQ, b, h, offs_m, row_ok, scb, sct)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    query_pos = past + offs_m
-    for start_n in range(0, tl.where(redo != 0, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
+    for start_n in range(0, n_end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
@@ -239,55 +227,67 @@ def _fwd_kernel(
         if WANT_SUM:
             l_i += tl.sum(w, 1)
         acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_i, left
+
+
+@triton.autotune(**_tuning("fwd"))
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, CQ, CK, KM, NUM, L, M,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
+    Tq, Tk, H, DK, DV, scale,
+    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    past = Tk - Tq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < Tq
+    q = _tile(Q, b, h, offs_m, row_ok, sqb, sqt, sqh, offs_dk, DK)
+    cq = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_DECAY:
+        cq = _vec(CQ, b, h, offs_m, row_ok, scb, sct)
+    query_pos = past + offs_m
+    n_end = tl.minimum(Tk, past + start_m + BLOCK_M)
+    acc, l_i, m_i, left = _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end, skb, skt, skh, svb, svt, svh, sdb,
+                                    sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI, HAS_DECAY, HAS_MASK,
+                                    USE_MAX, WANT_SUM, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV)
+    if SIM == 3:
+        if tl.max(left, 0) > 0:  # a score outside [LO, HI]: these rows again, the series summed in float64 there
+            acc, l_i, m_i, left = _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end, skb, skt, skh, svb, svt,
+                                            svh, sdb, sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI,
+                                            HAS_DECAY, HAS_MASK, USE_MAX, WANT_SUM, PRECISION, True, BLOCK_M, REDO_BLOCK,
+                                            BLOCK_DK, BLOCK_DV)
     tl.store(NUM + b * snb + h * snh + offs_m[:, None] * snt + offs_dv[None, :], acc.to(NUM.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if WANT_SUM:
         tl.store(L + b * slb + h + offs_m * slt, l_i, mask=row_ok)
     if USE_MAX:
         tl.store(M + b * slb + h + offs_m * slt, tl.where(m_i == float("-inf"), 0.0, m_i), mask=row_ok)
-    if SIM == 3 and not EXACT:
-        tl.store(LEFT + pid, tl.max(left, 0))
 
 
-@triton.autotune(**_tuning("dkdv"))
 @triton.jit
-def _bwd_dkdv_kernel(
-    Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK, LEFT,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
-    Tq, Tk, H, DK, DV, scale,
-    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient.
-    Tiles are [keys, queries] (transposed), so that sums over queries stay within a row."""
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    past = Tk - Tq
-    cols = start_n + tl.arange(0, BLOCK_N)
+def _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq, past,
+                  sqb, sqt, sqh, scb, sct, snb, snt, snh, slb, slt, DK, DV, scale,
+                  SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr,
+                  HI: tl.constexpr, HAS_DECAY: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr,
+                  PRECISION: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """A block of keys over the queries from `first` on: (dk unscaled, dv, the key side of the decay
+    gradient, keys that met a score outside the series' [LO, HI])."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    redo = 1  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
-    if EXACT:
-        redo = tl.load(LEFT + pid)
     left = tl.zeros([BLOCK_N], tl.int32)
-    col_ok = cols < tl.where(redo != 0, Tk, 0)
-    k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
-    v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
-    keep_col = col_ok
-    if HAS_MASK:
-        keep_col = keep_col & (tl.load(KM + b * skmb + cols, mask=col_ok, other=0) != 0)
-    ck = tl.zeros([BLOCK_N], tl.float32)
-    if HAS_DECAY:
-        ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dck = tl.zeros([BLOCK_N], tl.float32)
-    first = tl.maximum(start_n - past, 0) // BLOCK_M * BLOCK_M  # the first query that can see these keys
-    for start_m in range(first, tl.where(redo != 0, Tq, 0), BLOCK_M):
+    for start_m in range(first // BLOCK_M * BLOCK_M, Tq, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < Tq
         q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_dk[:, None],
@@ -311,54 +311,72 @@ def _bwd_dkdv_kernel(
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
         if HAS_DECAY:
             dck -= tl.sum(g_t * w_t, 1)
+    return dk, dv, dck, left
+
+
+@triton.autotune(**_tuning("dkdv"))
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
+    Tq, Tk, H, DK, DV, scale,
+    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient.
+    Tiles are [keys, queries] (transposed), so that sums over queries stay within a row."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    past = Tk - Tq
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = cols < Tk
+    k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
+    v = _tile(V, b, h, cols, col_ok, svb, svt, svh, offs_dv, DV)
+    keep_col = col_ok
+    if HAS_MASK:
+        keep_col = keep_col & (tl.load(KM + b * skmb + cols, mask=col_ok, other=0) != 0)
+    ck = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_DECAY:
+        ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
+    first = tl.maximum(start_n - past, 0)  # the first query that can see these keys
+    dk, dv, dck, left = _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq, past, sqb, sqt, sqh,
+                                      scb, sct, snb, snt, snh, slb, slt, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO,
+                                      HI, HAS_DECAY, USE_MAX, WANT_SUM, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_DK,
+                                      BLOCK_DV)
+    if SIM == 3:
+        if tl.max(left, 0) > 0:  # a score outside [LO, HI]: these keys again, the series summed in float64 there
+            dk, dv, dck, left = _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq, past, sqb, sqt,
+                                              sqh, scb, sct, snb, snt, snh, slb, slt, DK, DV, scale, SIM, HAS_CLAMP, CLAMP,
+                                              TERMS, LO, HI, HAS_DECAY, USE_MAX, WANT_SUM, PRECISION, True, REDO_BLOCK,
+                                              BLOCK_N, BLOCK_DK, BLOCK_DV)
     tl.store(DK_ + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :], (dk * scale).to(DK_.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < DK))
     tl.store(DV_ + b * svb + h * svh + cols[:, None] * svt + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dv[None, :] < DV))
     if HAS_DECAY:
         tl.store(DCK + b * sdb + h + cols * sdt, dck, mask=col_ok)
-    if SIM == 3 and not EXACT:
-        tl.store(LEFT + pid, tl.max(left, 0))
 
 
-@triton.autotune(**_tuning("dq"))
 @triton.jit
-def _bwd_dq_kernel(
-    Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ, LEFT,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
-    Tq, Tk, H, DK, DV, scale,
-    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-    EXACT: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """For a block of queries: dq (same strides as q) and the query side of the decay gradient."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    past = Tk - Tq
-    rows = start_m + tl.arange(0, BLOCK_M)
+def _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past,
+             skb, skt, skh, svb, svt, svh, sdb, sdt, skmb, Tk, DK, DV, scale,
+             SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr,
+             HI: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr,
+             PRECISION: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """A block of queries over the keys [0, n_end): (dq unscaled, the query side of the decay gradient,
+    rows that met a score outside the series' [LO, HI])."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    redo = 1  # the series' exact pass redoes only the programs whose first pass used exp outside [LO, HI]
-    if EXACT:
-        redo = tl.load(LEFT + pid)
     left = tl.zeros([BLOCK_M], tl.int32)
-    row_ok = rows < tl.where(redo != 0, Tq, 0)
-    q = _tile(Q, b, h, rows, row_ok, sqb, sqt, sqh, offs_dk, DK)
-    dnum = _tile(DNUM, b, h, rows, row_ok, snb, snt, snh, offs_dv, DV)
-    qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
-    if HAS_DECAY:
-        qterm += _vec(CQ, b, h, rows, row_ok, scb, sct)
-    if USE_MAX:
-        qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
-    dl = tl.zeros([BLOCK_M], tl.float32)
-    if WANT_SUM:
-        dl = _vec(DL, b, h, rows, row_ok, slb, slt)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dcq = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, tl.where(redo != 0, tl.minimum(Tk, past + start_m + BLOCK_M), 0), BLOCK_N):
+    for start_n in range(0, n_end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < Tk
         k = _tile(K, b, h, cols, col_ok, skb, skt, skh, offs_dk, DK)
@@ -376,12 +394,51 @@ def _bwd_dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         if HAS_DECAY:
             dcq += tl.sum(g * w, 1)
+    return dq, dcq, left
+
+
+@triton.autotune(**_tuning("dq"))
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
+    Tq, Tk, H, DK, DV, scale,
+    SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """For a block of queries: dq (same strides as q) and the query side of the decay gradient."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    past = Tk - Tq
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Tq
+    q = _tile(Q, b, h, rows, row_ok, sqb, sqt, sqh, offs_dk, DK)
+    dnum = _tile(DNUM, b, h, rows, row_ok, snb, snt, snh, offs_dv, DV)
+    qterm = tl.zeros([BLOCK_M], tl.float32)  # decay less the row maximum, per query
+    if HAS_DECAY:
+        qterm += _vec(CQ, b, h, rows, row_ok, scb, sct)
+    if USE_MAX:
+        qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
+    dl = tl.zeros([BLOCK_M], tl.float32)
+    if WANT_SUM:
+        dl = _vec(DL, b, h, rows, row_ok, slb, slt)
+    n_end = tl.minimum(Tk, past + start_m + BLOCK_M)
+    dq, dcq, left = _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past, skb, skt, skh, svb, svt,
+                             svh, sdb, sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI, HAS_DECAY,
+                             HAS_MASK, USE_MAX, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV)
+    if SIM == 3:
+        if tl.max(left, 0) > 0:  # a score outside [LO, HI]: these rows again, the series summed in float64 there
+            dq, dcq, left = _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past, skb, skt, skh, svb,
+                                     svt, svh, sdb, sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI,
+                                     HAS_DECAY, HAS_MASK, USE_MAX, PRECISION, True, BLOCK_M, REDO_BLOCK, BLOCK_DK, BLOCK_DV)
     tl.store(DQ_ + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :], (dq * scale).to(DQ_.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < DK))
     if HAS_DECAY:
         tl.store(DCQ + b * scb + h + rows * sct, dcq, mask=row_ok)
-    if SIM == 3 and not EXACT:
-        tl.store(LEFT + pid, tl.max(left, 0))
 
 
 def _head_blocks(dk: int, dv: int) -> dict:
@@ -408,7 +465,7 @@ class _AttentionTerms(torch.autograd.Function):
                    *_bht(num), rows.stride(0), rows.stride(1))
         sizes = (num_queries, num_keys, heads, dk, dv, scale)
         _launch(_fwd_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
-                (q, k, v, cq, ck, km, num, rows, row_max), (*strides, *sizes), constexprs, num_queries * batch * heads)
+                (q, k, v, cq, ck, km, num, rows, row_max), (*strides, *sizes), constexprs)
         ctx.save_for_backward(q, k, v, cq, ck, km, row_max)
         ctx.meta = (strides, sizes, constexprs, has_decay)
         if not opts["WANT_SUM"]:
@@ -433,21 +490,14 @@ class _AttentionTerms(torch.autograd.Function):
         dck = torch.empty_like(ck) if has_decay else drows
         args = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1), *sizes)
         _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads),
-                (q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck), args, constexprs, num_keys * batch * heads)
+                (q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck), args, constexprs)
         _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
-                (q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq), args, constexprs, num_queries * batch * heads)
+                (q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq), args, constexprs)
         return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None, None
 
 
-def _launch(kernel, grid, tensors, scalars, constexprs, programs_at_most: int) -> None:
-    """One launch; for the truncated series a second one, in which only the programs whose first
-    pass met a score outside [LO, HI] run again with the series summed in float64 there (the rest
-    return at once: no host synchronisation, and the common pass carries no float64 code)."""
-    series = constexprs["SIM"] == SIM_CODES["taylor"]
-    left = torch.empty(programs_at_most if series else 1, dtype=torch.int32, device=tensors[0].device)  # every program writes its own
-    kernel[grid](*tensors, left, *scalars, **constexprs, EXACT=False)
-    if series:
-        kernel[grid](*tensors, left, *scalars, **constexprs, EXACT=True)
+def _launch(kernel, grid, tensors, scalars, constexprs) -> None:
+    kernel[grid](*tensors, *scalars, **constexprs)
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:
