@@ -27,121 +27,182 @@ def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 1, expanded)
 
 
+def _advance(s: dict[str, torch.Tensor], t_dev: torch.Tensor, t: int, cfg: GenerateConfig, eos_t: torch.Tensor,
+             top_k_slots: torch.Tensor, stops: StopStrings, on_device: bool) -> dict[str, torch.Tensor]:
+    """One step of the search from the logits in `s`, on the device: the new running beams and
+    finished hypotheses, whether each item is done (`finished`), the rows of the last step each
+    beam continues (`beam_rows`) and the beams' next tokens (`tokens`). The step's index is the
+    0-dim tensor `t_dev`, so that the same operations serve every step (recorded once as a CUDA
+    graph, `_CapturedSearch`); the host's `t` is read only for stop strings."""
+    K, L, lp = cfg.num_beams, cfg.max_new_tokens, cfg.length_penalty
+    running, running_scores = s["running"], s["running_scores"]
+    n, V = running.shape[0], s["logits"].shape[-1]
+    keep_n = top_k_slots.shape[0]
+    log_probs = s["logits"].log_softmax(dim=-1)  # [n*K, V]
+    if cfg.min_new_tokens > 0 and len(eos_t):
+        log_probs[:, eos_t] = torch.where(t_dev < cfg.min_new_tokens, float("-inf"), log_probs[:, eos_t])
+    if cfg.repetition_penalty != 1.0:
+        before = (torch.arange(L, device=running.device) < t_dev).long().expand(n * K, L)  # tokens generated so far
+        seen = torch.zeros(n * K, V, dtype=torch.long, device=running.device).scatter_add_(1, running.reshape(n * K, L), before)
+        seen = (seen > 0) | s["prompt_seen"].repeat_interleave(K, dim=0)
+        log_probs = repetition_penalty(log_probs, seen, cfg.repetition_penalty)
+    scores = (log_probs.view(n, K, V) + running_scores[:, :, None]).view(n, K * V)
+    cand_scores, cand_idx = torch.topk(scores, keep_n, dim=1)  # [n, keep_n]
+    parent, token = cand_idx // V, cand_idx % V
+    cand = _gather(running, parent).scatter_(2, t_dev.view(1, 1, 1).expand(n, keep_n, 1), token[:, :, None])
+
+    ends = torch.isin(token, eos_t) if len(eos_t) else torch.zeros_like(token, dtype=torch.bool)
+    ends = ends | (t_dev + 1 == L)
+    if stops.stops:
+        ends |= _stop_hits(stops, cand, t, ends)
+
+    # Running beams: the best K candidates that did not end.
+    masked = cand_scores + ends.float() * NEG
+    next_idx = torch.topk(masked, K, dim=1).indices
+    new = {"running": _gather(cand, next_idx), "running_scores": _gather(masked, next_idx)}
+    running_parent = _gather(parent, next_idx)
+
+    # Finished hypotheses: merge the new ones into the best K so far.
+    length = (t_dev + 1).double()
+    new_scores = cand_scores / (length ** lp).float()
+    full = s["done_flags"].all(dim=1, keepdim=True) & (cfg.early_stopping is True)
+    new_scores = new_scores + full.float() * NEG + (~s["improvable"]).float() * NEG
+    just_done = ends & top_k_slots[None, :]
+    new_scores = new_scores + (~just_done).float() * NEG
+    merged_scores = torch.cat([s["done_scores"], new_scores], dim=1)
+    best = torch.topk(merged_scores, K, dim=1).indices
+    done = {"done_seqs": _gather(torch.cat([s["done_seqs"], cand], dim=1), best),
+            "done_lens": _gather(torch.cat([s["done_lens"], (t_dev + 1).expand_as(token)], dim=1), best),
+            "done_flags": _gather(torch.cat([s["done_flags"], just_done], dim=1), best),
+            "done_scores": _gather(merged_scores, best)}
+
+    # Can a running beam still beat the worst finished one?
+    best_len = torch.full_like(length, L) if (cfg.early_stopping == "never" and lp > 0.0) else length
+    best_running = new["running_scores"][:, :1] / (best_len ** lp).float()
+    worst_done = torch.where(done["done_flags"], done["done_scores"].min(dim=1, keepdim=True).values,
+                             torch.full_like(done["done_scores"], NEG))
+    new["improvable"] = s["improvable"] & (best_running > worst_done).any(dim=1, keepdim=True)
+    finished = (~new["improvable"][:, 0]) | (done["done_flags"].all(dim=1) & (cfg.early_stopping is True)) | ends.all()
+    if on_device:  # items finished at an earlier step keep their hypotheses as they were
+        keep = s["frozen"][:, None]
+        done = {name: torch.where(keep if value.dim() == 2 else keep[:, :, None], s[name], value) for name, value in done.items()}
+        finished = finished | s["frozen"]
+        new["frozen"] = finished
+    new.update(done)
+    new["finished"] = finished
+    new["beam_rows"] = running_parent + torch.arange(n, device=running.device)[:, None] * K  # [n, K] rows of the last step
+    new["tokens"] = new["running"].gather(2, t_dev.view(1, 1, 1).expand(n, K, 1)).reshape(-1)
+    return new
+
+
+class _CapturedSearch:
+    """The search's step and the state's reorder, recorded once as a CUDA graph over the buffers of
+    `s` (static runners on CUDA, items staying in the batch): one replay instead of some seventy
+    small operations, which otherwise wait for the host when the model's own step is short."""
+
+    def __init__(self, s: dict[str, torch.Tensor], step):
+        self.s = s
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(self.graph, stream=side):
+            for name, value in step().items():
+                s[name].copy_(value)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 @torch.no_grad()
 def beam_search(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConfig, eos: list[int], pad_id: int,
                 stops: StopStrings) -> list[list[Candidate]]:
-    K, L, lp = cfg.num_beams, cfg.max_new_tokens, cfg.length_penalty
+    K, L = cfg.num_beams, cfg.max_new_tokens
     device = runner.device
     input_ids, mask = left_pad(prompts, pad_id, device)
     logits, state = runner.prefill(input_ids, mask)  # [B, V]
     B, V = logits.shape
     expand = torch.arange(B, device=device).repeat_interleave(K)
     runner.select(state, expand)  # every prompt's state copied to its K beams
-    logits = logits.index_select(0, expand)  # [B*K, V]
 
     eos_t = torch.tensor([e for e in eos if e < V], dtype=torch.long, device=device)
     keep_n = max(2, 1 + len(eos_t)) * K  # candidates kept per prompt and step
     top_k_slots = torch.arange(keep_n, device=device) < K  # only the best K candidates may finish
 
-    running = torch.full((B, K, L), pad_id, dtype=torch.long, device=device)  # generated tokens
     running_scores = torch.zeros(B, K, device=device)
     running_scores[:, 1:] = NEG  # all beams start identical: expand only the first
-    done_seqs = torch.full((B, K, L), pad_id, dtype=torch.long, device=device)
-    done_lens = torch.zeros(B, K, dtype=torch.long, device=device)
-    done_scores = torch.full((B, K), NEG, device=device)
-    done_flags = torch.zeros(B, K, dtype=torch.bool, device=device)
-    improvable = torch.ones(B, 1, dtype=torch.bool, device=device)
-    items = list(range(B))  # original prompt index of each batch item
+    s = {
+        "logits": logits.float().index_select(0, expand),  # [B*K, V]
+        "running": torch.full((B, K, L), pad_id, dtype=torch.long, device=device),  # generated tokens
+        "running_scores": running_scores,
+        "done_seqs": torch.full((B, K, L), pad_id, dtype=torch.long, device=device),
+        "done_lens": torch.zeros(B, K, dtype=torch.long, device=device),
+        "done_scores": torch.full((B, K), NEG, device=device),
+        "done_flags": torch.zeros(B, K, dtype=torch.bool, device=device),
+        "improvable": torch.ones(B, 1, dtype=torch.bool, device=device),
+        "frozen": torch.zeros(B, dtype=torch.bool, device=device),  # items finished at an earlier step (on_device)
+        "finished": torch.zeros(B, dtype=torch.bool, device=device),
+        "beam_rows": torch.zeros(B, K, dtype=torch.long, device=device),
+        "tokens": torch.zeros(B * K, dtype=torch.long, device=device),
+    }
     if cfg.repetition_penalty != 1.0:
-        prompt_seen = torch.zeros(B, V, dtype=torch.bool, device=device).scatter_(1, input_ids, mask.bool())
+        s["prompt_seen"] = torch.zeros(B, V, dtype=torch.bool, device=device).scatter_(1, input_ids, mask.bool())
+    items = list(range(B))  # original prompt index of each batch item
     out: list[list[Candidate] | None] = [None] * B
     # A static runner keeps finished items in the batch (their finished hypotheses frozen), so the
     # host looks at the search only every SYNC_EVERY steps instead of after each one; stop strings
-    # need the host at every step.
+    # need the host at every step. On CUDA such a runner's search step (with the reorder of the
+    # state, where the runner reorders in place) is a CUDA graph from the second step on.
     on_device = getattr(runner, "keeps_finished_rows", False) and not stops.stops
-    frozen = torch.zeros(B, dtype=torch.bool, device=device)  # items finished at an earlier step (on_device)
-    item_rows = torch.arange(B, device=device)  # `items` on the device
+    in_graph = on_device and device.type == "cuda" and getattr(runner, "capture", False)
+    t_dev = torch.zeros((), dtype=torch.long, device=device)
+    captured: _CapturedSearch | None = None
+
+    def step(t: int) -> dict[str, torch.Tensor]:
+        new = _advance(s, t_dev, t, cfg, eos_t, top_k_slots, stops, on_device)
+        if in_graph and getattr(runner, "reorders_in_place", False):
+            runner.select(state, new["beam_rows"].reshape(-1), group=K)
+        return new
 
     for t in range(L):
         n = len(items)
-        before = (done_seqs, done_lens, done_flags, done_scores)
-        log_probs = logits.log_softmax(dim=-1)  # [n*K, V]
-        if t < cfg.min_new_tokens and len(eos_t):
-            log_probs[:, eos_t] = float("-inf")
-        if cfg.repetition_penalty != 1.0:
-            seen = prompt_seen[item_rows].repeat_interleave(K, dim=0)  # [n*K, V]
-            if t:
-                seen.scatter_(1, running[:, :, :t].reshape(n * K, t), True)
-            log_probs = repetition_penalty(log_probs, seen, cfg.repetition_penalty)
-        scores = (log_probs.view(n, K, V) + running_scores[:, :, None]).view(n, K * V)
-        cand_scores, cand_idx = torch.topk(scores, keep_n, dim=1)  # [n, keep_n]
-        parent, token = cand_idx // V, cand_idx % V
-        cand = _gather(running, parent)
-        cand[:, :, t] = token
-
-        ends = torch.isin(token, eos_t) if len(eos_t) else torch.zeros_like(token, dtype=torch.bool)
-        if t + 1 == L:
-            ends = torch.ones_like(ends)
-        elif stops.stops:
-            ends |= _stop_hits(stops, cand, t, ends)
-
-        # Running beams: the best K candidates that did not end.
-        masked = cand_scores + ends.float() * NEG
-        next_idx = torch.topk(masked, K, dim=1).indices
-        running = _gather(cand, next_idx)
-        running_scores = _gather(masked, next_idx)
-        running_parent = _gather(parent, next_idx)
-
-        # Finished hypotheses: merge the new ones into the best K so far.
-        new_scores = cand_scores / ((t + 1) ** lp)
-        full = done_flags.all(dim=1, keepdim=True) & (cfg.early_stopping is True)
-        new_scores = new_scores + full.float() * NEG + (~improvable).float() * NEG
-        just_done = ends & top_k_slots[None, :]
-        new_scores = new_scores + (~just_done).float() * NEG
-        new_lens = torch.full_like(token, t + 1)
-        merged_scores = torch.cat([done_scores, new_scores], dim=1)
-        best = torch.topk(merged_scores, K, dim=1).indices
-        done_seqs = _gather(torch.cat([done_seqs, cand], dim=1), best)
-        done_lens = _gather(torch.cat([done_lens, new_lens], dim=1), best)
-        done_flags = _gather(torch.cat([done_flags, just_done], dim=1), best)
-        done_scores = _gather(merged_scores, best)
-
-        # Can a running beam still beat the worst finished one?
-        best_len = L if (cfg.early_stopping == "never" and lp > 0.0) else t + 1
-        best_running = running_scores[:, :1] / (best_len ** lp)
-        worst_done = torch.where(done_flags, done_scores.min(dim=1, keepdim=True).values, torch.full_like(done_scores, NEG))
-        improvable = improvable & (best_running > worst_done).any(dim=1, keepdim=True)
-        finished_items = (~improvable[:, 0]) | (done_flags.all(dim=1) & (cfg.early_stopping is True))
-        beam_rows = running_parent + torch.arange(n, device=device)[:, None] * K  # [n, K] rows of the last step
+        t_dev.fill_(t)
+        if captured is not None:
+            captured.replay()
+        elif in_graph and t == 1:  # the first step ran eagerly (lazy initialisation, allocations)
+            captured = _CapturedSearch(s, lambda: step(t))
+            captured.replay()
+        else:
+            s.update(step(t))
         if on_device:
-            keep = frozen[:, None]  # finished earlier: their hypotheses stay as they were
-            done_seqs = torch.where(keep[:, :, None], before[0], done_seqs)
-            done_lens, done_flags, done_scores = (torch.where(keep, old, new) for old, new in zip(before[1:], (done_lens, done_flags, done_scores)))
-            frozen = finished_items = finished_items | frozen | ends.all()
             if t + 1 == L or (t + 1) % SYNC_EVERY == 0:  # the host looks
-                fin = [True] * n if t + 1 == L else finished_items.tolist()
+                fin = [True] * n if t + 1 == L else s["finished"].tolist()
                 for j in range(n):
                     if fin[j] and out[items[j]] is None:
-                        out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
+                        out[items[j]] = _results(stops, s["done_seqs"][j], s["done_lens"][j], s["done_scores"][j], eos,
+                                                 cfg.num_return_sequences)
                 if all(fin):
                     break
         else:
-            if t + 1 == L or bool(ends.all()):
-                finished_items = torch.ones_like(finished_items)
+            finished_items = s["finished"]  # every item at the last step, or where every candidate ended
             for j in finished_items.nonzero()[:, 0].tolist():
-                out[items[j]] = _results(stops, done_seqs[j], done_lens[j], done_scores[j], eos, cfg.num_return_sequences)
+                out[items[j]] = _results(stops, s["done_seqs"][j], s["done_lens"][j], s["done_scores"][j], eos, cfg.num_return_sequences)
             still = (~finished_items).nonzero()[:, 0]
             if len(still) == 0:
                 break
             if len(still) < n:
-                beam_rows = beam_rows.index_select(0, still)
-                running, running_scores = running.index_select(0, still), running_scores.index_select(0, still)
-                done_seqs, done_lens = done_seqs.index_select(0, still), done_lens.index_select(0, still)
-                done_scores, done_flags = done_scores.index_select(0, still), done_flags.index_select(0, still)
-                improvable = improvable.index_select(0, still)
-                items, item_rows = [items[j] for j in still.tolist()], item_rows.index_select(0, still)
-        runner.select(state, beam_rows.reshape(-1), group=K)  # rows stay within their prompt's K beams
-        logits = runner.step(running[:, :, t].reshape(-1), state)
+                for name in s:
+                    if name not in ("logits", "tokens"):
+                        s[name] = s[name].index_select(0, still)
+                s["tokens"] = s["running"][:, :, t].reshape(-1)
+                items = [items[j] for j in still.tolist()]
+        if not (in_graph and getattr(runner, "reorders_in_place", False)):
+            runner.select(state, s["beam_rows"].reshape(-1), group=K)  # rows stay within their prompt's K beams
+        logits = runner.step(s["tokens"], state)
+        if captured is not None or (in_graph and t == 0):
+            s["logits"].copy_(logits)  # the graph reads this buffer
+        else:
+            s["logits"] = logits.float()
     return out  # type: ignore[return-value]
 
 

@@ -164,6 +164,7 @@ class StaticRunner(ModelRunner):
     """`ModelRunner` whose steps run over static buffers, captured as CUDA graphs when `capture`."""
 
     keeps_finished_rows = True  # finished rows stay in the batch (their outputs are ignored): no re-capture
+    reorders_in_place = True  # a beam reorder only writes the state's buffers: beam search may record it in its graph
 
     def __init__(self, model, capture: bool):
         super().__init__(model)
