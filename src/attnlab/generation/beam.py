@@ -101,7 +101,6 @@ class _CapturedSearch:
     small operations, which otherwise wait for the host when the model's own step is short."""
 
     def __init__(self, s: dict[str, torch.Tensor], step):
-        self.s = s
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
