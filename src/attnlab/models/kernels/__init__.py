@@ -3,7 +3,7 @@
 `config.kernels` chooses: "auto" uses fla's kernels for CUDA tensors when the `gpu` extra
 (flash-linear-attention) is installed, and the reference otherwise; "torch" always uses the
 reference; "fla" insists on fla and says why when it cannot. attnlab's own Triton kernels (the
-attention family's quadratic form, the mixers' causal conv) follow the same choice. The reference is
+attention family's quadratic form, the mixers' causal conv, SwiGLU's activation) follow the same choice. The reference is
 the oracle the fast paths are tested against (tests/test_kernels_cuda.py, tests/test_conv_kernel.py).
 """
 
