@@ -65,3 +65,18 @@ def test_reorder_on_cuda_equals_index_select_at_a_decoding_state_size(dtype):
     expected = stack.index_select(1, rows)
     reorder_rows_(stack, rows, 4, row_dim=1, outer_dim=0)
     assert torch.equal(stack, expected)
+
+
+def test_without_the_interpreter_cpu_tensors_reorder_through_index_select(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU machine's own path: no kernel
+    g = torch.Generator().manual_seed(5)
+    rows = beam_rows(2, 3, g)
+    heads = torch.randn(6, 2, 8, 4, generator=g)
+    expected = heads.clone()
+    expected[:, :, 1:5] = heads[:, :, 1:5].index_select(0, rows)
+    reorder_rows_(heads, rows, 3, row_dim=0, outer_dim=1, start=1 * 4, count=4 * 4)
+    assert torch.equal(heads, expected)
+    stack = torch.randn(3, 6, 5, generator=g)
+    expected = stack.index_select(1, rows)
+    reorder_rows_(stack, rows, 3, row_dim=1, outer_dim=0)
+    assert torch.equal(stack, expected)
