@@ -97,7 +97,7 @@ def _advance(s: dict[str, torch.Tensor], t_dev: torch.Tensor, t: int, cfg: Gener
 
 class _CapturedSearch:
     """The search's step and the state's reorder, recorded once as a CUDA graph over the buffers of
-    `s` (static runners on CUDA, items staying in the batch): one replay instead of some seventy
+    `s` (static runners on CUDA, items staying in the batch): one replay instead of the step's many
     small operations, which otherwise wait for the host when the model's own step is short."""
 
     def __init__(self, s: dict[str, torch.Tensor], step):

@@ -3,9 +3,8 @@
 Beam search moves rows only among the beams of one prompt (rows [g K, (g + 1) K) for beams K), so a
 program that owns a span of columns of one group of K rows can read every source row it needs
 before it writes (one tile of its rows, read whole, then written): nothing else reads or writes
-there. A row that keeps its own content (rows[r] ==
-r, most of them in practice) is neither read nor written; the PyTorch way (`index_select` into a new
-tensor, then `copy_` back) reads and writes every row twice.
+there. A row that keeps its own content (rows[r] == r) is neither read nor written; the PyTorch way
+(`index_select` into a new tensor, then `copy_` back) reads and writes every row twice.
 
 A buffer is seen as [outer, batch, ...] where, for each (outer, row), the `count` elements from
 `start` on are contiguous: the decode stacks [layers, batch, ...] (outer: layers), or a KV buffer's
