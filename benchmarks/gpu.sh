@@ -4,7 +4,7 @@
 # decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), train-run (`attnlab train` with and
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
-# zoo-mamba2 (Mamba-2 beside GLA), zoo-nsa-stats (NSA with and without its health statistics),
+# zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
@@ -30,6 +30,9 @@ for stage in "$@"; do case $stage in
   zoo-nsa-stats) run zoo-nsa-stats "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model nsa-stats \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
     --shape 2x2048 --shape 1x8192 --steps 10 --out "$OUT/zoo-nsa-stats.json" ;;
+  prof-mamba2) run prof-mamba2 "${TRAIN_LIMIT:-300}" $AL bench train --model attnlab-mamba2-eager --model attnlab-gla-eager --layers 20 --heads 16 \
+    --shape 4x4096 --steps 4 --warmup 2 --profile --out "$OUT/prof-mamba2.json" ;;
+  sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;

@@ -100,7 +100,7 @@ def profile_step(step) -> dict:
         low = kname.lower()
         cat = next((c for c, frags in CATEGORIES if any(f in low for f in frags)), "other")
         shares[cat] = shares.get(cat, 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
     return {"gpu_ms": round(total, 3), "kernels": launches, "host_issue_ms": issue_ms,
             "host_self_ms": [[e.key[:60], e.count, round(e.self_cpu_time_total / 1000, 2)] for e in host_calls],
             "by_category_ms": {k: round(v, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},

@@ -11,8 +11,8 @@ them rebuilds a chunk's log decays s (dt * A summed from the chunk start: a cums
 values) from dt and A, so no [b, H, T] tensor of them is kept or read. Forward:
 
     1. `_chunk_states_kernel`  one program per (batch * head, block of P, block of N) walks through
-                               the chunks: it stores the state when chunk n starts (fp32, [b, H, n, P, N])
-                               and moves on, S <- exp(s_last) S + sum_j exp(s_last - s_j) dt_j x_j^T B_j.
+                               the chunks: it stores the state when chunk n starts ([b, H, n, P, N], in
+                               the inputs' dtype: see below) and moves on, S <- exp(s_last) S + sum_j exp(s_last - s_j) dt_j x_j^T B_j.
                                Blocks of P, then of N, are halved until 256 programs run (batch 1 too).
     2. `_chunk_output_kernel`  one program per (chunk, batch * head): the [chunk, chunk] matrix
                                (C_i . B_j) exp(s_i - s_j) dt_j is made once, then for each block of P
@@ -33,7 +33,8 @@ the initial state; no states, no [b, H, T, chunk] tensor. Backward:
 Matmuls accumulate in fp32. fp32 inputs multiply in IEEE fp32. bf16 / fp16 inputs multiply on
 their dtype (the [chunk, chunk] matrices and the states are rounded to it as matmul operands), except in
 the state kernel, which multiplies in TF32 so that the carried state and the final state keep fp32
-accuracy. In Triton's interpreter (CPU tensors, tests) operands are rounded the same way and
+accuracy. Since its readers round the states to the inputs' dtype, the state kernel stores them in it:
+half the bytes of that kernel's stores and of the readers' loads. In Triton's interpreter (CPU tensors, tests) operands are rounded the same way and
 multiplied in fp32.
 
 Blocks were chosen with ptxas's report for sm_90 at H 16, P 128, N 64, chunk 64, bf16 (Triton 3.6,
@@ -231,8 +232,8 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     for i_p in range(tl.cdiv(P, BP)):
         xj = _load_tile(x_bh, T, sx_t, P, i_n, i_p, CHUNK, BP)
         dyj = _load_tile(dy_bh, T, H * P, P, i_n, i_p, CHUNK, BP)
-        S0 = _load_state(states + st, P, N, i_p, 0, BP, BN)
-        dSe = _load_state(dstates + st, P, N, i_p, 0, BP, BN)
+        S0 = _load_state(states + st, P, N, i_p, 0, BP, BN).to(tl.float32)
+        dSe = _load_state(dstates + st, P, N, i_p, 0, BP, BN).to(tl.float32)
         xdt = (xj.to(tl.float32) * dtj[:, None]).to(DT)
         dyx += _dot(dyj, tl.trans(xdt), IEEE, UPCAST)
         dyS0 += _dot(dyj, S0.to(DT), IEEE, UPCAST)
@@ -311,6 +312,7 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
 _BLOCK_P, _BWD_BLOCK_P = 64, 32
 _WARPS, _BWD_WARPS, _STATE_WARPS = 4, 4, 4
 _STATE_PROGRAMS = 256  # the state kernels split P and N into blocks until this many programs run
+_LOW_PRECISION_STATES = True  # the states per chunk in the inputs' 16-bit dtype (see `_states`)
 
 
 def _block(d: int) -> int:
@@ -342,11 +344,14 @@ def _same_strides(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _states(v, dt, A, bc, init, chunk, reverse, ieee):
-    """The states per chunk [b, H, n, P, N] fp32 and the last one (see `_chunk_states_kernel`)."""
+    """The states per chunk [b, H, n, P, N] and the last one (fp32; see `_chunk_states_kernel`). The states
+    per chunk are stored in v's dtype where their readers round them to it anyway (16-bit inputs): the
+    output and backward kernels multiply them on that dtype. fp32 inputs keep fp32 states."""
     batch, seq_len, heads, head_dim = v.shape
     groups, state_size = bc.shape[2], bc.shape[3]
     num_chunks = triton.cdiv(seq_len, chunk)
-    states = v.new_empty(batch, heads, num_chunks, head_dim, state_size, dtype=torch.float32)
+    stored = torch.float32 if ieee or not _LOW_PRECISION_STATES else v.dtype
+    states = v.new_empty(batch, heads, num_chunks, head_dim, state_size, dtype=stored)
     final = v.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32)
     bp, bn = _state_blocks(batch * heads, head_dim, state_size)
     _chunk_states_kernel[(batch * heads, triton.cdiv(head_dim, bp), triton.cdiv(state_size, bn))](
