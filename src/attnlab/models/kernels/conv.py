@@ -237,24 +237,95 @@ def _reference(x, weight, bias, h0, silu: bool) -> torch.Tensor:
     return F.silu(out) if silu else out
 
 
+def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool):
+    """The forward on the kernels, outside autograd: (y [B, T, C] in x's dtype, the final state)."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    h0_arg = h0 if h0 is not None else x  # a placeholder pointer when there is no state
+    sh = h0.stride() if h0 is not None else (0, 0, 0)
+    block_c = _block_c(C)
+    grid = (triton.cdiv(T, FWD_BLOCK_T), triton.cdiv(C, block_c), B)
+    if T and C and B:  # no empty launch
+        _fwd_kernel[grid](
+            x, weight, bias if bias is not None else weight, h0_arg, y, T, C,
+            *x.stride(), *weight.stride(), *sh, *y.stride(),
+            K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
+            BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
+        )
+    return y, _final_state(x, h0, K - 1, channel_major)
+
+
+def conv_backward(x, weight, bias, h0, silu: bool, dy, dfinal, want_h0_grad: bool, dx_out=None):
+    """(dx, dweight, dbias, d initial state) of `conv_forward`'s inputs. dx_out [B, T, C] (any strides):
+    where to write dx (a slice of a larger gradient), else a new tensor in x's dtype."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    width = K - 1
+    if dx_out is not None:
+        dx = dx_out if dy is not None else dx_out.zero_()
+    else:
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dy is not None else torch.zeros_like(x)
+    dweight = dbias = None
+    if dy is not None and T and C and B:
+        block_c = _block_c(C)
+        channel_blocks = triton.cdiv(C, block_c)
+        time_tiles = triton.cdiv(T, BWD_BLOCK_T)
+        tiles_per_program = 1
+        while tiles_per_program < 16 and B * channel_blocks * triton.cdiv(time_tiles, 2 * tiles_per_program) >= BWD_MIN_PROGRAMS:
+            tiles_per_program *= 2
+        time_programs = triton.cdiv(time_tiles, tiles_per_program)
+        dw_parts = torch.empty(B * time_programs, K, C, dtype=torch.float32, device=x.device)
+        db_parts = torch.empty(B * time_programs, C, dtype=torch.float32, device=x.device) if bias is not None else dw_parts
+        # dpre in x's dtype (see the module's docstring); without SiLU it is dy itself
+        dpre = torch.empty(B, T, C, dtype=x.dtype, device=x.device) if silu else dy
+        # the weight tap-major ([C, K] strides (1, C)): each tap's weights are then one contiguous load a tile
+        w_tap_major = weight.t().contiguous().t()
+        # the state as [B, K-1, C] rows in x's dtype (as the kernel reads it): its loads then take x's layout
+        state = h0.to(x.dtype).contiguous() if h0 is not None else None
+        sh = state.stride() if state is not None else (0, 0, 0)
+        _bwd_dpre_kernel[(time_programs, channel_blocks, B)](
+            x, w_tap_major, bias if bias is not None else weight, state if state is not None else x, dy, dpre, dw_parts, db_parts,
+            T, C, tiles_per_program, time_programs,
+            *x.stride(), *w_tap_major.stride(), *sh, *dy.stride(), *dpre.stride(),
+            K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
+            BLOCK_T=BWD_BLOCK_T, BLOCK_C=block_c, num_warps=BWD_WARPS,
+        )
+        _bwd_dx_kernel[(triton.cdiv(T, DX_BLOCK_T), channel_blocks, B)](
+            dpre, w_tap_major, dx, T, C, *dpre.stride(), *w_tap_major.stride(), *dx.stride(),
+            K=K, BLOCK_T=DX_BLOCK_T, BLOCK_C=block_c, num_warps=DX_WARPS,
+        )
+        dweight = dw_parts.sum(0).t().to(weight.dtype)
+        dbias = db_parts.sum(0).to(bias.dtype) if bias is not None else None
+    else:
+        dweight = torch.zeros_like(weight)
+        dbias = torch.zeros_like(bias) if bias is not None else None
+
+    dh0 = None
+    if h0 is not None and want_h0_grad:
+        if dy is not None and T:  # only the first `width` outputs read the state
+            n = min(T, width)
+            with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+                state = h0.detach().requires_grad_()
+                out = _reference(x[:, :n].detach(), weight.detach(), None if bias is None else bias.detach(), state, silu)
+                (dh0,) = torch.autograd.grad(out, state, dy[:, :n].float())
+        else:
+            dh0 = torch.zeros_like(h0)
+    if dfinal is not None:  # the final state is the last `width` rows of cat(state, x)
+        first = T - width  # x's time index of the final state's first row
+        start = max(0, -first)
+        dx[:, first + start:] += dfinal[:, start:].to(dx.dtype)
+        if dh0 is not None and start:
+            dh0[:, T:] += dfinal[:, :start].to(dh0.dtype)
+    if dh0 is not None:
+        dh0 = dh0.to(h0.dtype)
+    return dx, dweight, dbias, dh0
+
+
 class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, h0, silu, channel_major):
-        B, T, C = x.shape
-        K = weight.shape[1]
-        y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-        h0_arg = h0 if h0 is not None else x  # a placeholder pointer when there is no state
-        sh = h0.stride() if h0 is not None else (0, 0, 0)
-        block_c = _block_c(C)
-        grid = (triton.cdiv(T, FWD_BLOCK_T), triton.cdiv(C, block_c), B)
-        if T and C and B:  # no empty launch
-            _fwd_kernel[grid](
-                x, weight, bias if bias is not None else weight, h0_arg, y, T, C,
-                *x.stride(), *weight.stride(), *sh, *y.stride(),
-                K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
-                BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
-            )
-        final = _final_state(x, h0, K - 1, channel_major)
+        y, final = conv_forward(x, weight, bias, h0, silu, channel_major)
         ctx.save_for_backward(x, weight, bias, h0)
         ctx.silu = silu
         ctx.set_materialize_grads(False)
@@ -263,63 +334,7 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, weight, bias, h0 = ctx.saved_tensors
-        B, T, C = x.shape
-        K = weight.shape[1]
-        width = K - 1
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if dy is not None else torch.zeros_like(x)
-        dweight = dbias = None
-        if dy is not None and T and C and B:
-            block_c = _block_c(C)
-            channel_blocks = triton.cdiv(C, block_c)
-            time_tiles = triton.cdiv(T, BWD_BLOCK_T)
-            tiles_per_program = 1
-            while tiles_per_program < 16 and B * channel_blocks * triton.cdiv(time_tiles, 2 * tiles_per_program) >= BWD_MIN_PROGRAMS:
-                tiles_per_program *= 2
-            time_programs = triton.cdiv(time_tiles, tiles_per_program)
-            dw_parts = torch.empty(B * time_programs, K, C, dtype=torch.float32, device=x.device)
-            db_parts = torch.empty(B * time_programs, C, dtype=torch.float32, device=x.device) if bias is not None else dw_parts
-            # dpre in x's dtype (see the module's docstring); without SiLU it is dy itself
-            dpre = torch.empty(B, T, C, dtype=x.dtype, device=x.device) if ctx.silu else dy
-            # the weight tap-major ([C, K] strides (1, C)): each tap's weights are then one contiguous load a tile
-            w_tap_major = weight.t().contiguous().t()
-            # the state as [B, K-1, C] rows in x's dtype (as the kernel reads it): its loads then take x's layout
-            state = h0.to(x.dtype).contiguous() if h0 is not None else None
-            sh = state.stride() if state is not None else (0, 0, 0)
-            _bwd_dpre_kernel[(time_programs, channel_blocks, B)](
-                x, w_tap_major, bias if bias is not None else weight, state if state is not None else x, dy, dpre, dw_parts, db_parts,
-                T, C, tiles_per_program, time_programs,
-                *x.stride(), *w_tap_major.stride(), *sh, *dy.stride(), *dpre.stride(),
-                K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=ctx.silu,
-                BLOCK_T=BWD_BLOCK_T, BLOCK_C=block_c, num_warps=BWD_WARPS,
-            )
-            _bwd_dx_kernel[(triton.cdiv(T, DX_BLOCK_T), channel_blocks, B)](
-                dpre, w_tap_major, dx, T, C, *dpre.stride(), *w_tap_major.stride(), *dx.stride(),
-                K=K, BLOCK_T=DX_BLOCK_T, BLOCK_C=block_c, num_warps=DX_WARPS,
-            )
-            dweight = dw_parts.sum(0).t().to(weight.dtype)
-            dbias = db_parts.sum(0).to(bias.dtype) if bias is not None else None
-        else:
-            dweight = torch.zeros_like(weight)
-            dbias = torch.zeros_like(bias) if bias is not None else None
-
-        dh0 = None
-        if h0 is not None and ctx.needs_input_grad[3]:
-            if dy is not None and T:  # only the first `width` outputs read the state
-                n = min(T, width)
-                with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
-                    state = h0.detach().requires_grad_()
-                    out = _reference(x[:, :n].detach(), weight.detach(), None if bias is None else bias.detach(), state, ctx.silu)
-                    (dh0,) = torch.autograd.grad(out, state, dy[:, :n].float())
-            else:
-                dh0 = torch.zeros_like(h0)
-        if dfinal is not None:  # the final state is the last `width` rows of cat(state, x)
-            first = T - width  # x's time index of the final state's first row
-            start = max(0, -first)
-            dx[:, first + start:] += dfinal[:, start:].to(dx.dtype)
-            if dh0 is not None and start:
-                dh0[:, T:] += dfinal[:, :start].to(dh0.dtype)
-        if dh0 is not None:
-            dh0 = dh0.to(h0.dtype)
+        dx, dweight, dbias, dh0 = conv_backward(x, weight, bias, h0, ctx.silu, dy, dfinal, ctx.needs_input_grad[3])
         return dx, dweight, dbias, dh0, None, None
 
 

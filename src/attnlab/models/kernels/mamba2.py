@@ -179,9 +179,11 @@ def chunk_ssd_gla(
 
 
 def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
-    """Whether Mamba-2's parallel form runs on fla's kernels (CUDA tensor, fla installed, kernels
-    not 'torch'); kernels 'fla' without them raises, as `use_fla`."""
-    return use_fla(choice, x)
+    """Whether Mamba-2's parallel form runs on attnlab's kernels (SSD, convolution, gated norm): a CUDA
+    tensor, Triton installed, kernels not 'torch' (as `use_triton`)."""
+    from attnlab.models.kernels import use_triton
+
+    return use_triton(choice, x)
 
 
 def ssd(
@@ -204,16 +206,16 @@ def ssd(
 
 
 def grouped_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
-    """rmsnorm(x * silu(z)) over groups of `group_size` channels, times `weight`, in x's dtype:
-    fla's gated RMSNorm (mamba_ssm's, with norm_before_gate=False), one pass each way. It keeps x,
-    z and the fp32 inverse norms (one per row and group) for the backward."""
-    from fla.modules.norm.layernorm_gated import rmsnorm_fn
+    """rmsnorm(x * silu(z)) over groups of `group_size` channels, times `weight`, in x's dtype, on
+    attnlab's gated-norm kernels (`kernels/gated_norm.py`): one pass each way, keeping x, z and the
+    fp32 inverse norms (one per row and group) for the backward."""
+    from attnlab.models.kernels.gated_norm import gated_rms_norm
 
-    return rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=False)
+    return gated_rms_norm(x, z, weight, group_size, eps)
 
 
 class _GatedNormLinear(torch.autograd.Function):
-    """out_proj(rmsnorm(x * silu(z)) per group * norm_weight) with fla's gated norm kernels, keeping
+    """out_proj(rmsnorm(x * silu(z)) per group * norm_weight) on attnlab's gated-norm kernels, keeping
     x, z and the fp32 inverse norms but not the normed tensor (as large as x) that the projection
     would keep: the backward's norm kernel recomputes it. The matmuls follow autocast as
     nn.Linear does (custom_fwd / custom_bwd)."""
@@ -221,36 +223,124 @@ class _GatedNormLinear(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, z, norm_weight, weight, group_size, eps):
-        from fla.modules.norm.layernorm_gated import layer_norm_fwd
+        from attnlab.models.kernels.gated_norm import gated_rms_norm_fwd
 
         shape = x.shape
-        rows, gate = x.reshape(-1, shape[-1]).contiguous(), z.reshape(-1, shape[-1]).contiguous()
-        normed, _, rstd = layer_norm_fwd(rows, norm_weight.contiguous(), None, eps, z=gate, group_size=group_size,
-                                         norm_before_gate=False, is_rms_norm=True)
+        normed, rstd = gated_rms_norm_fwd(x, z, norm_weight, group_size, eps)
         out = torch.nn.functional.linear(normed, weight)
-        ctx.save_for_backward(rows, gate, norm_weight, weight, rstd)
-        ctx.shape, ctx.group_size, ctx.eps = shape, group_size, eps
+        ctx.save_for_backward(x, z, norm_weight, weight, rstd)
+        ctx.shape, ctx.group_size = shape, group_size
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
-        from fla.modules.norm.layernorm_gated import layer_norm_bwd
+        from attnlab.models.kernels.gated_norm import gated_rms_norm_bwd
 
-        rows, gate, norm_weight, weight, rstd = ctx.saved_tensors
+        x, z, norm_weight, weight, rstd = ctx.saved_tensors
         dout = dout.reshape(-1, dout.shape[-1])
-        dnormed = torch.nn.functional.linear(dout, weight.t()).contiguous()
-        dx, dnorm_weight, _, dz, normed = layer_norm_bwd(
-            dnormed, rows, norm_weight.contiguous(), None,
-            ctx.eps, None, rstd, z=gate, group_size=ctx.group_size, norm_before_gate=False, is_rms_norm=True,
-            recompute_output=True,
-        )
-        dweight = torch.matmul(dout.t(), normed.to(dout.dtype) if normed.dtype != dout.dtype else normed).to(weight.dtype)
+        dnormed = torch.nn.functional.linear(dout, weight.t())
+        dx, dz, dnorm_weight, normed = gated_rms_norm_bwd(dnormed, x, z, norm_weight, rstd, ctx.group_size, want_y=True)
+        dweight = torch.matmul(dout.t(), normed.to(dout.dtype)).to(weight.dtype)
         return dx.view(ctx.shape), dz.view(ctx.shape), dnorm_weight.to(norm_weight.dtype), dweight, None, None
 
 
 def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                       group_size: int, eps: float) -> torch.Tensor:
-    """linear(rmsnorm(x * silu(z)) over groups of `group_size`, times `norm_weight`; `weight`) on fla's
-    norm kernels, without keeping the normed tensor for the backward (see `_GatedNormLinear`)."""
+    """linear(rmsnorm(x * silu(z)) over groups of `group_size`, times `norm_weight`; `weight`) on attnlab's
+    gated-norm kernels, without keeping the normed tensor for the backward (see `_GatedNormLinear`)."""
     return _GatedNormLinear.apply(x, z, norm_weight, weight, group_size, eps)
+
+
+class _Mamba2Core(torch.autograd.Function):
+    """Everything of a Mamba-2 layer between its two projections, and the output projection:
+
+        z, xBC, dt = split(u);  dt = softplus(dt + dt_bias);  x, B, C = split(silu(conv1d(xBC)))
+        y = SSD(x, dt, -exp(A_log), B, C) + D * x;  out = out_proj(rmsnorm(y * silu(z)) * norm_weight)
+
+    on attnlab's kernels (`conv.py`, `ssd.py`, `gated_norm.py`) as one autograd node, so that the
+    backward writes the gradients of z, xBC and dt into one buffer shaped as u, and those of x, B and C
+    into one shaped as the convolution's output: no concatenation of the pieces (autograd's backward of
+    a split), no copy of z. It keeps u, the convolution's output, y, the norm's fp32 inverse norms and dt
+    (fp32, one per head and step), not the normed tensor. The matmul follows autocast as nn.Linear does."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, dims, chunk, eps):
+        from attnlab.models.kernels.conv import conv_forward
+        from attnlab.models.kernels.gated_norm import gated_rms_norm_fwd
+        from attnlab.models.kernels.ssd import ssd_forward
+
+        inner, conv_dim, heads, head_dim, groups, state_size, group_size = dims
+        batch, seq_len, _ = u.shape
+        z, xBC, dt = u.split([inner, conv_dim, heads], dim=-1)
+        dt = torch.nn.functional.softplus(dt.float() + dt_bias.float())  # [B, T, H] fp32
+        conv_out, _ = conv_forward(xBC, conv_weight, conv_bias, None, True, False)
+        xs, B, C = _conv_pieces(conv_out, dims)
+        A = -torch.exp(A_log.float())
+        y, _, _ = ssd_forward(xs, dt, A, B, C, D, chunk, None)
+        y = y.view(batch, seq_len, inner)
+        normed, rstd = gated_rms_norm_fwd(y, z, norm_weight, group_size, eps)
+        out = torch.nn.functional.linear(normed, out_weight)
+        ctx.save_for_backward(u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, conv_out, y, rstd, dt)
+        ctx.dims, ctx.chunk = dims, chunk
+        return out.view(batch, seq_len, out.shape[-1])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        from attnlab.models.kernels.conv import conv_backward
+        from attnlab.models.kernels.gated_norm import gated_rms_norm_bwd
+        from attnlab.models.kernels.ssd import ssd_backward
+
+        u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, conv_out, y, rstd, dt = ctx.saved_tensors
+        inner, conv_dim, heads, head_dim, groups, state_size, group_size = ctx.dims
+        batch, seq_len, _ = u.shape
+        rows = batch * seq_len
+        dout = dout.reshape(rows, dout.shape[-1])
+        du = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # the gradients of z, xBC, dt side by side
+        du_z, du_xBC, du_dt = du.split([inner, conv_dim, heads], dim=-1)
+        z = u[..., :inner]
+
+        dnormed = torch.nn.functional.linear(dout, out_weight.t())
+        dy, _, dnorm_weight, normed = gated_rms_norm_bwd(dnormed, y, z, norm_weight, rstd, group_size,
+                                                         dz_out=du_z.reshape(rows, inner), want_y=True)
+        dout_weight = torch.matmul(dout.t(), normed.to(dout.dtype)).to(out_weight.dtype)
+        del dnormed, normed
+
+        A = -torch.exp(A_log.float())
+        xs, B, C = _conv_pieces(conv_out, ctx.dims)
+        dconv = torch.empty(conv_out.shape, dtype=conv_out.dtype, device=conv_out.device)  # of x, B, C side by side
+        dxs, dB, dC = _conv_pieces(dconv, ctx.dims)
+        saved = (xs, dt, A, B, C, D, None)
+        _, ddt, dA, _, _, dD, _ = ssd_backward(saved, ctx.chunk, dy.view(xs.shape), None, dx_out=dxs, dB_out=dB, dC_out=dC)
+        del dy
+        _, dconv_weight, dconv_bias, _ = conv_backward(u[..., inner:inner + conv_dim], conv_weight, conv_bias, None, True,
+                                                       dconv, None, False, dx_out=du_xBC)
+        del dconv
+        # through dt = softplus(raw + dt_bias): d raw = ddt * sigmoid(raw + dt_bias)
+        draw = ddt * torch.sigmoid(u[..., inner + conv_dim:].float() + dt_bias.float())
+        du_dt.copy_(draw)
+        ddt_bias = draw.sum((0, 1)).to(dt_bias.dtype)
+        dA_log = (dA.float() * A).to(A_log.dtype)  # A = -exp(A_log): dA / dA_log = A
+        return (du, dconv_weight, dconv_bias, ddt_bias, dA_log, dD, dnorm_weight.to(norm_weight.dtype), dout_weight,
+                None, None, None)
+
+
+def _conv_pieces(conv_out: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, H, P], B and C [B, T, G, N]: views of the convolution's output [B, T, conv_dim] (or of its gradient)."""
+    inner, _, heads, head_dim, groups, state_size, _ = dims
+    batch, seq_len, _ = conv_out.shape
+    xs, B, C = conv_out.split([inner, groups * state_size, groups * state_size], dim=-1)
+    return (xs.view(batch, seq_len, heads, head_dim), B.view(batch, seq_len, groups, state_size),
+            C.view(batch, seq_len, groups, state_size))
+
+
+def mamba2_core(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
+                A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, out_weight: torch.Tensor,
+                dims: tuple[int, int, int, int, int, int, int], chunk: int, eps: float) -> torch.Tensor:
+    """A Mamba-2 layer from its input projection's output u [B, T, inner + conv_dim + heads] to its output
+    projection's (see `_Mamba2Core`). dims: (inner, conv_dim, heads, head_dim, groups, state_size, norm
+    group size); conv_weight [conv_dim, K]; chunk: the SSD kernels' chunk (a power of two from 16 to 128).
+    No padding mask, cache or initial state: the layer takes its other path for those."""
+    return _Mamba2Core.apply(u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, tuple(dims), chunk, float(eps))

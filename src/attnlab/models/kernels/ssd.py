@@ -266,17 +266,19 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
 
 @triton.jit
 def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T, NC,
-                             sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
+                             sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g, sdx_b, sdx_t,
                              H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                              CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                              IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """The backward, second half, for one chunk and batch * head: d(dt x) = M^T dy + exp(s_last - s) B dSe^T
     in blocks of BP; writes dx, d dt and this chunk's share of dA. d s (from the first half, plus what
-    the end state's dependence on dt x gives) becomes d(dt * A) by a reverse cumulative sum over the chunk."""
+    the end state's dependence on dt x gives) becomes d(dt * A) by a reverse cumulative sum over the chunk.
+    dx may be a view (rows sdx_t apart, batches sdx_b, heads P apart): a slice of the convolution's gradient."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last = _backward_program(
         x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK)
-    DT = x.dtype.element_ty  # dy, dx are contiguous: both at yh
+    DT = x.dtype.element_ty  # dy is contiguous (at yh)
+    dx_bh = dx + i_b.to(tl.int64) * sdx_b + i_h * P
     Bj = _load_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     Cj = _load_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
@@ -295,7 +297,7 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
         dxj = dxdt * dtj[:, None]
         if HAS_D:
             dxj += dyj.to(tl.float32) * tl.load(D + i_h).to(tl.float32)
-        _store_tile(dx + yh, T, H * P, P, i_n, i_p, dxj.to(dx.dtype.element_ty), CHUNK, BP)
+        _store_tile(dx_bh, T, sdx_t, P, i_n, i_p, dxj.to(dx.dtype.element_ty), CHUNK, BP)
     q *= to_end * dtj
     d_s = tl.load(ds + (i_bh.to(tl.int64) * NC + i_n) * CHUNK + j) - q
     d_s += tl.where(j == CHUNK - 1, tl.sum(q, axis=0), 0.0)
@@ -361,62 +363,82 @@ def _states(v, dt, A, bc, init, chunk, reverse, ieee):
     return states, final
 
 
+def ssd_forward(x, dt, A, B, C, D, chunk, initial_state):
+    """The forward on the kernels, outside autograd: (y [b, T, H, P] in x's dtype, final state [b, H, P, N]
+    fp32, what `ssd_backward` takes). x, B, C are read through their strides (views of the convolution's
+    output stay views)."""
+    batch, seq_len, heads, head_dim = x.shape
+    groups, state_size = B.shape[2], B.shape[3]
+    x, B, C = _rows(x), *_same_strides(_rows(B), _rows(C))
+    dt_c, A_c = dt.contiguous(), A.contiguous()
+    D = None if D is None else D.contiguous()
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    ieee = x.dtype == torch.float32
+    states, final = _states(x, dt_c, A_c, B, h0, chunk, False, ieee)
+    num_chunks = states.shape[2]
+    y = x.new_empty(x.shape)
+    _chunk_output_kernel[(num_chunks, batch * heads)](
+        x, dt_c, A_c, B, C, D if D is not None else A_c, states, y, seq_len, num_chunks, *x.stride()[:3],
+        *B.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=min(_BLOCK_P, _block(head_dim)),
+        BN=_block(state_size), HAS_D=D is not None, IEEE=ieee, UPCAST=not x.is_cuda, num_warps=_WARPS)
+    return y, final, (x, dt_c, A_c, B, C, D, h0)
+
+
+def ssd_backward(saved, chunk, dy, dfinal, dx_out=None, dB_out=None, dC_out=None):
+    """The gradients (dx, d dt fp32, dA, dB, dC, dD, d initial state fp32) of `ssd_forward`'s inputs, from
+    its `saved` tuple. dx_out [b, T, H, P] (heads P apart, any batch and time strides) and dB_out, dC_out
+    [b, T, G, N] (any strides): where to write dx, dB, dC (slices of the convolution's gradient), else new
+    tensors in x's, B's, C's dtype."""
+    x, dt, A, B, C, D, h0 = saved
+    batch, seq_len, heads, head_dim = x.shape
+    groups, state_size = B.shape[2], B.shape[3]
+    ieee = x.dtype == torch.float32
+    states, _ = _states(x, dt, A, B, h0, chunk, False, ieee)
+    num_chunks = states.shape[2]
+    dy = (torch.zeros_like(x) if dy is None else dy).to(x.dtype).contiguous()
+    dfinal = None if dfinal is None else dfinal.float().contiguous()
+    dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee)
+    dx = x.new_empty(x.shape) if dx_out is None else dx_out
+    if dx.stride(-1) != 1 or dx.stride(-2) != head_dim or dx.shape != x.shape:
+        raise ValueError(f"ssd_backward: dx_out must be [b, T, H, P] = {tuple(x.shape)} with heads {head_dim} apart")
+    ddt = x.new_empty(batch, seq_len, heads, dtype=torch.float32)
+    dB = x.new_empty(batch, seq_len, heads, state_size, dtype=torch.float32)  # per head, fp32: rounded once, after the sum
+    dC = torch.empty_like(dB)
+    dA = x.new_empty(batch, heads, num_chunks, dtype=torch.float32)  # per chunk
+    dD = torch.empty_like(dA) if D is not None else dA
+    ds = x.new_empty(batch * heads, num_chunks * chunk, dtype=torch.float32)  # d s but the part through x
+    meta = {"H": heads, "G": groups, "P": head_dim, "N": state_size, "CHUNK": chunk, "BP": min(_BWD_BLOCK_P, _block(head_dim)),
+            "BN": _block(state_size), "HAS_D": D is not None, "IEEE": ieee, "UPCAST": not x.is_cuda, "num_warps": _BWD_WARPS}
+    _chunk_backward_bc_kernel[(num_chunks, batch * heads)](
+        x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, seq_len, num_chunks, *x.stride()[:3], *B.stride()[:3],
+        **meta)
+    _chunk_backward_x_kernel[(num_chunks, batch * heads)](
+        x, dt, A, B, C, D if D is not None else A, dstates, dy, ds, dx, ddt, dA, seq_len, num_chunks,
+        *x.stride()[:3], *B.stride()[:3], dx.stride(0), dx.stride(1), **meta)
+    del states, dstates
+    per_group = (batch, seq_len, groups, heads // groups, state_size)  # a group's heads summed
+    dB = dB.view(per_group).sum(3)
+    dC = dC.view(per_group).sum(3)
+    dB = dB.to(B.dtype) if dB_out is None else dB_out.copy_(dB)
+    dC = dC.to(C.dtype) if dC_out is None else dC_out.copy_(dC)
+    dA = dA.sum((0, 2)).to(A.dtype)
+    dD = dD.sum((0, 2)).to(D.dtype) if D is not None else None
+    return dx, ddt, dA, dB, dC, dD, dh0
+
+
 class _SSD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, chunk, initial_state):
-        batch, seq_len, heads, head_dim = x.shape
-        groups, state_size = B.shape[2], B.shape[3]
-        x, B, C = _rows(x), *_same_strides(_rows(B), _rows(C))  # views of the conv's output stay views
-        dt_c, A_c = dt.contiguous(), A.contiguous()
-        D = None if D is None else D.contiguous()
-        h0 = None if initial_state is None else initial_state.float().contiguous()
-        ieee = x.dtype == torch.float32
-        states, final = _states(x, dt_c, A_c, B, h0, chunk, False, ieee)
-        num_chunks = states.shape[2]
-        y = x.new_empty(x.shape)
-        _chunk_output_kernel[(num_chunks, batch * heads)](
-            x, dt_c, A_c, B, C, D if D is not None else A_c, states, y, seq_len, num_chunks, *x.stride()[:3],
-            *B.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=min(_BLOCK_P, _block(head_dim)),
-            BN=_block(state_size), HAS_D=D is not None, IEEE=ieee, UPCAST=not x.is_cuda, num_warps=_WARPS)
-        ctx.save_for_backward(x, dt_c, A_c, B, C, D, h0)
+        y, final, saved = ssd_forward(x, dt, A, B, C, D, chunk, initial_state)
+        ctx.save_for_backward(*saved)
         ctx.chunk = chunk
         ctx.dtypes = dt.dtype, None if initial_state is None else initial_state.dtype
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, h0 = ctx.saved_tensors
-        batch, seq_len, heads, head_dim = x.shape
-        groups, state_size = B.shape[2], B.shape[3]
-        chunk = ctx.chunk
-        ieee = x.dtype == torch.float32
-        states, _ = _states(x, dt, A, B, h0, chunk, False, ieee)
-        num_chunks = states.shape[2]
-        dy = (torch.zeros_like(x) if dy is None else dy).to(x.dtype).contiguous()
-        dfinal = None if dfinal is None else dfinal.float().contiguous()
-        dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee)
-        dx = x.new_empty(x.shape)
-        ddt = x.new_empty(batch, seq_len, heads, dtype=torch.float32)
-        dB = x.new_empty(batch, seq_len, heads, state_size, dtype=torch.float32)  # per head, fp32: rounded once, after the sum
-        dC = torch.empty_like(dB)
-        dA = x.new_empty(batch, heads, num_chunks, dtype=torch.float32)  # per chunk
-        dD = torch.empty_like(dA) if D is not None else dA
-        ds = x.new_empty(batch * heads, num_chunks * chunk, dtype=torch.float32)  # d s but the part through x
-        meta = {"H": heads, "G": groups, "P": head_dim, "N": state_size, "CHUNK": chunk, "BP": min(_BWD_BLOCK_P, _block(head_dim)),
-                "BN": _block(state_size), "HAS_D": D is not None, "IEEE": ieee, "UPCAST": not x.is_cuda, "num_warps": _BWD_WARPS}
-        _chunk_backward_bc_kernel[(num_chunks, batch * heads)](
-            x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, seq_len, num_chunks, *x.stride()[:3], *B.stride()[:3],
-            **meta)
-        _chunk_backward_x_kernel[(num_chunks, batch * heads)](
-            x, dt, A, B, C, D if D is not None else A, dstates, dy, ds, dx, ddt, dA, seq_len, num_chunks,
-            *x.stride()[:3], *B.stride()[:3], **meta)
-        del states, dstates
+        dx, ddt, dA, dB, dC, dD, dh0 = ssd_backward(ctx.saved_tensors, ctx.chunk, dy, dfinal)
         dt_dtype, init_dtype = ctx.dtypes
-        per_group = (batch, seq_len, groups, heads // groups, state_size)  # a group's heads summed
-        dB = dB.view(per_group).sum(3).to(B.dtype)
-        dC = dC.view(per_group).sum(3).to(C.dtype)
-        dA = dA.sum((0, 2)).to(A.dtype)
-        dD = dD.sum((0, 2)).to(D.dtype) if D is not None else None
         dh0 = dh0.to(init_dtype) if init_dtype is not None else None
         return dx, ddt.to(dt_dtype), dA, dB, dC, dD, None, dh0
 
@@ -454,6 +476,18 @@ def use_triton_ssd(choice: str, x: torch.Tensor) -> bool:
 _warned_chunks: set[int] = set()
 
 
+def kernel_chunk(chunk_size: int) -> int:
+    """The chunk the kernels run: chunk_size if it is a power of two from 16 to 128, else 64 (with a
+    warning, once per size): that changes nothing but rounding."""
+    if _chunk_ok(chunk_size):
+        return chunk_size
+    if chunk_size not in _warned_chunks:
+        _warned_chunks.add(chunk_size)
+        warnings.warn(f"the SSD kernels take a power-of-two chunk size from 16 to 128; chunk_size {chunk_size} "
+                      "runs at 64", stacklevel=3)
+    return 64
+
+
 def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
@@ -464,13 +498,7 @@ def ssd(
     of two from 16 to 128 runs at 64 on the kernels (with a warning, once): that changes nothing but
     rounding."""
     if use_triton_ssd(choice, x):
-        chunk = chunk_size
-        if not _chunk_ok(chunk):
-            if chunk not in _warned_chunks:
-                _warned_chunks.add(chunk)
-                warnings.warn(f"the SSD kernels take a power-of-two chunk size from 16 to 128; chunk_size {chunk} "
-                              "runs at 64", stacklevel=2)
-            chunk = 64
+        chunk = kernel_chunk(chunk_size)
         _check(x, B, chunk)
         y, state = _SSD.apply(x, dt, A, B, C, D, chunk, initial_state)
         return y, (state if output_final_state else None)

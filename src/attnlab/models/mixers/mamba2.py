@@ -10,9 +10,11 @@ Parameter names match fla so checkpoints map one to one. The cache holds
     conv_state:      [B, conv_dim, conv_kernel - 1]  the last inputs of the convolution
     recurrent_state: [B, num_heads, head_dim, state_size] fp32
 Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
-On CUDA (kernels not "torch") the parallel form runs the SSD on attnlab's chunked Triton kernels
-(`attnlab.models.kernels.ssd`) and, with fla installed, the gated norm with the output projection on
-fla's fused norm kernel (`attnlab.models.kernels.mamba2`); a decoding step (one token, a cache, no
+On CUDA (kernels not "torch") the parallel form runs on attnlab's Triton kernels: the convolution
+(`kernels/conv.py`), the SSD (`kernels/ssd.py`) and the gated norm with the output projection
+(`kernels/gated_norm.py`); without a padding mask or a cache (training, scoring) all of it between the
+two projections is one autograd node (`kernels.mamba2.mamba2_core`) whose backward writes each
+projection's gradient pieces into one buffer; a decoding step (one token, a cache, no
 gradient) runs between its two projections on two Triton kernels that advance the conv window and the
 SSM state in place (`attnlab.models.kernels.mamba2_step`), and elsewhere on `ssd_step`.
 """
@@ -27,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
-from attnlab.models.kernels.mamba2 import gated_norm_linear, grouped_gated_rms_norm, ssd, use_fast_ssd
+from attnlab.models.kernels.mamba2 import gated_norm_linear, grouped_gated_rms_norm, mamba2_core, ssd, use_fast_ssd
 from attnlab.models.mixers import Mixer, register_mixer
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.mamba2 import ssd_step
@@ -42,7 +44,7 @@ class GroupedGatedRMSNorm(RMSNorm):
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if use_fast_ssd(self.kernels, x):  # fla's fused kernel, in x's dtype, keeping no fp32 copy of x or z
+        if use_fast_ssd(self.kernels, x):  # attnlab's kernel, in x's dtype, keeping no fp32 copy of x or z
             return grouped_gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
         h = x.float() * F.silu(z.float())
         groups = h.unflatten(-1, (-1, self.group_size))
@@ -130,6 +132,15 @@ class Mamba2(Mixer):
         ssm_state = cache["recurrent_state"] if cache is not None else None
         if seq_len == 1 and use_cache and self.fused_step_applies(x, conv_state, ssm_state):  # the caller takes the new state
             return self.fused_step(x, attention_mask, conv_state, ssm_state)
+        if (seq_len > 1 and attention_mask is None and cache is None and not use_cache and not self.conv_gap
+                and type(self.out_proj) is nn.Linear and self.out_proj.bias is None and use_fast_ssd(self.kernels, x)):
+            # training and scoring: the layer between its projections as one node on attnlab's kernels
+            from attnlab.models.kernels.ssd import kernel_chunk
+
+            dims = (self.intermediate_size, self.conv_dim, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size,
+                    self.norm.group_size)
+            return mamba2_core(self.in_proj(x), self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                               self.norm.weight, self.out_proj.weight, dims, kernel_chunk(self.chunk_size), self.norm.eps), None
         z, xBC, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, H]
         if attention_mask is not None:
