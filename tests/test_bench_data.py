@@ -32,3 +32,10 @@ def test_the_bpe_tokenizer_is_trained_offline_and_loads_with_an_eos_token(tmp_pa
     assert tokenizer.eos_token == "<eos>" and len(tokenizer) == 8192
     ids = tokenizer("naïve words", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == "naïve words" and len(ids) < len("naïve words")
+
+
+def test_the_import_floor_is_a_positive_number_of_seconds_from_fresh_interpreters():
+    from attnlab.bench.data import import_floor
+
+    floor = import_floor(repeats=1)
+    assert isinstance(floor, float) and 0 < floor < 120

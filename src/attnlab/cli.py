@@ -616,6 +616,8 @@ def bench_data_cmd(
                      f"{row['prepare_mb_per_cpu_s']:,.1f})", start(row), start(row, "resume_"),
                      f"{row['peak_rss_mib']:,.0f} ({row['rss_vs_baseline']:.2f}x)")
     console.print(grid, width=None if console.is_terminal else 200)
+    console.print(f"import floor: {result['import_floor_s']} s from launch to `import torch; from transformers import Trainer` in a "
+                  "fresh interpreter (median of 3), under every first step above", highlight=False)
     names = [size_name(s) for s in sizes]
     if len(names) > 1:
         for name in dict.fromkeys(tokenizer):

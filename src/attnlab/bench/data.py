@@ -16,12 +16,14 @@ ids trained here with HF `tokenizers` on the corpus's own words, so nothing is d
 The result is one JSON file:
 
     {"env": {"cpu", "cores", "python", "torch", "transformers", "tokenizers", "command"},
-     "model": [run overrides], "baseline": {TOKENIZER: {"first_step_s", "import_s", "preflight_s", "first_step_cpu_s",
+     "model": [run overrides], "import_floor_s", "baseline": {TOKENIZER: {"first_step_s", "import_s", "preflight_s", "first_step_cpu_s",
                                                           "peak_rss_mib", "resume_first_step_s", ...}},
      "results": {"TOKENIZER@SIZE": {"text_mb", "documents", "tokens", "workers", "prepare_s",
                  "prepare_mb_s", "prepare_mb_s_per_worker", "prepare_cpu_s", "prepare_mb_per_cpu_s", the
                  baseline's keys, "rss_vs_baseline"}}}
 
+`import_floor_s` (top level) is the median time of three fresh interpreters to import torch and
+transformers' Trainer and nothing else: a floor under every `import_s` on that machine.
 `import_s` is the part of `first_step_s` spent importing torch, transformers and the trainer,
 `preflight_s` the checks with reading (or opening) the data; `*_cpu_s` are CPU seconds, which say
 more than wall seconds on a machine shared with other work.
@@ -196,6 +198,21 @@ def timed_train(argv: list[str], log: Path) -> dict:
     return json.loads(result.read_text())
 
 
+# What any run on transformers' Trainer imports before its own code: the floor under `import_s` on this machine.
+FLOOR = "import sys, time; t0 = float(sys.argv[1]); import torch, transformers; from transformers import Trainer; print(time.time() - t0)"
+
+
+def import_floor(repeats: int = 3) -> float:
+    """Seconds from the launch of a fresh interpreter to `import torch` and `from transformers import Trainer`
+    done (the median of `repeats`), with nothing of attnlab's: the part of every first step that no code
+    of attnlab's can shorten while training runs on transformers' Trainer."""
+    times = []
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, "-c", FLOOR, repr(time.time())], capture_output=True, text=True, check=True)
+        times.append(float(proc.stdout.strip().splitlines()[-1]))
+    return round(sorted(times)[len(times) // 2], 2)
+
+
 def _sets(overrides: list[str]) -> list[str]:
     return [arg for item in overrides for arg in ("--set", item)]
 
@@ -244,7 +261,7 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
     from attnlab.data.tokenizer import load_tokenizer
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    result = {"env": environment(), "model": RUN, "baseline": {}, "results": {}}
+    result = {"env": environment(), "model": RUN, "import_floor_s": import_floor(), "baseline": {}, "results": {}}
 
     def save() -> None:
         if out is not None:
