@@ -1,9 +1,9 @@
-"""Mamba-2's CUDA path against the fp32 PyTorch reference: fla's kernels alone (the SSD through
-chunked GLA, kept as a second implementation; the grouped gated norm), then the mixer as it runs on
-CUDA (the SSD on attnlab's kernels, `kernels/ssd.py`, and fla's gated norm) under bf16 autocast against the same mixer on
-`kernels="torch"` in fp32 (outputs, final state, gradients of every parameter and of the input),
-padded and not, at an odd length, as a prefill that continues a cache and in decoding after it.
-CUDA only; skipped without a GPU or without fla."""
+"""Mamba-2's CUDA path against the fp32 PyTorch reference: fla's GLA kernels computing the SSD (kept as a
+second implementation), attnlab's grouped gated norm kernel, then the mixer as it runs on CUDA (the SSD,
+conv and gated norm on attnlab's kernels; without padding or a cache, as one autograd node) under bf16
+autocast against the same mixer on `kernels="torch"` in fp32 (outputs, final state, gradients of every
+parameter and of the input), padded and not, at an odd length, as a prefill that continues a cache and
+in decoding after it. CUDA only; skipped without a GPU or without fla (the second implementation's)."""
 
 import importlib.util
 
@@ -67,7 +67,7 @@ def test_ssd_through_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_back
         assert rel_err(fast.grad, ref.grad) <= 2e-2, name
 
 
-def test_grouped_gated_norm_on_fla_in_bf16_matches_the_fp32_reference():
+def test_grouped_gated_norm_kernel_in_bf16_matches_the_fp32_reference():
     from attnlab.models.mixers.mamba2 import GroupedGatedRMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -97,7 +97,7 @@ def grad_tolerance(name: str) -> float:
     return 5e-2 if name.rsplit(".", 1)[-1] in PER_HEAD else 3e-2
 
 
-def test_gated_norm_and_projection_on_fla_match_the_fp32_reference_under_autocast():
+def test_gated_norm_and_projection_on_the_kernels_match_the_fp32_reference_under_autocast():
     from attnlab.models.kernels.mamba2 import gated_norm_linear
     from attnlab.models.mixers.mamba2 import GroupedGatedRMSNorm
 
@@ -122,7 +122,7 @@ def test_gated_norm_and_projection_on_fla_match_the_fp32_reference_under_autocas
 
 
 def mixer_pair():
-    """The mamba2 mixer on fla's kernels and the same weights on the reference path (fp32)."""
+    """The mamba2 mixer on its CUDA kernels (kernels: fla insists on them) and the same weights on the reference path (fp32)."""
     torch.manual_seed(0)
     cfg = dict(mixer="mamba2", hidden_size=HIDDEN, num_heads=HEADS, mixer_options={"state_size": STATE, "n_groups": GROUPS})
     fast = MIXERS["mamba2"](AttnLabConfig(kernels="fla", **cfg), 0).cuda()
@@ -141,7 +141,7 @@ def left_padding_mask(batch: int, seq_len: int, pad: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_mixer_on_fla_in_bf16_matches_the_fp32_reference_outputs_state_and_every_gradient(padded):
+def test_mixer_on_the_kernels_in_bf16_matches_the_fp32_reference_outputs_state_and_every_gradient(padded):
     fast, ref = mixer_pair()
     assert fast.head_dim == 128
     x = torch.randn(2, 333, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
@@ -162,7 +162,7 @@ def test_mixer_on_fla_in_bf16_matches_the_fp32_reference_outputs_state_and_every
         assert rel_err(p.grad, ref_params[name].grad) <= grad_tolerance(name), name
 
 
-def test_mixer_on_fla_prefill_after_cached_tokens_and_decoding_match_the_reference():
+def test_mixer_on_the_kernels_prefill_after_cached_tokens_and_decoding_match_the_reference():
     fast, ref = mixer_pair()
     x = torch.randn(2, 333 + 4, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     mask = left_padding_mask(2, 333 + 4, 40)
@@ -181,7 +181,7 @@ def test_mixer_on_fla_prefill_after_cached_tokens_and_decoding_match_the_referen
     assert rel_err(cache["recurrent_state"], ref_cache["recurrent_state"]) <= 2e-2
 
 
-def test_mamba2_model_on_fla_kernels_matches_the_reference_path_under_the_same_bf16_autocast():
+def test_mamba2_model_on_the_kernels_matches_the_reference_path_under_the_same_bf16_autocast():
     torch.manual_seed(0)
     cfg = dict(vocab_size=512, hidden_size=HIDDEN, num_layers=2, num_heads=HEADS, mixer="mamba2", tie_word_embeddings=False)
     fast = AttnLabForCausalLM(AttnLabConfig(kernels="fla", **cfg)).cuda()
