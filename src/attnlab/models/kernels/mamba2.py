@@ -235,14 +235,22 @@ class _GatedNormLinear(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
-        from attnlab.models.kernels.gated_norm import gated_rms_norm_bwd
-
         x, z, norm_weight, weight, rstd = ctx.saved_tensors
-        dout = dout.reshape(-1, dout.shape[-1])
-        dnormed = torch.nn.functional.linear(dout, weight.t())
-        dx, dz, dnorm_weight, normed = gated_rms_norm_bwd(dnormed, x, z, norm_weight, rstd, ctx.group_size, want_y=True)
-        dweight = torch.matmul(dout.t(), normed.to(dout.dtype)).to(weight.dtype)
-        return dx.view(ctx.shape), dz.view(ctx.shape), dnorm_weight.to(norm_weight.dtype), dweight, None, None
+        dx, dz, dnorm_weight, dweight = _norm_linear_backward(dout, x, z, norm_weight, weight, rstd, ctx.group_size)
+        return dx.view(ctx.shape), dz.view(ctx.shape), dnorm_weight, dweight, None, None
+
+
+def _norm_linear_backward(dout, x, z, norm_weight, weight, rstd, group_size, dz_out=None):
+    """(dx, dz, d norm_weight, d weight) of linear(gated_rms_norm(x, z) * norm_weight, weight): the normed
+    tensor is recomputed by the norm's backward kernel, for the projection's weight gradient. dz_out: where
+    to write dz (see `gated_rms_norm_bwd`)."""
+    from attnlab.models.kernels.gated_norm import gated_rms_norm_bwd
+
+    dout = dout.reshape(-1, dout.shape[-1])
+    dnormed = torch.nn.functional.linear(dout, weight.t())
+    dx, dz, dnorm_weight, normed = gated_rms_norm_bwd(dnormed, x, z, norm_weight, rstd, group_size, dz_out=dz_out, want_y=True)
+    dweight = torch.matmul(dout.t(), normed.to(dout.dtype)).to(weight.dtype)
+    return dx, dz, dnorm_weight.to(norm_weight.dtype), dweight
 
 
 def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -271,7 +279,7 @@ class _Mamba2Core(torch.autograd.Function):
         from attnlab.models.kernels.gated_norm import gated_rms_norm_fwd
         from attnlab.models.kernels.ssd import ssd_forward
 
-        inner, conv_dim, heads, head_dim, groups, state_size, group_size = dims
+        inner, conv_dim, heads, group_size = dims[0], dims[1], dims[2], dims[6]
         batch, seq_len, _ = u.shape
         z, xBC, dt = u.split([inner, conv_dim, heads], dim=-1)
         dt = torch.nn.functional.softplus(dt.float() + dt_bias.float())  # [B, T, H] fp32
@@ -290,23 +298,15 @@ class _Mamba2Core(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
         from attnlab.models.kernels.conv import conv_backward
-        from attnlab.models.kernels.gated_norm import gated_rms_norm_bwd
         from attnlab.models.kernels.ssd import ssd_backward
 
         u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, conv_out, y, rstd, dt = ctx.saved_tensors
-        inner, conv_dim, heads, head_dim, groups, state_size, group_size = ctx.dims
-        batch, seq_len, _ = u.shape
-        rows = batch * seq_len
-        dout = dout.reshape(rows, dout.shape[-1])
+        inner, conv_dim, heads, group_size = ctx.dims[0], ctx.dims[1], ctx.dims[2], ctx.dims[6]
         du = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # the gradients of z, xBC, dt side by side
         du_z, du_xBC, du_dt = du.split([inner, conv_dim, heads], dim=-1)
-        z = u[..., :inner]
-
-        dnormed = torch.nn.functional.linear(dout, out_weight.t())
-        dy, _, dnorm_weight, normed = gated_rms_norm_bwd(dnormed, y, z, norm_weight, rstd, group_size,
-                                                         dz_out=du_z.reshape(rows, inner), want_y=True)
-        dout_weight = torch.matmul(dout.t(), normed.to(dout.dtype)).to(out_weight.dtype)
-        del dnormed, normed
+        rows = u.shape[0] * u.shape[1]
+        dy, _, dnorm_weight, dout_weight = _norm_linear_backward(dout, y, u[..., :inner], norm_weight, out_weight, rstd,
+                                                                 group_size, dz_out=du_z.view(rows, inner))
 
         A = -torch.exp(A_log.float())
         xs, B, C = _conv_pieces(conv_out, ctx.dims)
@@ -323,8 +323,7 @@ class _Mamba2Core(torch.autograd.Function):
         du_dt.copy_(draw)
         ddt_bias = draw.sum((0, 1)).to(dt_bias.dtype)
         dA_log = (dA.float() * A).to(A_log.dtype)  # A = -exp(A_log): dA / dA_log = A
-        return (du, dconv_weight, dconv_bias, ddt_bias, dA_log, dD, dnorm_weight.to(norm_weight.dtype), dout_weight,
-                None, None, None)
+        return du, dconv_weight, dconv_bias, ddt_bias, dA_log, dD, dnorm_weight, dout_weight, None, None, None
 
 
 def _conv_pieces(conv_out: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
