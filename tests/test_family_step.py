@@ -170,6 +170,23 @@ def test_state_kernel_matches_the_reference_state_after_a_prompt(packed, decay, 
         assert z is None and z_ref is None
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_state_kernel_with_first_indices_over_several_programs_matches_the_reference(packed):
+    """d = 20: 8 first indices a program (256 feature rows of 32), the last program's partly past d."""
+    from attnlab.models.kernels.attention_family_step import linear_state_update as fused
+    from attnlab.models.ops.attention_family import linear_state_update, log_decay_cumsum
+
+    gen = torch.Generator().manual_seed(6)
+    T, d, dv = 9, 20, 8
+    k, v = torch.randn(B, T, H, d, generator=gen), torch.randn(B, T, H, dv, generator=gen)
+    c = log_decay_cumsum(-torch.rand(B, T, H, generator=gen))
+    kwargs = {"similarity": "power2", "scale": 0.5, "packed": packed, "want_normalizer": True}
+    s, z = fused(k, v, c, None, None, **kwargs)
+    s_ref, z_ref = linear_state_update(k, v, c, None, None, **kwargs)
+    torch.testing.assert_close(s, s_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(z, z_ref, rtol=1e-4, atol=1e-5)
+
+
 def test_a_prompt_with_the_fused_state_runs_as_one_chunk_and_matches_the_chunked_reference():
     from attnlab.models.kernels.attention_family_step import (
         linear_state_update as fused,

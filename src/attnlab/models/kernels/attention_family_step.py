@@ -14,8 +14,8 @@ written to memory. The state of power2 may be packed (the d (d + 1) / 2 rows a <
 reads. power2's programs write partial sums over their rows; a second, small kernel adds them,
 divides and writes the output. power1 (one program per head) finishes in the first.
 
-A prompt's state (the prefill) is `linear_state_update`: for power2 one program per first index a
-and head multiplies the keys' tile, scaled by scale^2 k_a and the decay to the prompt's end, with
+A prompt's state (the prefill) is `linear_state_update`: for power2 one program per few first indices
+a and head multiplies the keys' tile, scaled by scale^2 k_a and the decay to the prompt's end, with
 the values' tile (16-bit products with fp32 sums from 16-bit inputs, fp32 ones from fp32), so the d^2 features of
 the prompt's tokens never exist in memory; the outputs are the quadratic form's.
 
@@ -41,6 +41,15 @@ STEP_FIRST_INDICES = 4  # power2's first indices per step program (their packed 
 # took 1.37 ms per token in tiles of 64 rows on 4 warps, 1.16 ms in tiles of 32 on 2.
 STEP_BLOCK_J = 32
 STEP_WARPS = 2
+# The prompt's state (`_state_kernel`): a program forms the features of a few first indices a at once,
+# STATE_FEATURE_ROWS rows (a, b) in all, from one load of each tile of keys and values, in steps of
+# STATE_BLOCK_T tokens (one first index a program, as before, re-read the keys and values d times). Timed on an
+# H100 at the decode benchmark's shape (`benchmarks/power2_state_kernel.py`: 8 x 2048 tokens, 16 heads of 64, bf16):
+# 0.81 ms a layer (170 TFLOP/s) in 256 rows, 32 tokens, 4 warps; 0.97-2.1 ms in 128 or 512 rows, 64 tokens or 8
+# warps; one first index a program took 2.29 ms.
+STATE_FEATURE_ROWS = 256
+STATE_BLOCK_T = 32
+STATE_WARPS = 4
 
 DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "count": 4, "count_power": 5,
                      "sum_detached_eps": 6}
@@ -231,11 +240,14 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
 def _state_kernel(K, V, C, S_IN, Z_IN, S_OUT, Z_OUT, T, skb, skt, skh, svb, svt, svh, scb, sct, sch, scale_k,
                   H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, PACKED: tl.constexpr,
                   HAS_DECAY: tl.constexpr, HAS_STATE: tl.constexpr, HAS_Z: tl.constexpr, WANT_Z: tl.constexpr,
-                  PRECISION: tl.constexpr, BT: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
-    """Rows (a, b) of power2's state after T tokens, for one first index a and a block of values:
-    sum_t (w_t k_ta k_tb) v_t as a product of the keys' tile scaled by w_t k_ta with the values'."""
-    i_a, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                  PRECISION: tl.constexpr, BT: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, BV: tl.constexpr):
+    """Rows (a, b) of power2's state after T tokens, for BA first indices a and a block of values:
+    sum_t (w_t k_ta k_tb) v_t as one product of the BA keys' tiles scaled by w_t k_ta ([BA * BB, BT],
+    formed in registers from one load of the keys) with the values' tile."""
+    i_ag, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    offs_a = i_ag * BA + tl.arange(0, BA)
+    m_a = offs_a < D
     offs_b = tl.arange(0, BB)
     m_b = offs_b < D
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -246,30 +258,33 @@ def _state_kernel(K, V, C, S_IN, Z_IN, S_OUT, Z_OUT, T, skb, skt, skh, svb, svt,
     c_end = 0.0
     if HAS_DECAY:
         c_end = tl.load(c_rows + (T - 1) * sct)
-    acc = tl.zeros([BB, BV], tl.float32)
-    z = tl.zeros([BB], tl.float32)
+    acc = tl.zeros([BV, BA * BB], tl.float32)  # the state's rows transposed: the features are the product's B operand
+    z = tl.zeros([BA * BB], tl.float32)
     for t0 in range(0, T, BT):
         offs_t = t0 + tl.arange(0, BT)
         m_t = offs_t < T
         k_t = tl.load(k_rows + offs_t[:, None] * skt + offs_b[None, :], mask=m_t[:, None] & m_b[None, :], other=0.0).to(tl.float32)
-        w = tl.load(k_rows + offs_t * skt + i_a, mask=m_t, other=0.0).to(tl.float32) * scale_k  # scale^2 k_ta
+        w = tl.load(k_rows + offs_t[:, None] * skt + offs_a[None, :], mask=m_t[:, None] & m_a[None, :],
+                    other=0.0).to(tl.float32) * scale_k  # [BT, BA]: scale^2 k_ta
         if HAS_DECAY:  # decayed to the last token
-            w = w * tl.exp(c_end - tl.load(c_rows + offs_t * sct, mask=m_t, other=0.0))
-        x = k_t * w[:, None]  # [BT, BB]: the features (a, b) of each token, weighted
+            w = w * tl.exp(c_end - tl.load(c_rows + offs_t * sct, mask=m_t, other=0.0))[:, None]
+        x = tl.reshape(w[:, :, None] * k_t[:, None, :], (BT, BA * BB))  # the features (a, b) of each token, weighted
         v_t = tl.load(v_rows + offs_t[:, None] * svt + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         if PRECISION == "ieee":
-            acc += tl.dot(tl.trans(x), v_t.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(tl.trans(v_t.to(tl.float32)), x, input_precision="ieee")
         else:  # 16-bit inputs: the weighted features rounded to the values' dtype, fp32 sums
-            acc += tl.dot(tl.trans(x.to(v_t.dtype)), v_t)
+            acc += tl.dot(tl.trans(v_t), x.to(v_t.dtype))
         if WANT_Z:
             z += tl.sum(x, 0)
-    lo = 0
-    first_row = i_a * D
+    acc = tl.trans(acc)
+    flat = tl.arange(0, BA * BB)  # acc's rows: first index i_ag * BA + flat // BB, second flat % BB
+    a = i_ag * BA + flat // BB
+    b = flat % BB
+    m_r = (a < D) & (b < D)
+    rows = a * D + b
     if PACKED:
-        lo = i_a
-        first_row = i_a * D - i_a * (i_a - 1) // 2
-    rows = first_row + offs_b - lo
-    m_r = m_b & (offs_b >= lo)
+        m_r = m_r & (b >= a)
+        rows = a * D - a * (a - 1) // 2 + b - a
     p_s = i_bh.to(tl.int64) * F * DV + rows[:, None] * DV + offs_v[None, :]
     m_s = m_r[:, None] & m_v[None, :]
     decay_all = 1.0
@@ -313,7 +328,9 @@ def linear_state_update(k, v, c, state, normalizer, *, similarity: str, scale: f
     has_z = want_normalizer and normalizer is not None
     c_args = (c, c.stride(0), c.stride(1), c.stride(2)) if c is not None else (out, 0, 0, 0)
     block_v = min(64, max(16, triton.next_power_of_2(value_dim)))
-    grid = (head_dim, triton.cdiv(value_dim, block_v), batch * heads)
+    block_b = max(16, triton.next_power_of_2(head_dim))
+    block_a = min(max(1, STATE_FEATURE_ROWS // block_b), triton.next_power_of_2(head_dim))  # first indices a program
+    grid = (triton.cdiv(head_dim, block_a), triton.cdiv(value_dim, block_v), batch * heads)
     _state_kernel[grid](
         k, v, c_args[0], state if state is not None else out, normalizer if has_z else out, out,
         out_z if out_z is not None else out, seq_len, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
@@ -322,8 +339,7 @@ def linear_state_update(k, v, c, state, normalizer, *, similarity: str, scale: f
         HAS_STATE=state is not None, HAS_Z=has_z, WANT_Z=want_normalizer,
         # Triton's interpreter multiplies 16-bit tiles wrongly: there the products are fp32's
         PRECISION="ieee" if torch.float32 in (k.dtype, v.dtype) or _interpreting() else "low",
-        BT=16 if _interpreting() else 32 if head_dim > 64 else 64, BB=max(16, triton.next_power_of_2(head_dim)),
-        BV=block_v, num_warps=8 if head_dim > 32 else 4,
+        BT=16 if _interpreting() else STATE_BLOCK_T, BA=block_a, BB=block_b, BV=block_v, num_warps=STATE_WARPS,
     )
     return out, out_z
 
