@@ -45,8 +45,8 @@ STEP_WARPS = 2
 # STATE_FEATURE_ROWS rows (a, b) in all, from one load of each tile of keys and values, in steps of
 # STATE_BLOCK_T tokens (one first index a program, as before, re-read the keys and values d times). Timed on an
 # H100 at the decode benchmark's shape (`benchmarks/power2_state_kernel.py`: 8 x 2048 tokens, 16 heads of 64, bf16):
-# 0.81 ms a layer (170 TFLOP/s) in 256 rows, 32 tokens, 4 warps; 0.97-2.1 ms in 128 or 512 rows, 64 tokens or 8
-# warps; one first index a program took 2.29 ms.
+# 0.81 ms a layer (170 TFLOP/s) in 256 rows, 32 tokens, 4 warps; 0.97-4.2 ms in the 15 other shapes of 64 to 512
+# rows, 32 or 64 tokens, 4 or 8 warps; one first index a program took 2.29 ms.
 STATE_FEATURE_ROWS = 256
 STATE_BLOCK_T = 32
 STATE_WARPS = 4
