@@ -237,8 +237,9 @@ def _reference(x, weight, bias, h0, silu: bool) -> torch.Tensor:
     return F.silu(out) if silu else out
 
 
-def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool):
-    """The forward on the kernels, outside autograd: (y [B, T, C] in x's dtype, the final state)."""
+def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool, want_final: bool = True):
+    """The forward on the kernels, outside autograd: (y [B, T, C] in x's dtype, the final state, or None
+    without `want_final`)."""
     B, T, C = x.shape
     K = weight.shape[1]
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
@@ -253,7 +254,7 @@ def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool):
             K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
             BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
         )
-    return y, _final_state(x, h0, K - 1, channel_major)
+    return y, (_final_state(x, h0, K - 1, channel_major) if want_final else None)
 
 
 def conv_backward(x, weight, bias, h0, silu: bool, dy, dfinal, want_h0_grad: bool, dx_out=None):

@@ -283,7 +283,7 @@ class _Mamba2Core(torch.autograd.Function):
         batch, seq_len, _ = u.shape
         z, xBC, dt = u.split([inner, conv_dim, heads], dim=-1)
         dt = torch.nn.functional.softplus(dt.float() + dt_bias.float())  # [B, T, H] fp32
-        conv_out, _ = conv_forward(xBC, conv_weight, conv_bias, None, True, False)
+        conv_out, _ = conv_forward(xBC, conv_weight, conv_bias, None, True, False, want_final=False)
         xs, B, C = _conv_pieces(conv_out, dims)
         A = -torch.exp(A_log.float())
         y, _, _ = ssd_forward(xs, dt, A, B, C, D, chunk, None)
