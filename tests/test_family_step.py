@@ -303,6 +303,124 @@ def test_a_bf16_state_is_advanced_in_fp32_and_rounded_only_where_stored(decay):
         torch.testing.assert_close(normalizer, ref_norm, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("similarity,packed", [("power1", False), ("power2", True), ("power2", False)])
+@pytest.mark.parametrize("denominator", DENOMINATORS)
+def test_the_windowed_step_reference_is_the_recurrence_across_folds(similarity, packed, denominator):
+    """`windowed_step` (the state read only, a window of 4 recent tokens folded in when full) gives
+    `recurrent_step`'s outputs step for step, and its state after a last fold is the recurrence's."""
+    from attnlab.models.ops.attention_family import fold_recent, new_recent, windowed_step
+
+    gen = torch.Generator().manual_seed(len(denominator))
+    d, dv = 4, 3
+    features = linear_feature_count(d, similarity, packed)
+    state = torch.randn(B, H, features, dv, generator=gen) * 0.1
+    normalizer = None
+    if denominator in SUM_DENOMINATORS:
+        normalizer = linear_features(torch.rand(B, H, 3, d, generator=gen), similarity, packed).sum(2)
+    ref_state, ref_norm = state.clone(), None if normalizer is None else normalizer.clone()
+    recent = new_recent(torch.zeros(B, 1, H, d), torch.zeros(B, 1, H, dv), window=4)
+    kwargs = {"similarity": similarity, "scale": 0.6, "denominator": denominator, "packed": packed,
+              "count_power": torch.tensor([0.3, 0.8]) if denominator == "count_power" else None}
+    for t in range(11):
+        q, k, v, log_decay = step_inputs(gen, d, dv, t % 3 > 0, denominator, similarity)
+        if similarity == "power1":
+            q, k = q.abs(), k.abs()
+        count = torch.tensor([t + 1, t + 4])
+        o, state, normalizer, recent = windowed_step(q, k, v, log_decay, state, normalizer, recent, count, **kwargs)
+        ref, ref_state, ref_norm = recurrent_step(q, k, v, log_decay, ref_state, ref_norm, count, **kwargs)
+        torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+    assert recent["recent_count"].tolist() == [[3, 3], [3, 3]]
+    state, normalizer, recent = fold_recent(state, normalizer, recent, **{k: kwargs[k] for k in ("similarity", "scale", "packed")})
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
+    if normalizer is not None:
+        torch.testing.assert_close(normalizer, ref_norm, rtol=1e-4, atol=1e-5)
+    assert recent["recent_count"].eq(0).all()
+
+
+@pytest.mark.parametrize("packed,denominator,decay,state_dtype", [
+    (True, "sum", True, torch.float32), (False, "count_power", False, torch.float32), (True, "sum", True, torch.bfloat16)])
+def test_the_windowed_step_kernel_matches_its_reference_across_folds(packed, denominator, decay, state_dtype):
+    """The step kernel with a window of 16 tokens (folded into the state by the step kernel, the
+    window's attention and this token's place in it by the finish kernel) over 35 steps, two folds."""
+    from attnlab.models.ops.attention_family import new_recent, windowed_step
+
+    gen = torch.Generator().manual_seed(7)
+    d, dv = 4, 8
+    features = linear_feature_count(d, "power2", packed)
+    state = (torch.randn(B, H, features, dv, generator=gen) * 0.1).to(state_dtype)
+    normalizer = linear_features(torch.randn(B, H, 3, d, generator=gen), "power2", packed).sum(2) if denominator == "sum" else None
+    ref_state, ref_norm = state.clone(), None if normalizer is None else normalizer.clone()
+    recent = new_recent(torch.zeros(B, 1, H, d), torch.zeros(B, 1, H, dv), window=16)
+    ref_recent = {name: t.clone() for name, t in recent.items()}
+    kwargs = {"similarity": "power2", "scale": 0.6, "denominator": denominator, "packed": packed,
+              "count_power": torch.tensor([0.3, 0.8]) if denominator == "count_power" else None}
+    for t in range(35):
+        q, k, v, log_decay = step_inputs(gen, d, dv, decay, denominator, "power2")
+        count = torch.tensor([t + 1, t + 1])
+        o = attention_family_step_(q, k, v, log_decay, state, normalizer, count, recent=recent, **kwargs)
+        ref, ref_state, ref_norm, ref_recent = windowed_step(q, k, v, log_decay, ref_state, ref_norm, ref_recent, count, **kwargs)
+        if state_dtype == torch.float32:
+            torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+        else:  # a bf16 state's folds round sums taken in another order: an ulp apart here and there
+            assert ((o - ref).norm() / ref.norm()).item() < 1e-2
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if state_dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+    torch.testing.assert_close(state, ref_state, **tolerance)
+    if normalizer is not None:
+        torch.testing.assert_close(normalizer, ref_norm, rtol=1e-5, atol=1e-6)
+    for name, t in recent.items():
+        torch.testing.assert_close(t, ref_recent[name])
+    assert recent["recent_count"].eq(3).all()
+    with pytest.raises(ValueError, match="power of two"):
+        attention_family_step_(q, k, v, log_decay, state, normalizer, count, **kwargs,
+                               recent=new_recent(torch.zeros(B, 1, H, d), torch.zeros(B, 1, H, dv), window=12))
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_the_windowed_step_in_the_model_decodes_as_the_reference(num_beams, monkeypatch):
+    """2mamba's fast path with a window of 16 tokens, folded twice in 36 new tokens (greedy) and
+    with beams (the window's buffers reordered with the state), against kernels="torch"."""
+    from attnlab.generation import engine
+    from attnlab.generation.graphs import StaticRunner
+    from attnlab.models import kernels
+    from attnlab.models.kernels.attention_family_step import linear_state_update
+    from attnlab.models.ops import attention_family
+
+    new_tokens = 36 if num_beams == 1 else 20
+    reference = decode(family_model("2mamba", kernels="torch", layers=1), PROMPTS[1:], max_new_tokens=new_tokens,
+                       num_beams=num_beams, min_new_tokens=new_tokens)
+    monkeypatch.setattr(attention_family, "RECENT_TOKENS", 16)
+    monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: None if choice == "torch" else attention_family_step_)
+    monkeypatch.setattr(kernels, "attention_family_state_update_fn",
+                        lambda choice, x: None if choice == "torch" else linear_state_update)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
+    model = family_model("2mamba", layers=1)
+    assert decode(model, PROMPTS[1:], max_new_tokens=new_tokens, num_beams=num_beams, min_new_tokens=new_tokens) == reference
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+    assert cache.states[0]["recent_key"].shape[2] == 16 and cache.states[0]["recent_count"].eq(0).all()
+
+
+@torch.no_grad()
+def test_more_tokens_after_windowed_steps_fold_the_window_first(monkeypatch):
+    from attnlab.models import kernels
+    from attnlab.models.kernels.attention_family_step import linear_state_update
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+
+    def run(model):
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        for i in range(4, 7):
+            cache = model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).past_key_values
+        return model(input_ids=ids[:, 7:], past_key_values=cache, use_cache=True)
+
+    reference = run(family_model("2mamba", kernels="torch", layers=1))
+    monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: attention_family_step_)
+    monkeypatch.setattr(kernels, "attention_family_state_update_fn", lambda choice, x: linear_state_update)
+    out = run(family_model("2mamba", layers=1))
+    torch.testing.assert_close(out.logits, reference.logits, rtol=1e-4, atol=1e-5)
+    assert out.past_key_values.states[0]["recent_count"].eq(0).all()
+
+
 @torch.no_grad()
 def test_decoding_states_are_fp32_unless_the_layer_is_told_bf16():
     ids = torch.tensor([[1, 2, 3]])
@@ -372,6 +490,51 @@ def test_bf16_step_kernel_on_cuda_matches_the_fp32_reference_over_many_steps(sim
     assert rel_err(o, ref) < 1e-2
     full = unpack_power2_state(state, d) if packed else state
     assert rel_err(full, ref_state) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_windowed_step_kernel_on_cuda_matches_the_fp64_recurrence_over_three_folds(state_dtype):
+    """The decode benchmark's head shape (16 heads of 64, window 64): 200 bf16 steps against the
+    recurrence in fp64; the state after the last fold against the recurrence's."""
+    from attnlab.models.ops.attention_family import fold_recent, new_recent
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, d = 8, 16, 64
+    features = linear_feature_count(d, "power2", True)
+    state = torch.zeros(batch, heads, features, d, device="cuda", dtype=state_dtype)
+    normalizer = torch.zeros(batch, heads, features, device="cuda")
+    recent = new_recent(torch.zeros(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16),
+                        torch.zeros(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16))
+    ref_state = ref_norm = None
+    kwargs = {"similarity": "power2", "scale": d**-0.5, "denominator": "sum", "count_power": None}
+    errors = []
+    for t in range(1, 201):
+        q, k, v = (torch.randn(batch, heads, d, device="cuda", generator=g).bfloat16() for _ in range(3))
+        log_decay = -torch.rand(batch, heads, device="cuda", generator=g) * 0.05
+        count = torch.full((batch,), t, device="cuda")
+        o = attention_family_step_(q, k, v, log_decay, state, normalizer, count, packed=True, recent=recent, **kwargs)
+        ref, ref_state, ref_norm = recurrent_step(q.double(), k.double(), v.double(), log_decay.double(), ref_state,
+                                                  ref_norm, count, packed=True, **kwargs)
+        errors.append(rel_err(o, ref))
+    assert max(errors) < (1e-2 if state_dtype == torch.float32 else 2e-2), max(errors)
+    assert recent["recent_count"].eq(200 - 192).all()
+    state, normalizer, _ = fold_recent(state, normalizer, recent, similarity="power2", scale=d**-0.5, packed=True)
+    assert rel_err(state, ref_state) < (1e-5 if state_dtype == torch.float32 else 1e-2)
+    assert rel_err(normalizer, ref_norm) < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_windowed_decoding_on_cuda_folds_as_the_reference_token_for_token(monkeypatch):
+    from attnlab.models.ops import attention_family
+
+    monkeypatch.setattr(attention_family, "RECENT_TOKENS", 16)  # three folds in 56 tokens
+    fast = family_model("2mamba", hidden=256, device="cuda")
+    reference = family_model("2mamba", kernels="torch", hidden=256, device="cuda")
+    assert decode(fast, max_new_tokens=56) == decode(reference, max_new_tokens=56, cuda_graphs="off")
+    assert decode(fast, max_new_tokens=40, num_beams=3) == decode(reference, max_new_tokens=40, num_beams=3, cuda_graphs="off")
 
 
 @pytest.mark.cuda

@@ -74,11 +74,11 @@ def _finish(acc, den, count, power, MODE: tl.constexpr):
 
 
 @triton.jit
-def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
+def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK, RV, RL, RN,
                  sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
                  H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr,
                  POWER: tl.constexpr, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr, MODE: tl.constexpr,
-                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr):
+                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr, WINDOW: tl.constexpr):
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -87,6 +87,19 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
     decay = 1.0
     if HAS_DECAY:
         decay = tl.exp(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32))
+    if WINDOW > 0:
+        # the windowed step (`windowed_step`): the state is read, not advanced, unless the window is
+        # full; then its WINDOW tokens are folded in here, and `_window_finish_kernel` empties it
+        held = tl.load(RN + i_bh)
+        offs_w = tl.arange(0, WINDOW)
+        m_fold = offs_w < tl.where(held == WINDOW, WINDOW, 0)  # every slot, or none (no load) when not folding
+        p_rk = RK + i_bh.to(tl.int64) * WINDOW * D + offs_w * D
+        log_w = tl.load(RL + i_bh.to(tl.int64) * WINDOW + offs_w, mask=m_fold, other=0.0)
+        log_last = tl.sum(tl.where(offs_w == WINDOW - 1, log_w, 0.0), 0)
+        decay = tl.exp(log_last)  # the state's decay over the window
+        w_fold = tl.where(m_fold, tl.exp(log_last - log_w) * scale_k, 0.0)  # [W]: scale^2, decay to the window's end
+        v_fold = tl.load(RV + i_bh.to(tl.int64) * WINDOW * DV + offs_w[:, None] * DV + offs_v[None, :],
+                         mask=m_fold[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [W, BV]
     q_row = Q + i_b * sqb + i_h * sqh
     k_row = K + i_b * skb + i_h * skh
     p_state = STATE + i_bh.to(tl.int64) * F * DV
@@ -123,14 +136,30 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
             p_s = p_state + rows[:, None] * DV + offs_v[None, :]
             m_s = m_j[:, None] & m_v[None, :]
             b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-            b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
-            tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
+            x_fold = tl.zeros([WINDOW if WINDOW > 0 else 1, BJ], tl.float32)
+            if WINDOW == 0:
+                b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
+                tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
+            elif held == WINDOW:  # fold: the window's features for these rows, [W, BJ], times its values
+                k_wa = 1.0
+                if POWER == 2:
+                    k_wa = tl.load(p_rk + i_a, mask=m_fold, other=0.0).to(tl.float32)
+                x_fold = tl.load(p_rk[:, None] + offs_j[None, :], mask=m_fold[:, None] & m_j[None, :],
+                                 other=0.0).to(tl.float32) * (k_wa * w_fold)[:, None]
+                b_s = b_s * decay + tl.dot(tl.trans(x_fold), v_fold, input_precision="ieee")
+                b_s = b_s.to(STATE.dtype.element_ty)
+                tl.store(p_s, b_s, mask=m_s)
+                b_s = b_s.to(tl.float32)
             acc += tl.sum(phi_q[:, None] * b_s, 0)
             if (MODE >= 1 and MODE <= 3) or MODE == 6:  # the normaliser: rows owned by the first block of values
                 m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
                 b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
-                b_z = b_z * decay + phi_k
-                tl.store(p_norm + rows, b_z, mask=m_z)
+                if WINDOW == 0:
+                    b_z = b_z * decay + phi_k
+                    tl.store(p_norm + rows, b_z, mask=m_z)
+                elif held == WINDOW:
+                    b_z = b_z * decay + tl.sum(x_fold, 0)
+                    tl.store(p_norm + rows, b_z, mask=m_z)
                 den += tl.where(m_z, phi_q * b_z, 0.0)
     if FINISH:
         count = tl.load(COUNT + i_b).to(tl.float32)
@@ -167,6 +196,69 @@ def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.co
     tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
 
 
+@triton.jit
+def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, CPOW, O, G,
+                          sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
+                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, POWER: tl.constexpr, MODE: tl.constexpr,
+                          HAS_DECAY: tl.constexpr, WINDOW: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+                          BV: tl.constexpr):
+    """The windowed step's output for one (row, head): the partial sums over the state's rows decayed
+    by exp(L_t), plus the attention to the window's tokens and this one; then this token joins the window."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = tl.num_programs(0)
+    offs_v = tl.arange(0, BV)
+    m_v = offs_v < DV
+    offs_d = tl.arange(0, BD)
+    m_d = offs_d < D
+    offs_w = tl.arange(0, WINDOW)
+    acc = tl.zeros([BV], tl.float32)
+    den = tl.zeros([BG], tl.float32)
+    for g0 in range(0, G, BG):
+        offs_g = g0 + tl.arange(0, BG)
+        m_g = offs_g < G
+        part = offs_g.to(tl.int64) * rows + i_bh
+        acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
+        if (MODE >= 1 and MODE <= 3) or MODE == 6:
+            den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
+    held = tl.load(RN + i_bh)
+    held = tl.where(held == WINDOW, 0, held)  # the step kernel folded a full window
+    p_rl = RL + i_bh.to(tl.int64) * WINDOW
+    log_t = tl.load(p_rl + tl.maximum(held - 1, 0))
+    log_t = tl.where(held > 0, log_t, 0.0)
+    if HAS_DECAY:
+        log_t += tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32)
+    decay = tl.exp(log_t)
+    acc = acc * decay
+    den_sum = tl.sum(den, 0) * decay
+    q = tl.load(Q + i_b * sqb + i_h * sqh + offs_d, mask=m_d, other=0.0).to(tl.float32)
+    k = tl.load(K + i_b * skb + i_h * skh + offs_d, mask=m_d, other=0.0)
+    v = tl.load(V + i_b * svb + i_h * svh + offs_v, mask=m_v, other=0.0)
+    m_w = offs_w < held
+    p_rk = RK + i_bh.to(tl.int64) * WINDOW * D
+    p_rv = RV + i_bh.to(tl.int64) * WINDOW * DV
+    k_w = tl.load(p_rk + offs_w[:, None] * D + offs_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    s_w = tl.sum(k_w * q[None, :], 1)  # [W]
+    s_t = tl.sum(k.to(tl.float32) * q, 0)
+    if POWER == 2:
+        s_w = s_w * s_w
+        s_t = s_t * s_t
+    log_w = tl.load(p_rl + offs_w, mask=m_w, other=0.0)
+    w = tl.where(m_w, s_w * scale_k * tl.exp(log_t - log_w), 0.0)
+    w_t = s_t * scale_k
+    v_w = tl.load(p_rv + offs_w[:, None] * DV + offs_v[None, :], mask=m_w[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    acc += tl.sum(w[:, None] * v_w, 0) + w_t * v.to(tl.float32)
+    den_sum += tl.sum(w, 0) + w_t
+    tl.store(p_rk + held * D + offs_d, k.to(RK.dtype.element_ty), mask=m_d)  # this token joins the window
+    tl.store(p_rv + held * DV + offs_v, v.to(RV.dtype.element_ty), mask=m_v)
+    tl.store(p_rl + held, log_t)
+    tl.store(RN + i_bh, held + 1)
+    count = tl.load(COUNT + i_b).to(tl.float32)
+    power = tl.load(CPOW + i_h).to(tl.float32)
+    o = _finish(acc, den_sum, count, power, MODE)
+    tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
+
+
 def _heads(x: torch.Tensor, name: str) -> tuple[int, int]:
     """Batch and head strides of a [B, H, D] tensor whose last dim is contiguous."""
     if x.dim() != 3 or (x.stride(2) != 1 and x.shape[2] > 1):
@@ -174,16 +266,38 @@ def _heads(x: torch.Tensor, name: str) -> tuple[int, int]:
     return x.stride(0), x.stride(1)
 
 
+def _check_recent(recent: dict, names, power: int, batch: int, heads: int, head_dim: int, value_dim: int) -> int:
+    """The window's length, after checking its buffers (`new_recent`); ValueError says what is wrong."""
+    if power != 2:
+        raise ValueError("the windowed step is power2's (power1's state is as small as its window would be)")
+    keys = recent["recent_key"]
+    window = keys.shape[2] if keys.dim() == 4 else 0
+    shapes = {"recent_key": (batch, heads, window, head_dim), "recent_value": (batch, heads, window, value_dim),
+              "recent_log_decay": (batch, heads, window), "recent_count": (batch, heads)}
+    for name in names:
+        t = recent[name]
+        if tuple(t.shape) != shapes[name] or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {list(shapes[name])} tensor, got {tuple(t.shape)}")
+    if recent["recent_log_decay"].dtype != torch.float32 or recent["recent_count"].dtype != torch.int32:
+        raise ValueError("recent_log_decay must be fp32 and recent_count int32")
+    if window < 16 or window & (window - 1):
+        raise ValueError(f"the window must hold a power of two >= 16 tokens, got {window}")
+    return window
+
+
 def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, similarity: str, scale: float,
                            denominator: str = "sum", count_power: torch.Tensor | None = None,
-                           packed: bool = False) -> torch.Tensor:
-    """As `recurrent_step` (same arguments), the state and normaliser advanced in place.
+                           packed: bool = False, recent: dict | None = None) -> torch.Tensor:
+    """As `recurrent_step` (same arguments), the state and normaliser advanced in place; with `recent`
+    (power2), as `windowed_step`: the state only read, the window of recent tokens advanced in place.
 
     q, k [B, H, D]; v [B, H, Dv] (last dims contiguous); log_decay [B, H] or None; state
     [B, H, F, Dv] (fp32, or 16-bit: read into fp32, rounded where stored) and normalizer fp32 [B, H, F] (the sum denominators), contiguous; count [B]
     (tokens so far, this one included); count_power [H] or None. F is D (power1), D (D + 1) / 2
-    (power2, packed) or D^2 (power2). Returns o [B, H, Dv] in v's dtype."""
+    (power2, packed) or D^2 (power2); recent: the buffers of `new_recent`, contiguous, a window of a
+    power of two >= 16 tokens. Returns o [B, H, Dv] in v's dtype."""
     from attnlab.models.ops.attention_family import (
+        RECENT_BUFFERS,
         SUM_DENOMINATORS,
         linear_feature_count,
     )
@@ -204,11 +318,15 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     o = torch.empty(batch, heads, value_dim, dtype=v.dtype, device=v.device)
     block_j = min(STEP_BLOCK_J, triton.next_power_of_2(head_dim))
     block_v = min(64, triton.next_power_of_2(value_dim))
+    window = 0
+    if recent is not None:
+        window = _check_recent(recent, RECENT_BUFFERS, power, batch, heads, head_dim, value_dim)
+        block_j, block_v = max(16, block_j), max(16, block_v)  # the fold's product takes tiles of >= 16
     a_per = 1  # power2: first indices a per program (a divisor of D), so that each program reads enough rows
     if power == 2:
         a_per = next(n for n in (STEP_FIRST_INDICES, 2, 1) if head_dim % n == 0)
     groups = head_dim // a_per if power == 2 else 1  # programs per head and block of values
-    finish = groups == 1
+    finish = groups == 1 and not window
     part = part_den = o  # not read when `finish`
     if not finish:
         part = torch.empty(groups, batch * heads, value_dim, dtype=torch.float32, device=v.device)
@@ -218,15 +336,25 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     count = count.contiguous()
     sdb, sdh = (log_decay.stride(0), log_decay.stride(1)) if log_decay is not None else (0, 0)
     grid = (groups, triton.cdiv(value_dim, block_v), batch * heads)
+    buffers = [recent[name] for name in RECENT_BUFFERS] if window else [state] * 4
     _step_kernel[grid](
         q, k, v, log_decay if log_decay is not None else state, state, normalizer if want_normalizer else state, count,
-        count_power if count_power is not None else state, part, part_den, o,
+        count_power if count_power is not None else state, part, part_den, o, *buffers,
         *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
         H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
-        HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per,
+        HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per, WINDOW=window,
         num_warps=STEP_WARPS,
     )
-    if not finish:
+    if window:
+        _window_finish_kernel[(batch * heads,)](
+            part, part_den, q, k, v, log_decay if log_decay is not None else state, *buffers, count,
+            count_power if count_power is not None else state, o, groups,
+            *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
+            H=heads, D=head_dim, DV=value_dim, POWER=power, MODE=mode, HAS_DECAY=log_decay is not None, WINDOW=window,
+            BG=min(64, triton.next_power_of_2(groups)), BD=triton.next_power_of_2(head_dim),
+            BV=triton.next_power_of_2(value_dim), num_warps=4,
+        )
+    elif not finish:
         _finish_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
             part, part_den, count, count_power if count_power is not None else state, o, groups,
             H=heads, DV=value_dim, MODE=mode, BG=min(64, triton.next_power_of_2(groups)), BV=block_v, num_warps=4,

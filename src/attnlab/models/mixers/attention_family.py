@@ -46,8 +46,12 @@ from attnlab.models.ops.attention_family import (
     apply_feature_map,
     chunk_linear_attention,
     log_decay_cumsum,
+    RECENT_BUFFERS,
+    fold_recent,
+    new_recent,
     parallel_attention,
     recurrent_step,
+    windowed_step,
 )
 
 OUTPUT_NORMS = ("none", "layernorm", "rmsnorm", "l2")
@@ -386,26 +390,39 @@ class AttentionFamily(Mixer):
         packed = self._packed_state(state, fast=step is not None)
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, log_decay, state, normalizer, kwargs["count_power"]))
+        # power2's fast step reads its state without writing it: the latest tokens wait in a window of
+        # recent tokens (`windowed_step`), folded in when it is full
+        recent = {name: cache[name] for name in RECENT_BUFFERS} if "recent_key" in cache else None
+        step_decay = None if log_decay is None else log_decay[:, 0]
         if "state" in cache and q.shape[1] == 1:  # step form
             if step is not None and not needs_grad:
                 state = state.contiguous()  # a copy only if it is a view across rows
                 if normalizer is not None:
                     normalizer = normalizer.contiguous()
-                o = step(q[:, 0], k[:, 0], v[:, 0], None if log_decay is None else log_decay[:, 0], state, normalizer,
-                         num_tokens, packed=packed, **kwargs)
-                return o[:, None], {"state": state, "normalizer": normalizer}
-            o, state, normalizer = recurrent_step(
-                q[:, 0], k[:, 0], v[:, 0], None if log_decay is None else log_decay[:, 0],
-                state, normalizer, num_tokens, packed=packed, **kwargs,
-            )
+                if recent is not None:
+                    recent = {name: t.contiguous() for name, t in recent.items()}
+                o = step(q[:, 0], k[:, 0], v[:, 0], step_decay, state, normalizer, num_tokens, packed=packed,
+                         recent=recent, **kwargs)
+                return o[:, None], {"state": state, "normalizer": normalizer, **(recent or {})}
+            if recent is not None:
+                o, state, normalizer, recent = windowed_step(q[:, 0], k[:, 0], v[:, 0], step_decay, state, normalizer,
+                                                             recent, num_tokens, packed=packed, **kwargs)
+                return o[:, None], {"state": state, "normalizer": normalizer, **recent}
+            o, state, normalizer = recurrent_step(q[:, 0], k[:, 0], v[:, 0], step_decay, state, normalizer, num_tokens,
+                                                  packed=packed, **kwargs)
             return o[:, None], {"state": state, "normalizer": normalizer}
+        if recent is not None:  # more tokens after steps: the window's go into the state first
+            state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=kwargs["similarity"],
+                                                    scale=self.scale, packed=packed)
         o, state, normalizer = chunk_linear_attention(
             q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
             state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
         )
         if not needs_grad:  # the state the steps carry on, in its decoding dtype
             state = state.to(self._state_dtype())
-        return o, {"state": state, "normalizer": normalizer}
+            if recent is None and step is not None and self.options["similarity"] == "power2":
+                recent = new_recent(k, v)
+        return o, {"state": state, "normalizer": normalizer, **(recent or {})}
 
     def _state_dtype(self) -> torch.dtype:
         """The decoding state's dtype (option `state_dtype`)."""

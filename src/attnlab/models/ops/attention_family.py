@@ -392,3 +392,88 @@ def recurrent_step(
         den = _finish_denominator(den, denominator, count_power)
     o = _divide(num, den)[:, :, 0]
     return o, state.to(state_dtype), (normalizer if want_normalizer else None)
+
+
+# ---------------------------------------------------------------- decoding with a window of recent tokens
+
+RECENT_TOKENS = 64  # tokens the windowed step keeps beside power2's state before it folds them in
+RECENT_BUFFERS = ("recent_key", "recent_value", "recent_log_decay", "recent_count")
+
+
+def new_recent(k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> dict[str, torch.Tensor]:
+    """An empty window of recent tokens for the step of `windowed_step`, for k [B, T, H, K] and v [B, T, H, Dv]:
+    keys [B, H, W, K] and values [B, H, W, Dv] in their dtypes, each token's log-decay since the state's
+    last fold [B, H, W] (fp32) and the tokens held [B, H] (int32)."""
+    batch, _, heads, head_dim = k.shape
+    window = RECENT_TOKENS if window is None else window
+    return {
+        "recent_key": k.new_zeros(batch, heads, window, head_dim),
+        "recent_value": v.new_zeros(batch, heads, window, v.shape[-1]),
+        "recent_log_decay": k.new_zeros(batch, heads, window, dtype=torch.float32),
+        "recent_count": torch.zeros(batch, heads, dtype=torch.int32, device=k.device),
+    }
+
+
+def fold_recent(state, normalizer, recent, *, similarity, scale, packed=False, full_only=False):
+    """The state and normaliser with the window's tokens folded in (`windowed_step`), and the window
+    emptied where they were: S exp(L_n) + sum_{w < n} exp(L_n - L_w) phi(k_w)^T v_w, L_w the log-decay
+    of token w since the last fold. `full_only`: only the (row, head)s whose window is full.
+    Returns (state in its dtype, normalizer or None, recent) as new tensors."""
+    keys, values, log_decay, count = (recent[name] for name in RECENT_BUFFERS)
+    window = keys.shape[2]
+    count = count.long()
+    valid = torch.arange(window, device=keys.device) < count[..., None]  # [B, H, W]
+    last = log_decay.gather(2, (count - 1).clamp(min=0)[..., None])[..., 0]
+    last = torch.where(count > 0, last, torch.zeros_like(last))  # [B, H]
+    power = 1 if similarity == "power1" else 2
+    weight = torch.where(valid, (last[..., None] - log_decay).exp(), torch.zeros_like(log_decay)) * float(scale) ** power
+    phi_k = linear_features(keys.float(), similarity, packed)  # [B, H, W, F]
+    fold = count == window if full_only else count > 0
+    decay = last.exp()
+    folded = state.float() * decay[..., None, None] + phi_k.transpose(-1, -2) @ (values.float() * weight[..., None])
+    new_state = torch.where(fold[..., None, None], folded, state.float()).to(state.dtype)
+    if normalizer is not None:
+        folded_z = normalizer * decay[..., None] + (phi_k * weight[..., None]).sum(2)
+        normalizer = torch.where(fold[..., None], folded_z, normalizer)
+    recent = dict(recent, recent_count=torch.where(fold, 0, count).to(torch.int32))
+    return new_state, normalizer, recent
+
+
+def windowed_step(q, k, v, log_decay, state, normalizer, recent, count, *, similarity, scale, denominator="sum",
+                  count_power=None, packed=False):
+    """`recurrent_step` with the state read only: the latest tokens wait in a window (`new_recent`)
+    and the step attends to them, S_t = exp(L_t) S + sum_w exp(L_t - L_w) phi(k_w)^T v_w, L_t the
+    log-decay since the state's last fold; a full window is folded into the state first (`fold_recent`).
+    A step reads the state instead of reading and writing it. Returns (o [B, H, Dv], state, normalizer, recent)."""
+    state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=similarity, scale=scale,
+                                            packed=packed, full_only=True)
+    keys, values, logs, held = (recent[name] for name in RECENT_BUFFERS)
+    held = held.long()  # [B, H]
+    previous = logs.gather(2, (held - 1).clamp(min=0)[..., None])[..., 0]
+    log_t = torch.where(held > 0, previous, torch.zeros_like(previous))
+    if log_decay is not None:
+        log_t = log_t + log_decay.float()
+    slot = held[..., None]  # this token's place in the window
+    keys = keys.scatter(2, slot[..., None].expand(-1, -1, 1, keys.shape[-1]), k[:, :, None].to(keys.dtype))
+    values = values.scatter(2, slot[..., None].expand(-1, -1, 1, values.shape[-1]), v[:, :, None].to(values.dtype))
+    logs = logs.scatter(2, slot, log_t[..., None])
+    held = held + 1
+    power = 1 if similarity == "power1" else 2
+    scores = torch.einsum("bhd,bhwd->bhw", q.float(), keys.float()) ** power * float(scale) ** power
+    valid = torch.arange(keys.shape[2], device=q.device) < held[..., None]
+    weight = torch.where(valid, scores * (log_t[..., None] - logs).exp(), torch.zeros_like(scores))  # [B, H, W]
+    phi_q = linear_features(q.float(), similarity, packed, query=True)  # [B, H, F]
+    decay = log_t.exp()
+    num = decay[..., None] * torch.einsum("bhf,bhfv->bhv", phi_q, state.float())
+    num = (num + torch.einsum("bhw,bhwv->bhv", weight, values.float()))[:, :, None]  # [B, H, 1, Dv]
+    batch, heads = q.shape[:2]
+    if denominator in SUM_DENOMINATORS:
+        den = (decay * (phi_q * normalizer).sum(-1) + weight.sum(-1))[..., None, None]
+    elif denominator in ("count", "count_power"):
+        den = count.float().view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
+    else:
+        den = None
+    if den is not None:
+        den = _finish_denominator(den, denominator, count_power)
+    recent = {"recent_key": keys, "recent_value": values, "recent_log_decay": logs, "recent_count": held.to(torch.int32)}
+    return _divide(num, den)[:, :, 0], state, normalizer, recent
