@@ -338,3 +338,25 @@ def test_mixers_on_the_kernel_match_the_reference_on_cuda(setup, monkeypatch):
     # under autocast the reference rounds the conv weights to bf16 and the kernel keeps them in fp32: the two differ
     # by bf16 rounding through a layer (2.3e-2 measured on an H100 for 2mamba's prefill output)
     assert_mixer_on_the_kernel_matches(setup, "cuda", monkeypatch, 4e-2, 5e-2, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel_size", [2, 3, 4])
+def test_the_one_token_step_advances_its_state_in_place(kernel_size):
+    """`conv_step_` (a decoding step): the output and the last K - 1 inputs of `causal_conv1d`, the
+    state written where it lies, also as a view into a wider buffer."""
+    from attnlab.models.kernels.conv import causal_conv1d, conv_step_
+
+    gen = torch.Generator().manual_seed(kernel_size)
+    batch, channels = 3, 40
+    weight, bias = torch.randn(channels, kernel_size, generator=gen), torch.randn(channels, generator=gen)
+    state, x = torch.randn(batch, kernel_size - 1, channels, generator=gen), torch.randn(batch, 1, channels, generator=gen)
+    y_ref, final = causal_conv1d(x, weight, bias, state.clone(), silu=True)
+    wide = torch.zeros(batch, kernel_size - 1, 2 * channels)
+    view = wide[:, :, :channels]
+    view.copy_(state)
+    y = conv_step_(x, weight, bias, view, True)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(view, final)
+    assert wide[:, :, channels:].eq(0).all()
+    with pytest.raises(ValueError, match="one token|\\[B, 1, C\\]"):
+        conv_step_(torch.randn(batch, 2, channels), weight, bias, view, True)

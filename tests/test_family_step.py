@@ -388,8 +388,12 @@ def test_the_windowed_step_in_the_model_decodes_as_the_reference(num_beams, monk
     new_tokens = 36 if num_beams == 1 else 20
     reference = decode(family_model("2mamba", kernels="torch", layers=1), PROMPTS[1:], max_new_tokens=new_tokens,
                        num_beams=num_beams, min_new_tokens=new_tokens)
+    from attnlab.models.kernels.conv import causal_conv1d
+
     monkeypatch.setattr(attention_family, "RECENT_TOKENS", 16)
     monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: None if choice == "torch" else attention_family_step_)
+    # the conv's step kernel too: its window advanced in place
+    monkeypatch.setattr(kernels, "causal_conv1d_fn", lambda choice, x, covered=True: None if choice == "torch" else causal_conv1d)
     monkeypatch.setattr(kernels, "attention_family_state_update_fn",
                         lambda choice, x: None if choice == "torch" else linear_state_update)
     monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))

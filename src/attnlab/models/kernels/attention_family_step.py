@@ -55,6 +55,17 @@ DENOMINATOR_MODES = {"none": 0, "sum": 1, "sum_clamped": 2, "sum_detached": 3, "
                      "sum_detached_eps": 6}
 
 
+DECAY_FUNCTIONS = {None: 0, "neg_softplus": 1}  # what the kernels make of `log_decay`: itself, or -softplus of it
+
+
+@triton.jit
+def _log_decay(x, DECAY_FN: tl.constexpr):
+    """The log-decay from the kernels' input: x, or -softplus(x) (linear above 20, as torch's)."""
+    if DECAY_FN == 1:
+        return -tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    return x
+
+
 @triton.jit
 def _finish(acc, den, count, power, MODE: tl.constexpr):
     """acc / the finished denominator (1 where it is 0), as `_finish_denominator` then `_divide`."""
@@ -78,7 +89,8 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK,
                  sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
                  H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr,
                  POWER: tl.constexpr, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr, MODE: tl.constexpr,
-                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr, WINDOW: tl.constexpr):
+                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr, WINDOW: tl.constexpr,
+                 DECAY_FN: tl.constexpr):
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -86,7 +98,7 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK,
     b_v = tl.load(V + i_b * svb + i_h * svh + offs_v, mask=m_v, other=0.0).to(tl.float32)
     decay = 1.0
     if HAS_DECAY:
-        decay = tl.exp(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32))
+        decay = tl.exp(_log_decay(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32), DECAY_FN))
     if WINDOW > 0:
         # the windowed step (`windowed_step`): the state is read, not advanced, unless the window is
         # full; then its WINDOW tokens are folded in here, and `_window_finish_kernel` empties it
@@ -201,7 +213,7 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
                           sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
                           H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, POWER: tl.constexpr, MODE: tl.constexpr,
                           HAS_DECAY: tl.constexpr, WINDOW: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-                          BV: tl.constexpr):
+                          BV: tl.constexpr, DECAY_FN: tl.constexpr):
     """The windowed step's output for one (row, head): the partial sums over the state's rows decayed
     by exp(L_t), plus the attention to the window's tokens and this one; then this token joins the window."""
     i_bh = tl.program_id(0)
@@ -227,7 +239,7 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
     log_t = tl.load(p_rl + tl.maximum(held - 1, 0))
     log_t = tl.where(held > 0, log_t, 0.0)
     if HAS_DECAY:
-        log_t += tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32)
+        log_t += _log_decay(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32), DECAY_FN)
     decay = tl.exp(log_t)
     acc = acc * decay
     den_sum = tl.sum(den, 0) * decay
@@ -287,7 +299,7 @@ def _check_recent(recent: dict, names, power: int, batch: int, heads: int, head_
 
 def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, similarity: str, scale: float,
                            denominator: str = "sum", count_power: torch.Tensor | None = None,
-                           packed: bool = False, recent: dict | None = None) -> torch.Tensor:
+                           packed: bool = False, recent: dict | None = None, decay_fn: str | None = None) -> torch.Tensor:
     """As `recurrent_step` (same arguments), the state and normaliser advanced in place; with `recent`
     (power2), as `windowed_step`: the state only read, the window of recent tokens advanced in place.
 
@@ -295,7 +307,8 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     [B, H, F, Dv] (fp32, or 16-bit: read into fp32, rounded where stored) and normalizer fp32 [B, H, F] (the sum denominators), contiguous; count [B]
     (tokens so far, this one included); count_power [H] or None. F is D (power1), D (D + 1) / 2
     (power2, packed) or D^2 (power2); recent: the buffers of `new_recent`, contiguous, a window of a
-    power of two >= 16 tokens. Returns o [B, H, Dv] in v's dtype."""
+    power of two >= 16 tokens; decay_fn "neg_softplus": log_decay holds x, and the log-decay is
+    -softplus(x), formed in the kernels (one launch instead of three). Returns o [B, H, Dv] in v's dtype."""
     from attnlab.models.ops.attention_family import (
         RECENT_BUFFERS,
         SUM_DENOMINATORS,
@@ -343,7 +356,7 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
         *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
         H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
         HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per, WINDOW=window,
-        num_warps=STEP_WARPS,
+        DECAY_FN=DECAY_FUNCTIONS[decay_fn], num_warps=STEP_WARPS,
     )
     if window:
         _window_finish_kernel[(batch * heads,)](
@@ -352,7 +365,7 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
             *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
             H=heads, D=head_dim, DV=value_dim, POWER=power, MODE=mode, HAS_DECAY=log_decay is not None, WINDOW=window,
             BG=min(64, triton.next_power_of_2(groups)), BD=triton.next_power_of_2(head_dim),
-            BV=triton.next_power_of_2(value_dim), num_warps=4,
+            BV=triton.next_power_of_2(value_dim), DECAY_FN=DECAY_FUNCTIONS[decay_fn], num_warps=4,
         )
     elif not finish:
         _finish_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](

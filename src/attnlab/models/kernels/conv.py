@@ -91,7 +91,7 @@ def _fwd_kernel(
     X, W, Bias, H0, Y, T, C,
     sxb, sxt, sxc, swc, swk, shb, sht, shc, syb, syt, syc,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ADVANCE_H0: tl.constexpr = False,
 ):
     pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -107,6 +107,12 @@ def _fwd_kernel(
         y = y * tl.sigmoid(y)
     ok = (t < T)[:, None] & c_ok[None, :]
     tl.store(Y + b * syb + t.to(tl.int64)[:, None] * syt + c[None, :] * syc, y.to(Y.dtype.element_ty), mask=ok)
+    if ADVANCE_H0:  # one token (T = 1, one program per block of channels): the state becomes its last K - 1 inputs, in place
+        tl.debug_barrier()  # every thread has read the state for y before any of it is overwritten
+        for r in tl.static_range(0, K - 2):  # row r takes row r + 1 (each channel's loads and stores on one thread)
+            tl.store(H0 + r * sht + c * shc, tl.load(H0 + (r + 1) * sht + c * shc, mask=c_ok, other=0.0), mask=c_ok)
+        x = tl.load(X + c * sxc, mask=c_ok, other=0.0)
+        tl.store(H0 + (K - 2) * sht + c * shc, x.to(H0.dtype.element_ty), mask=c_ok)
 
 
 @triton.jit
@@ -255,6 +261,24 @@ def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool, want_fina
             BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
         )
     return y, (_final_state(x, h0, K - 1, channel_major) if want_final else None)
+
+
+def conv_step_(x, weight, bias, state, silu: bool) -> torch.Tensor:
+    """One token per row (x [B, 1, C], no autograd): y [B, 1, C], and `state` (the K - 1 inputs before x,
+    [B, K-1, C], any strides) advanced in place to the last K - 1 inputs: one kernel, no new state to copy."""
+    B, T, C = x.shape
+    K = weight.shape[1]
+    if T != 1 or tuple(state.shape) != (B, K - 1, C):
+        raise ValueError(f"conv_step_: x [B, 1, C] and a state [B, K-1, C], got {tuple(x.shape)} and {tuple(state.shape)}")
+    y = torch.empty_like(x)
+    block_c = _block_c(C)
+    _fwd_kernel[(1, triton.cdiv(C, block_c), B)](
+        x, weight, bias if bias is not None else weight, state, y, T, C,
+        *x.stride(), *weight.stride(), *state.stride(), *y.stride(),
+        K=K, HAS_BIAS=bias is not None, HAS_H0=True, SILU=silu, BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c,
+        ADVANCE_H0=True, num_warps=FWD_WARPS,
+    )
+    return y
 
 
 def conv_backward(x, weight, bias, h0, silu: bool, dy, dfinal, want_h0_grad: bool, dx_out=None):

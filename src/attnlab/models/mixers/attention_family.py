@@ -241,6 +241,10 @@ class AttentionFamily(Mixer):
         """Causal depthwise conv over time. qkv [B, T, C]; conv_state: the last K - 1 inputs [B, K-1, C]."""
         silu = self.options["conv_activation"] == "silu"
         conv = kernels.causal_conv1d_fn(self.kernels, qkv)  # conv sizes 2 to 4: the CUDA kernel covers them all
+        if conv is not None and conv_state is not None and qkv.shape[1] == 1 and not torch.is_grad_enabled():
+            from attnlab.models.kernels.conv import conv_step_
+
+            return conv_step_(qkv, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, silu), conv_state  # in place
         if conv is not None:
             return conv(qkv, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, silu)
         width = self.options["conv_size"] - 1
@@ -306,11 +310,21 @@ class AttentionFamily(Mixer):
         tokens_before = cache.get("num_tokens")
         if tokens_before is None:
             tokens_before = torch.zeros(batch, dtype=torch.long, device=x.device)
-        if token_mask is None:
-            positions = tokens_before[:, None] + torch.arange(seq_len, device=x.device)  # [B, T]
+        # a decoding step on the fused kernels (no gradient): the counter, the conv window, the state
+        # and power2's window of recent tokens advance where they lie, and the decay is formed in the kernel
+        fused_step = (self.linearizable and seq_len == 1 and "state" in cache and token_mask is None
+                      and not torch.is_grad_enabled() and kernels.attention_family_step_fn(self.kernels, x) is not None)
+        positions = None  # [B, T]: for rotary positions and a count power on the values
+        if opts["rope"] or (opts["denominator"] == "count_power" and opts["count_power_on"] == "values"):
+            if token_mask is None:
+                positions = tokens_before[:, None] + torch.arange(seq_len, device=x.device)
+            else:
+                positions = (tokens_before[:, None] + token_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if fused_step:
+            num_tokens = tokens_before.add_(1)  # after the positions were taken from it
+        elif token_mask is None:
             num_tokens = tokens_before + seq_len
         else:
-            positions = (tokens_before[:, None] + token_mask.long().cumsum(-1) - 1).clamp(min=0)
             num_tokens = tokens_before + token_mask.long().sum(-1)
 
         qkv = self.qkv_proj(x)  # [B, T, 3 * H * D]
@@ -334,7 +348,8 @@ class AttentionFamily(Mixer):
 
         residual = v * self.D if opts["d_residual"] else None
         dt = F.softplus(self.dt_proj(x).float()) if hasattr(self, "dt_proj") else None  # [B, T, H]
-        log_decay = self._log_decay(x, dt)
+        decay_fn = "neg_softplus" if fused_step and opts["decay"] == "neg_softplus" else None
+        log_decay = self.decay_proj(x) if decay_fn else self._log_decay(x, dt)  # with `decay_fn`, the kernel's input
         if opts["value_dt"]:
             v = v * dt[..., None].to(v.dtype)
         if opts["in_gate"]:
@@ -349,7 +364,8 @@ class AttentionFamily(Mixer):
         # the one choice between the reference and the CUDA kernels for the quadratic form
         terms = kernels.attention_family_terms(self.kernels, x, covered=not self.kernel_gap)
         if self.linearizable:
-            o, state = self._mix_recurrent(q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms)
+            o, state = self._mix_recurrent(q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms,
+                                           decay_fn)
         else:
             o, state = self._mix_kv(q, k, v, log_decay, attention_mask, cache, use_cache, terms)
         y = o.to(v.dtype)  # [B, T, H, D]: the values' dtype (under autocast the kernels write it directly)
@@ -374,8 +390,10 @@ class AttentionFamily(Mixer):
             state = {name: t for name, t in state.items() if t is not None}
         return y, state
 
-    def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms):
-        """Linearizable variants: the quadratic form for training, a fixed-size state for decoding."""
+    def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms,
+                       decay_fn=None):
+        """Linearizable variants: the quadratic form for training, a fixed-size state for decoding.
+        `decay_fn`: log_decay holds the decay projection's output, which the step kernel turns into the log-decay."""
         kwargs = self._attention_kwargs()
         state, normalizer = cache.get("state"), cache.get("normalizer")
         if "state" not in cache and not use_cache:  # training: quadratic form only
@@ -402,7 +420,7 @@ class AttentionFamily(Mixer):
                 if recent is not None:
                     recent = {name: t.contiguous() for name, t in recent.items()}
                 o = step(q[:, 0], k[:, 0], v[:, 0], step_decay, state, normalizer, num_tokens, packed=packed,
-                         recent=recent, **kwargs)
+                         recent=recent, decay_fn=decay_fn, **kwargs)
                 return o[:, None], {"state": state, "normalizer": normalizer, **(recent or {})}
             if recent is not None:
                 o, state, normalizer, recent = windowed_step(q[:, 0], k[:, 0], v[:, 0], step_decay, state, normalizer,
