@@ -329,7 +329,7 @@ def test_the_windowed_step_reference_is_the_recurrence_across_folds(similarity, 
         o, state, normalizer, recent = windowed_step(q, k, v, log_decay, state, normalizer, recent, count, **kwargs)
         ref, ref_state, ref_norm = recurrent_step(q, k, v, log_decay, ref_state, ref_norm, count, **kwargs)
         torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
-    assert recent["recent_count"].tolist() == [[3, 3], [3, 3]]
+    assert recent["recent_count"].tolist() == [[3, 3], [3, 3]]  # 11 tokens: two folds, three waiting
     state, normalizer, recent = fold_recent(state, normalizer, recent, **{k: kwargs[k] for k in ("similarity", "scale", "packed")})
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
     if normalizer is not None:

@@ -47,6 +47,7 @@ STEP_WARPS = 2
 # H100 at the decode benchmark's shape (`benchmarks/power2_state_kernel.py`: 8 x 2048 tokens, 16 heads of 64, bf16):
 # 0.81 ms a layer (170 TFLOP/s) in 256 rows, 32 tokens, 4 warps; 0.97-4.2 ms in the 15 other shapes of 64 to 512
 # rows, 32 or 64 tokens, 4 or 8 warps; one first index a program took 2.29 ms.
+FOLD_BLOCK_J = 32  # rows (a, b) per tile where the windowed step's finish kernel folds a full window into the state
 STATE_FEATURE_ROWS = 256
 STATE_BLOCK_T = 32
 STATE_WARPS = 4
@@ -97,21 +98,8 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK,
     m_v = offs_v < DV
     b_v = tl.load(V + i_b * svb + i_h * svh + offs_v, mask=m_v, other=0.0).to(tl.float32)
     decay = 1.0
-    if HAS_DECAY:
+    if HAS_DECAY and WINDOW == 0:
         decay = tl.exp(_log_decay(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32), DECAY_FN))
-    if WINDOW > 0:
-        # the windowed step (`windowed_step`): the state is read, not advanced, unless the window is
-        # full; then its WINDOW tokens are folded in here, and `_window_finish_kernel` empties it
-        held = tl.load(RN + i_bh)
-        offs_w = tl.arange(0, WINDOW)
-        m_fold = offs_w < tl.where(held == WINDOW, WINDOW, 0)  # every slot, or none (no load) when not folding
-        p_rk = RK + i_bh.to(tl.int64) * WINDOW * D + offs_w * D
-        log_w = tl.load(RL + i_bh.to(tl.int64) * WINDOW + offs_w, mask=m_fold, other=0.0)
-        log_last = tl.sum(tl.where(offs_w == WINDOW - 1, log_w, 0.0), 0)
-        decay = tl.exp(log_last)  # the state's decay over the window
-        w_fold = tl.where(m_fold, tl.exp(log_last - log_w) * scale_k, 0.0)  # [W]: scale^2, decay to the window's end
-        v_fold = tl.load(RV + i_bh.to(tl.int64) * WINDOW * DV + offs_w[:, None] * DV + offs_v[None, :],
-                         mask=m_fold[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [W, BV]
     q_row = Q + i_b * sqb + i_h * sqh
     k_row = K + i_b * skb + i_h * skh
     p_state = STATE + i_bh.to(tl.int64) * F * DV
@@ -148,29 +136,15 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK,
             p_s = p_state + rows[:, None] * DV + offs_v[None, :]
             m_s = m_j[:, None] & m_v[None, :]
             b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-            x_fold = tl.zeros([WINDOW if WINDOW > 0 else 1, BJ], tl.float32)
-            if WINDOW == 0:
+            if WINDOW == 0:  # else the windowed step: the state is only read (`_window_finish_kernel` folds)
                 b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
                 tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
-            elif held == WINDOW:  # fold: the window's features for these rows, [W, BJ], times its values
-                k_wa = 1.0
-                if POWER == 2:
-                    k_wa = tl.load(p_rk + i_a, mask=m_fold, other=0.0).to(tl.float32)
-                x_fold = tl.load(p_rk[:, None] + offs_j[None, :], mask=m_fold[:, None] & m_j[None, :],
-                                 other=0.0).to(tl.float32) * (k_wa * w_fold)[:, None]
-                b_s = b_s * decay + tl.dot(tl.trans(x_fold), v_fold, input_precision="ieee")
-                b_s = b_s.to(STATE.dtype.element_ty)
-                tl.store(p_s, b_s, mask=m_s)
-                b_s = b_s.to(tl.float32)
             acc += tl.sum(phi_q[:, None] * b_s, 0)
             if (MODE >= 1 and MODE <= 3) or MODE == 6:  # the normaliser: rows owned by the first block of values
                 m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
                 b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
                 if WINDOW == 0:
                     b_z = b_z * decay + phi_k
-                    tl.store(p_norm + rows, b_z, mask=m_z)
-                elif held == WINDOW:
-                    b_z = b_z * decay + tl.sum(x_fold, 0)
                     tl.store(p_norm + rows, b_z, mask=m_z)
                 den += tl.where(m_z, phi_q * b_z, 0.0)
     if FINISH:
@@ -209,13 +183,15 @@ def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.co
 
 
 @triton.jit
-def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, CPOW, O, G,
+def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, CPOW, O, STATE, NORM, G,
                           sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
-                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, POWER: tl.constexpr, MODE: tl.constexpr,
-                          HAS_DECAY: tl.constexpr, WINDOW: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-                          BV: tl.constexpr, DECAY_FN: tl.constexpr):
+                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, POWER: tl.constexpr,
+                          PACKED: tl.constexpr, MODE: tl.constexpr, HAS_DECAY: tl.constexpr, WINDOW: tl.constexpr,
+                          BG: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr, DECAY_FN: tl.constexpr):
     """The windowed step's output for one (row, head): the partial sums over the state's rows decayed
-    by exp(L_t), plus the attention to the window's tokens and this one; then this token joins the window."""
+    by exp(L_t), plus the attention to the window's tokens and this one; then this token joins the
+    window, and a window this token fills is folded into the state (every row of the head's state and
+    normaliser read and written once per WINDOW steps) and emptied."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     rows = tl.num_programs(0)
@@ -233,8 +209,7 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
         acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
         if (MODE >= 1 and MODE <= 3) or MODE == 6:
             den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
-    held = tl.load(RN + i_bh)
-    held = tl.where(held == WINDOW, 0, held)  # the step kernel folded a full window
+    held = tl.load(RN + i_bh)  # < WINDOW: a full window was folded by the step that filled it
     p_rl = RL + i_bh.to(tl.int64) * WINDOW
     log_t = tl.load(p_rl + tl.maximum(held - 1, 0))
     log_t = tl.where(held > 0, log_t, 0.0)
@@ -264,11 +239,46 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
     tl.store(p_rk + held * D + offs_d, k.to(RK.dtype.element_ty), mask=m_d)  # this token joins the window
     tl.store(p_rv + held * DV + offs_v, v.to(RV.dtype.element_ty), mask=m_v)
     tl.store(p_rl + held, log_t)
-    tl.store(RN + i_bh, held + 1)
     count = tl.load(COUNT + i_b).to(tl.float32)
     power = tl.load(CPOW + i_h).to(tl.float32)
     o = _finish(acc, den_sum, count, power, MODE)
     tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
+    if held + 1 == WINDOW:
+        # S = exp(L_t) S + sum_w exp(L_t - L_w) phi(k_w)^T v_w over the full window, this token's included
+        tl.debug_barrier()  # the window's last slot, just stored, is read by other threads below
+        tl.store(RN + i_bh, 0)
+        log_w = tl.load(p_rl + offs_w)
+        w_fold = tl.exp(log_t - log_w) * scale_k  # [W]
+        v_fold = tl.load(p_rv + offs_w[:, None] * DV + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        p_state = STATE + i_bh.to(tl.int64) * F * DV
+        p_norm = NORM + i_bh.to(tl.int64) * F
+        for i_a in range(0, D if POWER == 2 else 1):
+            lo = 0
+            first_row = 0
+            k_wa = w_fold
+            if POWER == 2:
+                k_wa = tl.load(p_rk + offs_w * D + i_a).to(tl.float32) * w_fold
+                if PACKED:
+                    lo = i_a
+                    first_row = i_a * D - i_a * (i_a - 1) // 2
+                else:
+                    first_row = i_a * D
+            for j0 in range((lo // BJ) * BJ, D, BJ):
+                offs_j = j0 + tl.arange(0, BJ)
+                m_j = (offs_j >= lo) & (offs_j < D)
+                x = tl.load(p_rk + offs_w[:, None] * D + offs_j[None, :], mask=m_j[None, :], other=0.0).to(tl.float32)
+                x = x * k_wa[:, None]  # [W, BJ]: the window's features (a, b) for this tile's b, weighted
+                rows = first_row + offs_j - lo
+                p_s = p_state + rows[:, None] * DV + offs_v[None, :]
+                m_s = m_j[:, None] & m_v[None, :]
+                b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32) * decay
+                b_s += tl.dot(tl.trans(x), v_fold, input_precision="ieee")
+                tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)
+                if (MODE >= 1 and MODE <= 3) or MODE == 6:
+                    b_z = tl.load(p_norm + rows, mask=m_j, other=0.0) * decay + tl.sum(x, 0)
+                    tl.store(p_norm + rows, b_z, mask=m_j)
+    else:
+        tl.store(RN + i_bh, held + 1)
 
 
 def _heads(x: torch.Tensor, name: str) -> tuple[int, int]:
@@ -334,7 +344,6 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     window = 0
     if recent is not None:
         window = _check_recent(recent, RECENT_BUFFERS, power, batch, heads, head_dim, value_dim)
-        block_j, block_v = max(16, block_j), max(16, block_v)  # the fold's product takes tiles of >= 16
     a_per = 1  # power2: first indices a per program (a divisor of D), so that each program reads enough rows
     if power == 2:
         a_per = next(n for n in (STEP_FIRST_INDICES, 2, 1) if head_dim % n == 0)
@@ -361,11 +370,12 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     if window:
         _window_finish_kernel[(batch * heads,)](
             part, part_den, q, k, v, log_decay if log_decay is not None else state, *buffers, count,
-            count_power if count_power is not None else state, o, groups,
+            count_power if count_power is not None else state, o, state, normalizer if want_normalizer else state, groups,
             *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
-            H=heads, D=head_dim, DV=value_dim, POWER=power, MODE=mode, HAS_DECAY=log_decay is not None, WINDOW=window,
-            BG=min(64, triton.next_power_of_2(groups)), BD=triton.next_power_of_2(head_dim),
-            BV=triton.next_power_of_2(value_dim), DECAY_FN=DECAY_FUNCTIONS[decay_fn], num_warps=4,
+            H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed), MODE=mode,
+            HAS_DECAY=log_decay is not None, WINDOW=window, BG=min(64, triton.next_power_of_2(groups)),
+            BD=triton.next_power_of_2(head_dim), BV=max(16, triton.next_power_of_2(value_dim)),
+            BJ=max(16, min(FOLD_BLOCK_J, triton.next_power_of_2(head_dim))), DECAY_FN=DECAY_FUNCTIONS[decay_fn], num_warps=4,
         )
     elif not finish:
         _finish_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](

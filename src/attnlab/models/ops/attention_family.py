@@ -443,10 +443,9 @@ def windowed_step(q, k, v, log_decay, state, normalizer, recent, count, *, simil
                   count_power=None, packed=False):
     """`recurrent_step` with the state read only: the latest tokens wait in a window (`new_recent`)
     and the step attends to them, S_t = exp(L_t) S + sum_w exp(L_t - L_w) phi(k_w)^T v_w, L_t the
-    log-decay since the state's last fold; a full window is folded into the state first (`fold_recent`).
-    A step reads the state instead of reading and writing it. Returns (o [B, H, Dv], state, normalizer, recent)."""
-    state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=similarity, scale=scale,
-                                            packed=packed, full_only=True)
+    log-decay since the state's last fold; the step whose token fills the window folds it into the state
+    (`fold_recent`). A step reads the state, and rewrites it once per window instead of every step.
+    Returns (o [B, H, Dv], state, normalizer, recent)."""
     keys, values, logs, held = (recent[name] for name in RECENT_BUFFERS)
     held = held.long()  # [B, H]
     previous = logs.gather(2, (held - 1).clamp(min=0)[..., None])[..., 0]
@@ -476,4 +475,6 @@ def windowed_step(q, k, v, log_decay, state, normalizer, recent, count, *, simil
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
     recent = {"recent_key": keys, "recent_value": values, "recent_log_decay": logs, "recent_count": held.to(torch.int32)}
+    state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=similarity, scale=scale,
+                                            packed=packed, full_only=True)
     return _divide(num, den)[:, :, 0], state, normalizer, recent
