@@ -194,7 +194,7 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
     normaliser read and written once per WINDOW steps) and emptied."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
-    rows = tl.num_programs(0)
+    programs = tl.num_programs(0)
     offs_v = tl.arange(0, BV)
     m_v = offs_v < DV
     offs_d = tl.arange(0, BD)
@@ -205,7 +205,7 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
     for g0 in range(0, G, BG):
         offs_g = g0 + tl.arange(0, BG)
         m_g = offs_g < G
-        part = offs_g.to(tl.int64) * rows + i_bh
+        part = offs_g.to(tl.int64) * programs + i_bh
         acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
         if (MODE >= 1 and MODE <= 3) or MODE == 6:
             den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
