@@ -1,6 +1,7 @@
 """Times power2's decoding step (`attnlab.models.kernels.attention_family_step.attention_family_step_`)
-of one 2mamba layer under several block choices, on CUDA: the windowed step (the state read, a window
-of recent tokens attended to and folded in once per window) against the step that rewrites the state.
+of one 2mamba layer on CUDA: the step that rewrites the state (its committed blocks), then the windowed
+step (the state read, a window of recent tokens attended to and folded in once per window) under
+several choices of its read kernel's blocks.
 
     python benchmarks/power2_step_kernel.py
 
@@ -21,19 +22,30 @@ from attnlab.models.ops.attention_family import RECENT_TOKENS, linear_feature_co
 
 
 def time_steps(state, normalizer, recent, inputs, steps: int) -> float:
+    """Microseconds per step: `steps` steps captured as one CUDA graph (so the host's work per call is
+    not timed), replayed three times."""
     kwargs = {"similarity": "power2", "scale": 64**-0.5, "denominator": "sum", "packed": True, "recent": recent,
               "decay_fn": "neg_softplus"}
     count = torch.ones(state.shape[0], dtype=torch.long, device="cuda")
-    for i in range(2):  # compile, warm
-        step.attention_family_step_(*inputs[i], state, normalizer, count, **kwargs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, warm
+        for i in range(2):
+            step.attention_family_step_(*inputs[i], state, normalizer, count, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(steps):
+            step.attention_family_step_(*inputs[i % len(inputs)], state, normalizer, count, **kwargs)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
     torch.cuda.synchronize()
     start.record()
-    for i in range(steps):
-        step.attention_family_step_(*inputs[i % len(inputs)], state, normalizer, count, **kwargs)
+    for _ in range(3):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / steps
+    return start.elapsed_time(end) * 1000 / (3 * steps)
 
 
 def main() -> None:
@@ -42,14 +54,14 @@ def main() -> None:
     features = linear_feature_count(d, "power2", packed=True)
     inputs = [tuple(torch.randn(batch, heads, d, device="cuda", generator=gen).bfloat16() for _ in range(3))
               + (torch.randn(batch, heads, device="cuda", generator=gen),) for _ in range(16)]
-    names = ("STEP_BLOCK_J", "STEP_WARPS", "STEP_FIRST_INDICES")
+    names = ("READ_PROGRAMS", "READ_BLOCK_ROWS", "READ_WARPS")
     base = tuple(getattr(step, n) for n in names)
-    steps = 4 * RECENT_TOKENS
+    steps = 2 * RECENT_TOKENS
     print("one layer's step, microseconds (state GB/s)")
     for dtype in (torch.float32, torch.bfloat16):
         state = torch.randn(batch, heads, features, d, device="cuda", generator=gen).to(dtype) * 0.01
         normalizer = torch.rand(batch, heads, features, device="cuda", generator=gen)
-        for windowed, values in [(False, base)] + [(True, v) for v in [base] + list(itertools.product([32, 64], [2, 4, 8], [2, 4, 8]))]:
+        for windowed, values in [(False, base)] + [(True, v) for v in [base] + list(itertools.product([8, 16, 32], [32, 64, 128], [2, 4, 8]))]:
             for n, val in zip(names, values):
                 setattr(step, n, val)
             recent = new_recent(torch.zeros(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16),

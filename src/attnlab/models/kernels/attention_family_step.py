@@ -47,6 +47,11 @@ STEP_WARPS = 2
 # H100 at the decode benchmark's shape (`benchmarks/power2_state_kernel.py`: 8 x 2048 tokens, 16 heads of 64, bf16):
 # 0.81 ms a layer (170 TFLOP/s) in 256 rows, 32 tokens, 4 warps; 0.97-4.2 ms in the 15 other shapes of 64 to 512
 # rows, 32 or 64 tokens, 4 or 8 warps; one first index a program took 2.29 ms.
+# The windowed step's read (`_read_kernel`): each head's rows split into READ_PROGRAMS contiguous ranges, read in
+# tiles of READ_BLOCK_ROWS whole rows by READ_WARPS warps
+READ_PROGRAMS = 16
+READ_BLOCK_ROWS = 64
+READ_WARPS = 4
 FOLD_BLOCK_J = 32  # rows (a, b) per tile where the windowed step's finish kernel folds a full window into the state
 STATE_FEATURE_ROWS = 256
 STATE_BLOCK_T = 32
@@ -86,19 +91,18 @@ def _finish(acc, den, count, power, MODE: tl.constexpr):
 
 
 @triton.jit
-def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK, RV, RL, RN,
+def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
                  sqb, sqh, skb, skh, svb, svh, sdb, sdh, scale_k,
                  H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr,
                  POWER: tl.constexpr, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr, MODE: tl.constexpr,
-                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr, WINDOW: tl.constexpr,
-                 DECAY_FN: tl.constexpr):
+                 FINISH: tl.constexpr, BJ: tl.constexpr, BV: tl.constexpr, A_PER: tl.constexpr, DECAY_FN: tl.constexpr):
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_v = i_v * BV + tl.arange(0, BV)
     m_v = offs_v < DV
     b_v = tl.load(V + i_b * svb + i_h * svh + offs_v, mask=m_v, other=0.0).to(tl.float32)
     decay = 1.0
-    if HAS_DECAY and WINDOW == 0:
+    if HAS_DECAY:
         decay = tl.exp(_log_decay(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32), DECAY_FN))
     q_row = Q + i_b * sqb + i_h * sqh
     k_row = K + i_b * skb + i_h * skh
@@ -136,16 +140,14 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O, RK,
             p_s = p_state + rows[:, None] * DV + offs_v[None, :]
             m_s = m_j[:, None] & m_v[None, :]
             b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-            if WINDOW == 0:  # else the windowed step: the state is only read (`_window_finish_kernel` folds)
-                b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
-                tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
+            b_s = b_s * decay + phi_k[:, None] * b_v[None, :]
+            tl.store(p_s, b_s.to(STATE.dtype.element_ty), mask=m_s)  # a 16-bit state is rounded only where it is stored
             acc += tl.sum(phi_q[:, None] * b_s, 0)
             if (MODE >= 1 and MODE <= 3) or MODE == 6:  # the normaliser: rows owned by the first block of values
                 m_z = m_j & ((offs_j * 0 + i_v) == 0)  # a tensor condition: Triton's interpreter refuses a scalar in a mask
                 b_z = tl.load(p_norm + rows, mask=m_z, other=0.0)
-                if WINDOW == 0:
-                    b_z = b_z * decay + phi_k
-                    tl.store(p_norm + rows, b_z, mask=m_z)
+                b_z = b_z * decay + phi_k
+                tl.store(p_norm + rows, b_z, mask=m_z)
                 den += tl.where(m_z, phi_q * b_z, 0.0)
     if FINISH:
         count = tl.load(COUNT + i_b).to(tl.float32)
@@ -180,6 +182,40 @@ def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.co
     power = tl.load(CPOW + i_h).to(tl.float32)
     o = _finish(acc, tl.sum(den, 0), count, power, MODE)
     tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _read_kernel(Q, STATE, NORM, ROW_A, ROW_B, PART, PART_DEN, sqb, sqh, ROWS_PER,
+                 H: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, PACKED: tl.constexpr, MODE: tl.constexpr,
+                 BR: tl.constexpr, BV: tl.constexpr):
+    """The windowed step's read of power2's state: phi(q) S and phi(q) . z over a contiguous range of
+    ROWS_PER rows (a, b) of one (row, head), as partial sums; each row's first and second index come from
+    the tables ROW_A and ROW_B. Tiles of BR whole rows, so each load is one contiguous block of the state."""
+    i_g, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_v = tl.arange(0, BV)
+    m_v = offs_v < DV
+    q_row = Q + i_b * sqb + i_h * sqh
+    p_state = STATE + i_bh.to(tl.int64) * F * DV
+    start = i_g * ROWS_PER
+    end = tl.minimum(start + ROWS_PER, F)
+    acc = tl.zeros([BV], tl.float32)
+    den = tl.zeros([BR], tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        m_r = rows < end
+        a = tl.load(ROW_A + rows, mask=m_r, other=0)
+        b = tl.load(ROW_B + rows, mask=m_r, other=0)
+        phi = tl.load(q_row + a, mask=m_r, other=0.0).to(tl.float32) * tl.load(q_row + b, mask=m_r, other=0.0).to(tl.float32)
+        if PACKED:  # the rows a < b stand for (a, b) and (b, a)
+            phi = tl.where(a < b, 2.0 * phi, phi)
+        b_s = tl.load(p_state + rows[:, None] * DV + offs_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
+        acc += tl.sum(phi[:, None] * b_s.to(tl.float32), 0)
+        if (MODE >= 1 and MODE <= 3) or MODE == 6:
+            den += phi * tl.load(NORM + i_bh.to(tl.int64) * F + rows, mask=m_r, other=0.0)
+    part = i_g.to(tl.int64) * tl.num_programs(1) + i_bh
+    tl.store(PART + part * DV + offs_v, acc, mask=m_v)
+    tl.store(PART_DEN + part, tl.sum(den, 0))
 
 
 @triton.jit
@@ -288,6 +324,21 @@ def _heads(x: torch.Tensor, name: str) -> tuple[int, int]:
     return x.stride(0), x.stride(1)
 
 
+_ROW_INDICES: dict = {}
+
+
+def _row_indices(head_dim: int, packed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second index (a, b) of each row of power2's state (packed: a <= b), int32, kept per device."""
+    key = (head_dim, packed, str(device))
+    if key not in _ROW_INDICES:
+        if packed:
+            a, b = torch.triu_indices(head_dim, head_dim)
+        else:
+            a, b = (t.flatten() for t in torch.meshgrid(torch.arange(head_dim), torch.arange(head_dim), indexing="ij"))
+        _ROW_INDICES[key] = (a.to(device, torch.int32).contiguous(), b.to(device, torch.int32).contiguous())
+    return _ROW_INDICES[key]
+
+
 def _check_recent(recent: dict, names, power: int, batch: int, heads: int, head_dim: int, value_dim: int) -> int:
     """The window's length, after checking its buffers (`new_recent`); ValueError says what is wrong."""
     if power != 2:
@@ -350,23 +401,34 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     groups = head_dim // a_per if power == 2 else 1  # programs per head and block of values
     finish = groups == 1 and not window
     part = part_den = o  # not read when `finish`
-    if not finish:
+    if not finish and not window:
         part = torch.empty(groups, batch * heads, value_dim, dtype=torch.float32, device=v.device)
         part_den = torch.empty(groups, batch * heads, dtype=torch.float32, device=v.device)
     if count_power is not None:
         count_power = count_power.float().contiguous()
     count = count.contiguous()
     sdb, sdh = (log_decay.stride(0), log_decay.stride(1)) if log_decay is not None else (0, 0)
-    grid = (groups, triton.cdiv(value_dim, block_v), batch * heads)
-    buffers = [recent[name] for name in RECENT_BUFFERS] if window else [state] * 4
-    _step_kernel[grid](
-        q, k, v, log_decay if log_decay is not None else state, state, normalizer if want_normalizer else state, count,
-        count_power if count_power is not None else state, part, part_den, o, *buffers,
-        *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
-        H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
-        HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per, WINDOW=window,
-        DECAY_FN=DECAY_FUNCTIONS[decay_fn], num_warps=STEP_WARPS,
-    )
+    if window:  # the state is only read: contiguous ranges of whole rows per program
+        buffers = [recent[name] for name in RECENT_BUFFERS]
+        groups = min(READ_PROGRAMS, features)
+        rows_per = -(-features // groups)
+        part = torch.empty(groups, batch * heads, value_dim, dtype=torch.float32, device=v.device)
+        part_den = torch.empty(groups, batch * heads, dtype=torch.float32, device=v.device)
+        row_a, row_b = _row_indices(head_dim, bool(packed), v.device)
+        _read_kernel[(groups, batch * heads)](
+            q, state, normalizer if want_normalizer else state, row_a, row_b, part, part_den, *_heads(q, "q"), rows_per,
+            H=heads, DV=value_dim, F=features, PACKED=bool(packed), MODE=mode,
+            BR=READ_BLOCK_ROWS, BV=triton.next_power_of_2(value_dim), num_warps=READ_WARPS,
+        )
+    else:
+        _step_kernel[(groups, triton.cdiv(value_dim, block_v), batch * heads)](
+            q, k, v, log_decay if log_decay is not None else state, state, normalizer if want_normalizer else state, count,
+            count_power if count_power is not None else state, part, part_den, o,
+            *_heads(q, "q"), *_heads(k, "k"), *_heads(v, "v"), sdb, sdh, float(scale) ** power,
+            H=heads, D=head_dim, DV=value_dim, F=features, POWER=power, PACKED=bool(packed and power == 2),
+            HAS_DECAY=log_decay is not None, MODE=mode, FINISH=finish, BJ=block_j, BV=block_v, A_PER=a_per,
+            DECAY_FN=DECAY_FUNCTIONS[decay_fn], num_warps=STEP_WARPS,
+        )
     if window:
         _window_finish_kernel[(batch * heads,)](
             part, part_den, q, k, v, log_decay if log_decay is not None else state, *buffers, count,
