@@ -48,10 +48,13 @@ STEP_WARPS = 2
 # 0.81 ms a layer (170 TFLOP/s) in 256 rows, 32 tokens, 4 warps; 0.97-4.2 ms in the 15 other shapes of 64 to 512
 # rows, 32 or 64 tokens, 4 or 8 warps; one first index a program took 2.29 ms.
 # The windowed step's read (`_read_kernel`): each head's rows split into READ_PROGRAMS contiguous ranges, read in
-# tiles of READ_BLOCK_ROWS whole rows by READ_WARPS warps
-READ_PROGRAMS = 16
+# tiles of READ_BLOCK_ROWS whole rows by READ_WARPS warps. Timed on an H100 (`benchmarks/power2_step_kernel.py`: one
+# 2mamba layer's whole step, 8 rows x 16 heads of 64, folds included, captured): 36.7 us (fp32 state) and 17.5 us
+# (bf16) in 8 ranges, 64 rows, 2 warps; 37.1-81.0 and 17.3-80.1 us in the 26 other choices of 8-32 ranges, 32-128
+# rows, 2-8 warps (16 ranges of 64 rows on 4 warps: 49.6 and 31.7 us); the step that rewrites the state took 63.6 and 31.4.
+READ_PROGRAMS = 8
 READ_BLOCK_ROWS = 64
-READ_WARPS = 4
+READ_WARPS = 2
 FOLD_BLOCK_J = 32  # rows (a, b) per tile where the windowed step's finish kernel folds a full window into the state
 STATE_FEATURE_ROWS = 256
 STATE_BLOCK_T = 32
