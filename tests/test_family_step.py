@@ -426,15 +426,26 @@ def test_more_tokens_after_windowed_steps_fold_the_window_first(monkeypatch):
 
 
 @torch.no_grad()
-def test_decoding_states_are_fp32_unless_the_layer_is_told_bf16():
+def test_decoding_states_are_bf16_only_for_the_windowed_step_of_a_16_bit_model_unless_told(monkeypatch):
+    from attnlab.models import kernels
+
     ids = torch.tensor([[1, 2, 3]])
+
+    def state_dtype(model):
+        return model(input_ids=ids, use_cache=True).past_key_values.states[0]["state"].dtype
+
     half = family_model("2mamba").to(torch.bfloat16)
-    assert half(input_ids=ids, use_cache=True).past_key_values.states[0]["state"].dtype == torch.float32
+    assert half.model.layers[0].attn.options["state_dtype"] == "auto"
+    assert state_dtype(half) == torch.float32  # rewritten every step (the reference): fp32
     told = family_model("2mamba", state_dtype="bfloat16").to(torch.bfloat16)
     cache = told(input_ids=ids, use_cache=True).past_key_values
     assert cache.states[0]["state"].dtype == torch.bfloat16 and cache.states[0]["normalizer"].dtype == torch.float32
     step = told(input_ids=torch.tensor([[4]]), past_key_values=cache, use_cache=True).past_key_values
     assert step.states[0]["state"].dtype == torch.bfloat16
+    monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: attention_family_step_)  # windowed
+    assert state_dtype(half) == torch.bfloat16
+    assert state_dtype(family_model("2mamba")) == torch.float32  # an fp32 model
+    assert state_dtype(family_model("2mamba", state_dtype="float32").to(torch.bfloat16)) == torch.float32
     with pytest.raises(ValueError, match="state_dtype"):
         family_model("2mamba", state_dtype="int8")
 

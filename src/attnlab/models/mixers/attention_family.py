@@ -68,7 +68,7 @@ def is_linearizable(options: dict) -> bool:
     return options["similarity"] in LINEAR_SIMILARITIES and options["clamp_scores"] is None
 
 
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_options(options: dict, name: str) -> None:
@@ -162,10 +162,12 @@ class AttentionFamily(Mixer):
         "conv_activation": "none",  # after the conv: none | silu
         "rope": True,  # rotary positions on q and k; False: no positional encoding
         "d_residual": False,  # add D * v (D per head and channel) to the mixed output
-        # the decoding state of a linearizable variant: float32 | bfloat16 (half the bytes a step of
-        # power2 reads and writes; the step sums in fp32 and rounds only what it stores, but the
-        # rounding adds up over the steps: see the README's decode section)
-        "state_dtype": "float32",
+        # the decoding state of a linearizable variant: auto | float32 | bfloat16. bf16 halves the bytes a
+        # step of power2 reads; the steps sum in fp32 and round only what they store. Where the state is
+        # rewritten every step the rounding adds up; power2's windowed step (CUDA) rewrites it once per
+        # window, and its bf16 state strays no further from fp32 arithmetic than an fp32 one (README, decode
+        # section). auto: bf16 where the windowed step runs on a 16-bit model, else fp32
+        "state_dtype": "auto",
     }
 
     # options added after models were saved with every option resolved (their config.json): such a
@@ -437,14 +439,17 @@ class AttentionFamily(Mixer):
             state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
         )
         if not needs_grad:  # the state the steps carry on, in its decoding dtype
-            state = state.to(self._state_dtype())
             if recent is None and step is not None and self.options["similarity"] == "power2":
                 recent = new_recent(k, v)
+            state = state.to(self._state_dtype(windowed=recent is not None, values=v.dtype))
         return o, {"state": state, "normalizer": normalizer, **(recent or {})}
 
-    def _state_dtype(self) -> torch.dtype:
-        """The decoding state's dtype (option `state_dtype`)."""
-        return STATE_DTYPES[self.options["state_dtype"]]
+    def _state_dtype(self, windowed: bool, values: torch.dtype) -> torch.dtype:
+        """The decoding state's dtype (option `state_dtype`; "auto": bf16 for the windowed step of a 16-bit model)."""
+        chosen = STATE_DTYPES[self.options["state_dtype"]]
+        if chosen is None:
+            return torch.bfloat16 if windowed and values in (torch.bfloat16, torch.float16) else torch.float32
+        return chosen
 
     # the static cache's buffers whose prompt columns every beam of a prompt shares (each key's
     # log-decay through the latest token depends on the tokens generated since: not shared)
