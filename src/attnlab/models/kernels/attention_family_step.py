@@ -125,11 +125,7 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
         if POWER == 2:
             q_a = tl.load(q_row + i_a).to(tl.float32)
             k_a = tl.load(k_row + i_a).to(tl.float32)
-            if PACKED:
-                lo = i_a
-                first_row = i_a * D - i_a * (i_a - 1) // 2
-            else:
-                first_row = i_a * D
+            lo, first_row = _power2_rows(i_a, D, PACKED)
         for j0 in range((lo // BJ) * BJ, D, BJ):
             offs_j = j0 + tl.arange(0, BJ)
             m_j = (offs_j >= lo) & (offs_j < D)
@@ -165,25 +161,40 @@ def _step_kernel(Q, K, V, LOGD, STATE, NORM, COUNT, CPOW, PART, PART_DEN, O,
 
 
 @triton.jit
-def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.constexpr, MODE: tl.constexpr,
-                   BG: tl.constexpr, BV: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    rows = tl.num_programs(1)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    m_v = offs_v < DV
+def _power2_rows(i_a, D: tl.constexpr, PACKED: tl.constexpr):
+    """power2's rows (a, b) of first index a: b runs over [lo, D), stored from row first_row on. Returns (lo, first_row)."""
+    if PACKED:  # only b >= a
+        return i_a, i_a * D - i_a * (i_a - 1) // 2
+    return i_a * 0, i_a * D
+
+
+@triton.jit
+def _sum_parts(PART, PART_DEN, G, i_bh, programs, offs_v, m_v, DV: tl.constexpr, MODE: tl.constexpr, BG: tl.constexpr,
+               BV: tl.constexpr):
+    """The G partial sums of one (row, head) over the state's rows: (acc [BV], the denominator's sum)."""
     acc = tl.zeros([BV], tl.float32)
     den = tl.zeros([BG], tl.float32)
     for g0 in range(0, G, BG):
         offs_g = g0 + tl.arange(0, BG)
         m_g = offs_g < G
-        part = offs_g.to(tl.int64) * rows + i_bh
+        part = offs_g.to(tl.int64) * programs + i_bh
         acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
         if (MODE >= 1 and MODE <= 3) or MODE == 6:
             den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
+    return acc, tl.sum(den, 0)
+
+
+@triton.jit
+def _finish_kernel(PART, PART_DEN, COUNT, CPOW, O, G, H: tl.constexpr, DV: tl.constexpr, MODE: tl.constexpr,
+                   BG: tl.constexpr, BV: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_v = offs_v < DV
+    acc, den = _sum_parts(PART, PART_DEN, G, i_bh, tl.num_programs(1), offs_v, m_v, DV, MODE, BG, BV)
     count = tl.load(COUNT + i_b).to(tl.float32)
     power = tl.load(CPOW + i_h).to(tl.float32)
-    o = _finish(acc, tl.sum(den, 0), count, power, MODE)
+    o = _finish(acc, den, count, power, MODE)
     tl.store(O + i_bh * DV + offs_v, o.to(O.dtype.element_ty), mask=m_v)
 
 
@@ -233,21 +244,12 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
     normaliser read and written once per WINDOW steps) and emptied."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
-    programs = tl.num_programs(0)
     offs_v = tl.arange(0, BV)
     m_v = offs_v < DV
     offs_d = tl.arange(0, BD)
     m_d = offs_d < D
     offs_w = tl.arange(0, WINDOW)
-    acc = tl.zeros([BV], tl.float32)
-    den = tl.zeros([BG], tl.float32)
-    for g0 in range(0, G, BG):
-        offs_g = g0 + tl.arange(0, BG)
-        m_g = offs_g < G
-        part = offs_g.to(tl.int64) * programs + i_bh
-        acc += tl.sum(tl.load(PART + part[:, None] * DV + offs_v[None, :], mask=m_g[:, None] & m_v[None, :], other=0.0), 0)
-        if (MODE >= 1 and MODE <= 3) or MODE == 6:
-            den += tl.load(PART_DEN + part, mask=m_g, other=0.0)
+    acc, den_sum = _sum_parts(PART, PART_DEN, G, i_bh, tl.num_programs(0), offs_v, m_v, DV, MODE, BG, BV)
     held = tl.load(RN + i_bh)  # < WINDOW: a full window was folded by the step that filled it
     p_rl = RL + i_bh.to(tl.int64) * WINDOW
     log_t = tl.load(p_rl + tl.maximum(held - 1, 0))
@@ -256,7 +258,7 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
         log_t += _log_decay(tl.load(LOGD + i_b * sdb + i_h * sdh).to(tl.float32), DECAY_FN)
     decay = tl.exp(log_t)
     acc = acc * decay
-    den_sum = tl.sum(den, 0) * decay
+    den_sum = den_sum * decay
     q = tl.load(Q + i_b * sqb + i_h * sqh + offs_d, mask=m_d, other=0.0).to(tl.float32)
     k = tl.load(K + i_b * skb + i_h * skh + offs_d, mask=m_d, other=0.0)
     v = tl.load(V + i_b * svb + i_h * svh + offs_v, mask=m_v, other=0.0)
@@ -291,17 +293,9 @@ def _window_finish_kernel(PART, PART_DEN, Q, K, V, LOGD, RK, RV, RL, RN, COUNT, 
         v_fold = tl.load(p_rv + offs_w[:, None] * DV + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         p_state = STATE + i_bh.to(tl.int64) * F * DV
         p_norm = NORM + i_bh.to(tl.int64) * F
-        for i_a in range(0, D if POWER == 2 else 1):
-            lo = 0
-            first_row = 0
-            k_wa = w_fold
-            if POWER == 2:
-                k_wa = tl.load(p_rk + offs_w * D + i_a).to(tl.float32) * w_fold
-                if PACKED:
-                    lo = i_a
-                    first_row = i_a * D - i_a * (i_a - 1) // 2
-                else:
-                    first_row = i_a * D
+        for i_a in range(0, D):  # power2 (the windowed step's only kind)
+            k_wa = tl.load(p_rk + offs_w * D + i_a).to(tl.float32) * w_fold
+            lo, first_row = _power2_rows(i_a, D, PACKED)
             for j0 in range((lo // BJ) * BJ, D, BJ):
                 offs_j = j0 + tl.arange(0, BJ)
                 m_j = (offs_j >= lo) & (offs_j < D)

@@ -380,18 +380,28 @@ def recurrent_step(
         if want_normalizer:
             normalizer = normalizer * decay[..., None]
     state = state + phi_k[..., :, None] * v.float()[..., None, :]
-    num = torch.einsum("bhf,bhfv->bhv", phi_q, state)[:, :, None]  # [B, H, 1, Dv]
+    num = torch.einsum("bhf,bhfv->bhv", phi_q, state)  # [B, H, Dv]
+    weight_sum = None
     if want_normalizer:
         normalizer = normalizer + phi_k
-        den = (phi_q * normalizer).sum(-1)[..., None, None]  # [B, H, 1, 1]
+        weight_sum = (phi_q * normalizer).sum(-1)  # [B, H]
+    o = _step_output(num, weight_sum, count, denominator, count_power)
+    return o, state.to(state_dtype), (normalizer if want_normalizer else None)
+
+
+def _step_output(num, weight_sum, count, denominator, count_power):
+    """A step's output [B, H, Dv] from its numerator [B, H, Dv] and, for the sum denominators, the sum of
+    its weights [B, H]; the count denominators divide by count [B] (tokens so far)."""
+    batch, heads = num.shape[:2]
+    if denominator in SUM_DENOMINATORS:
+        den = weight_sum[..., None, None]  # [B, H, 1, 1]
     elif denominator in ("count", "count_power"):
         den = count.float().view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
     else:
         den = None
     if den is not None:
         den = _finish_denominator(den, denominator, count_power)
-    o = _divide(num, den)[:, :, 0]
-    return o, state.to(state_dtype), (normalizer if want_normalizer else None)
+    return _divide(num[:, :, None], den)[:, :, 0]
 
 
 # ---------------------------------------------------------------- decoding with a window of recent tokens
@@ -464,17 +474,12 @@ def windowed_step(q, k, v, log_decay, state, normalizer, recent, count, *, simil
     phi_q = linear_features(q.float(), similarity, packed, query=True)  # [B, H, F]
     decay = log_t.exp()
     num = decay[..., None] * torch.einsum("bhf,bhfv->bhv", phi_q, state.float())
-    num = (num + torch.einsum("bhw,bhwv->bhv", weight, values.float()))[:, :, None]  # [B, H, 1, Dv]
-    batch, heads = q.shape[:2]
+    num = num + torch.einsum("bhw,bhwv->bhv", weight, values.float())  # [B, H, Dv]
+    weight_sum = None
     if denominator in SUM_DENOMINATORS:
-        den = (decay * (phi_q * normalizer).sum(-1) + weight.sum(-1))[..., None, None]
-    elif denominator in ("count", "count_power"):
-        den = count.float().view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
-    else:
-        den = None
-    if den is not None:
-        den = _finish_denominator(den, denominator, count_power)
+        weight_sum = decay * (phi_q * normalizer).sum(-1) + weight.sum(-1)
+    o = _step_output(num, weight_sum, count, denominator, count_power)
     recent = {"recent_key": keys, "recent_value": values, "recent_log_decay": logs, "recent_count": held.to(torch.int32)}
     state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=similarity, scale=scale,
                                             packed=packed, full_only=True)
-    return _divide(num, den)[:, :, 0], state, normalizer, recent
+    return o, state, normalizer, recent
