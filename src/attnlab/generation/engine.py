@@ -259,6 +259,22 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
 
 
 SYNC_EVERY = 16  # steps between the host's looks at whether every row has finished
+FUSED_GREEDY = True  # on CUDA, a greedy step's argmax and bookkeeping as one kernel (greedy_kernel.py)
+
+
+def _fused_greedy_step(cfg: GenerateConfig, seen: torch.Tensor | None, logits: torch.Tensor, step: int,
+                       eos_t: torch.Tensor) -> Callable | None:
+    """greedy_kernel.greedy_step_ where it stands in for this step's `_choose` and the bookkeeping
+    after it: plain greedy (no repetition penalty, no scores, no EOS suppression left) on CUDA logits
+    it reads. On CPU the PyTorch ops stay: Triton's interpreter would be far slower than they are."""
+    from attnlab.models.kernels import triton_installed
+
+    if (not FUSED_GREEDY or cfg.do_sample or seen is not None or cfg.output_scores or not logits.is_cuda
+            or (step < cfg.min_new_tokens and len(eos_t)) or not triton_installed()):
+        return None
+    from .greedy_kernel import DTYPES, greedy_step_  # imports triton: only where it runs
+
+    return greedy_step_ if logits.dtype in DTYPES and logits.stride(-1) == 1 else None
 
 
 def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConfig, eos: list[int],
@@ -284,19 +300,23 @@ def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], c
     logprob = torch.zeros(R, dtype=torch.float64, device=device)  # summed as the host path sums Python floats
     all_rows = torch.arange(R, device=device)
     for step in range(cfg.max_new_tokens):
-        next_tokens = _choose(logits, seen, step, cfg, eos_t, generator)
-        live = ~done
-        if cfg.output_scores:
-            chosen = logits.log_softmax(-1).gather(1, next_tokens[:, None])[:, 0].double()
-            logprob = logprob + torch.where(live, chosen, torch.zeros_like(chosen))
-        if seen is not None:
-            seen[all_rows, next_tokens] = True
-        is_eos = torch.isin(next_tokens, eos_t) & live if len(eos_t) else torch.zeros_like(live)
-        keep = live & ~is_eos
-        out[:, step] = torch.where(keep, next_tokens, out[:, step])
-        lengths += keep.long()
-        ended_by_eos |= is_eos
-        done |= is_eos
+        greedy_step = _fused_greedy_step(cfg, seen, logits, step, eos_t)
+        if greedy_step is not None:  # one kernel launch instead of the dozen small ops below
+            next_tokens = greedy_step(logits, eos_t, done, out, lengths, ended_by_eos, step)
+        else:
+            next_tokens = _choose(logits, seen, step, cfg, eos_t, generator)
+            live = ~done
+            if cfg.output_scores:
+                chosen = logits.log_softmax(-1).gather(1, next_tokens[:, None])[:, 0].double()
+                logprob = logprob + torch.where(live, chosen, torch.zeros_like(chosen))
+            if seen is not None:
+                seen[all_rows, next_tokens] = True
+            is_eos = torch.isin(next_tokens, eos_t) & live if len(eos_t) else torch.zeros_like(live)
+            keep = live & ~is_eos
+            out[:, step] = torch.where(keep, next_tokens, out[:, step])
+            lengths += keep.long()
+            ended_by_eos |= is_eos
+            done |= is_eos
         if step + 1 == cfg.max_new_tokens or ((step + 1) % SYNC_EVERY == 0 and bool(done.all())):
             break
         logits = runner.step(next_tokens, state)
