@@ -19,7 +19,7 @@ WARPS = 16  # one program streams a whole row: many warps keep enough loads in f
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # widened to fp32 exactly, so the argmax is unchanged
 
 
-@triton.jit(do_not_specialize=["step"])  # a new step index must not compile a new kernel
+@triton.jit(do_not_specialize=["step", "s_out", "E"])  # a new step, length or EOS count must not compile a new kernel
 def _greedy_step_kernel(LOGITS, s_logits, V, EOS, E, DONE, OUT, s_out, LENGTHS, ENDED, NEXT, step,
                         BLOCK: tl.constexpr, EOS_BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
