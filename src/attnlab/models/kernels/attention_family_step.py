@@ -14,12 +14,18 @@ written to memory. The state of power2 may be packed (the d (d + 1) / 2 rows a <
 reads. power2's programs write partial sums over their rows; a second, small kernel adds them,
 divides and writes the output. power1 (one program per head) finishes in the first.
 
+power2's windowed step (`windowed_step`, the engine's on CUDA) reads the state without writing it:
+`_read_kernel` forms phi(q) S and phi(q) . z over contiguous ranges of whole rows (each row's indices from
+a table), and `_window_finish_kernel`, one program per (batch row, head), adds the attention to the
+window of recent tokens, puts this token in it and, on the step that fills it, folds the window into
+the state: one read and write of the state per window instead of per token.
+
 A prompt's state (the prefill) is `linear_state_update`: for power2 one program per few first indices
 a and head multiplies the keys' tile, scaled by scale^2 k_a and the decay to the prompt's end, with
 the values' tile (16-bit products with fp32 sums from 16-bit inputs, fp32 ones from fp32), so the d^2 features of
 the prompt's tokens never exist in memory; the outputs are the quadratic form's.
 
-The PyTorch references are `recurrent_step` and `linear_state_update` in
+The PyTorch references are `recurrent_step`, `windowed_step` and `linear_state_update` in
 `attnlab.models.ops.attention_family`.
 """
 
