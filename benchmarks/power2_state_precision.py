@@ -51,7 +51,7 @@ def logits_per_step(net, prompt: torch.Tensor, fed: torch.Tensor) -> list[torch.
     out = net(input_ids=prompt, use_cache=True)
     cache, steps = out.past_key_values, [out.logits[:, -1].float()]
     for i in range(fed.shape[1]):
-        out = net(input_ids=fed[:, i:i + 1], past_key_values=cache, use_cache=True)
+        out = net(input_ids=fed[:, i:i + 1], cache=cache, use_cache=True)
         cache = out.past_key_values
         steps.append(out.logits[:, -1].float())
     return steps

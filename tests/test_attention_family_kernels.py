@@ -143,7 +143,7 @@ def test_model_on_the_kernels_equals_the_reference_with_padding_and_a_continued_
         model.zero_grad()
         out = model(input_ids=ids, attention_mask=mask)
         first = model(input_ids=ids[:, :15], attention_mask=mask[:, :15], use_cache=True)
-        rest = model(input_ids=ids[:, 15:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        rest = model(input_ids=ids[:, 15:], attention_mask=mask, cache=first.past_key_values, use_cache=True)
         (out.logits * mask[..., None]).square().mean().backward()
         return out.logits.detach(), rest.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -220,7 +220,7 @@ def test_every_preset_on_cuda_matches_the_fp32_reference_padded_and_with_a_conti
             (out.logits.float() * mask[..., None]).square().mean().backward()
             with torch.no_grad():
                 first = lm(input_ids=ids[:, :200], attention_mask=mask[:, :200], use_cache=True)
-                rest = lm(input_ids=ids[:, 200:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+                rest = lm(input_ids=ids[:, 200:], attention_mask=mask, cache=first.past_key_values, use_cache=True)
         results.append((out.logits.float(), rest.logits.float(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}))
     (ref_logits, ref_rest, ref_grads), (logits, rest, grads), (_, _, bf16_ref_grads) = results
     keep = mask.bool()

@@ -222,8 +222,8 @@ def forward_and_grads(model, ids, mask, split=15):
     (out.logits.float() * mask[..., None]).square().mean().backward()
     with torch.no_grad():
         first = model(input_ids=ids[:, :split], attention_mask=mask[:, :split], use_cache=True)
-        rest = model(input_ids=ids[:, split:-1], attention_mask=mask[:, :-1], past_key_values=first.past_key_values, use_cache=True)
-        step = model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=rest.past_key_values, use_cache=True)
+        rest = model(input_ids=ids[:, split:-1], attention_mask=mask[:, :-1], cache=first.past_key_values, use_cache=True)
+        step = model(input_ids=ids[:, -1:], attention_mask=mask, cache=rest.past_key_values, use_cache=True)
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach().float(), rest.logits.float(), step.logits.float(), grads
 

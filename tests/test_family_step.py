@@ -414,8 +414,8 @@ def test_more_tokens_after_windowed_steps_fold_the_window_first(monkeypatch):
     def run(model):
         cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
         for i in range(4, 7):
-            cache = model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).past_key_values
-        return model(input_ids=ids[:, 7:], past_key_values=cache, use_cache=True)
+            cache = model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).past_key_values
+        return model(input_ids=ids[:, 7:], cache=cache, use_cache=True)
 
     reference = run(family_model("2mamba", kernels="torch", layers=1))
     monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: attention_family_step_)
@@ -440,7 +440,7 @@ def test_decoding_states_are_bf16_only_for_the_windowed_step_of_a_16_bit_model_u
     told = family_model("2mamba", state_dtype="bfloat16").to(torch.bfloat16)
     cache = told(input_ids=ids, use_cache=True).past_key_values
     assert cache.states[0]["state"].dtype == torch.bfloat16 and cache.states[0]["normalizer"].dtype == torch.float32
-    step = told(input_ids=torch.tensor([[4]]), past_key_values=cache, use_cache=True).past_key_values
+    step = told(input_ids=torch.tensor([[4]]), cache=cache, use_cache=True).past_key_values
     assert step.states[0]["state"].dtype == torch.bfloat16
     monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: attention_family_step_)  # windowed
     assert state_dtype(half) == torch.bfloat16
@@ -465,7 +465,7 @@ def test_with_a_gradient_to_carry_the_cached_forms_run_the_reference_on_the_pack
             monkeypatch.setattr(kernels, "attention_family_state_update_fn", lambda choice, x: fails)
         model = family_model("2mamba", layers=1).train()
         first = model(input_ids=ids[:, :5], use_cache=True)
-        step = model(input_ids=ids[:, 5:], past_key_values=first.past_key_values, use_cache=True)
+        step = model(input_ids=ids[:, 5:], cache=first.past_key_values, use_cache=True)
         step.logits.square().sum().backward()
         grads.append(model.model.layers[0].attn.qkv_proj.weight.grad)
     assert first.past_key_values.states[0]["state"].shape[2] == 8 * 9 // 2  # packed, as where the kernels run

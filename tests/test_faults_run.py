@@ -345,6 +345,22 @@ def test_training_prints_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_
     assert all("loss" in line and "tok/s" in line for line in lines)
 
 
+def test_progress_lines_show_the_loss_of_the_step_they_print_and_never_nan(tmp_path, overrides, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *sets(overrides + ["train.progress_every_s=0", "train.log_every=2"]), "--run-dir", str(run)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ") and "ETA" in line]
+    assert "nan" not in " ".join(lines)
+    assert "loss -" in lines[0]  # step 1: nothing logged yet
+    logged = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(open(run / "metrics.csv")) if r.get("loss")}
+    for line in lines:
+        step = int(line.split()[1].split("/")[0])
+        shown = float(line.split("loss ")[1].split()[0]) if "loss -" not in line else None
+        if step in logged:
+            assert shown == pytest.approx(logged[step], abs=1e-4), line  # a logging step shows its own loss
+        elif step > 2:
+            assert f"(step {max(s for s in logged if s < step)})" in line, line  # else the latest, with its step
+
+
 # --- telemetry written by a killed process ---------------------------------------------------------------
 
 def test_resume_tolerates_a_torn_last_line_in_heartbeat_and_metrics(run):

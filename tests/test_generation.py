@@ -12,6 +12,7 @@ from attnlab.data import ByteTokenizer
 from attnlab.errors import ConfigError
 from attnlab.generation import GenerateConfig, generate, generate_ids
 from attnlab.models import MIXERS, AttnLabConfig, AttnLabForCausalLM
+from attnlab.models.hf_names import CACHE_KEY
 
 from conftest import run_cli
 
@@ -61,9 +62,13 @@ def frequent_token(model, tokenizer) -> int:
     return ids[0][3]
 
 
-def hf_generate(model, tokenizer, eos, **settings):
-    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **settings)
+def hf_generate(model, tokenizer, eos, seed=None, prompts=PROMPTS, **settings):
+    """transformers' own `generate` loop; `seed`: HF samples from the global generator, seeded here."""
+    enc = tokenizer(prompts, padding=True, return_tensors="pt")
+    settings.setdefault("do_sample", False)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = model.generate(**enc, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **settings)
     n = settings.get("num_return_sequences", 1)
     rows = out[:, enc["input_ids"].shape[1]:].tolist()
     stripped = []
@@ -74,11 +79,11 @@ def hf_generate(model, tokenizer, eos, **settings):
                 break
             kept.append(t)
         stripped.append(kept)
-    return [stripped[i * n:(i + 1) * n] for i in range(len(PROMPTS))]
+    return [stripped[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
-def ours(model, tokenizer, eos, **settings):
-    results = generate(model, tokenizer, PROMPTS, max_new_tokens=NEW, eos_token_id=eos, **settings)
+def ours(model, tokenizer, eos, prompts=PROMPTS, **settings):
+    results = generate(model, tokenizer, prompts, max_new_tokens=NEW, eos_token_id=eos, **settings)
     return [[c.token_ids for c in r.candidates] for r in results]
 
 
@@ -91,6 +96,41 @@ def test_greedy_and_beam_search_match_hf_generate_token_for_token(name, tokenize
         settings += EXTRA_BEAM_SETTINGS
     for s in settings:
         assert ours(model, tokenizer, eos, **s) == hf_generate(model, tokenizer, eos, **s), s
+
+
+def lively_model(mixer: str):
+    """Weights large enough that each next token depends on the context (the default initialisation
+    mostly repeats one token)."""
+    torch.manual_seed(0)
+    cfg = AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=2, num_heads=2, mixer=mixer, initializer_range=0.3)
+    return AttnLabForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def greedy_without_state(model, tokenizer) -> list[list[list[int]]]:
+    """What a decoding loop that loses the cache after the prompt produces (attnlab models under
+    transformers 5.24's `cache=` before they took that name): each later step sees its last token alone."""
+    rows = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        tokens = [int(model(input_ids=ids).logits[0, -1].argmax())]
+        while len(tokens) < NEW and tokens[-1] != tokenizer.eos_token_id:
+            tokens.append(int(model(input_ids=torch.tensor([[tokens[-1]]])).logits[0, -1].argmax()))
+        rows.append([[t for t in tokens if t != tokenizer.eos_token_id]])
+    return rows
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_hf_generate_equals_the_engine_on_every_mixer_greedy_sampled_and_beams(name, tokenizer):
+    model, eos = lively_model(name), [tokenizer.eos_token_id]
+    greedy = ours(model, tokenizer, eos)
+    assert greedy != greedy_without_state(model, tokenizer)  # a lost cache would show
+    assert hf_generate(model, tokenizer, eos) == greedy
+    # the engine batches prompts shortest first: in that order both draw the same rows from the same stream
+    sampled = dict(do_sample=True, temperature=1.3, top_k=50, prompts=sorted(PROMPTS, key=len))
+    assert hf_generate(model, tokenizer, eos, seed=11, **sampled) == ours(model, tokenizer, eos, seed=11, **sampled)
+    beams = dict(num_beams=3, length_penalty=1.2)
+    assert hf_generate(model, tokenizer, eos, **beams) == ours(model, tokenizer, eos, **beams)
 
 
 @pytest.mark.parametrize("name", ["attnlab-gla", "attnlab-softmax", "hf-llama"])
@@ -141,9 +181,9 @@ class FixedLogitsLM(nn.Module):
         self.dummy = nn.Parameter(torch.zeros(1))
         self.vocab = vocab
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+    def forward(self, input_ids, attention_mask=None, use_cache=None, **cache):  # the cache under the installed name
         logits = torch.arange(self.vocab, dtype=torch.float32).div(10).expand(*input_ids.shape, self.vocab)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=TrivialCache())
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_KEY: TrivialCache()})
 
 
 class TrivialCache:
@@ -173,8 +213,8 @@ class IgnoresLogitsToKeep(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
-        return self.inner(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache)
+    def forward(self, input_ids, attention_mask=None, use_cache=None, **cache):  # the cache under the installed name
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, **cache)
 
 
 def test_beam_search_on_a_model_that_ignores_logits_to_keep_runs_and_matches(tokenizer):

@@ -145,10 +145,10 @@ def test_fused_projections_on_fla_kernels_match_the_separate_ones_in_bf16():
     assert len(pairs) == 4
     with torch.no_grad():
         out = model(input_ids=ids[:, :-1], use_cache=True)
-        plain = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        plain = model(input_ids=ids[:, -1:], cache=out.past_key_values, use_cache=True).logits
         with fused_projections(pairs):
             out = model(input_ids=ids[:, :-1], use_cache=True)
-            fused = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+            fused = model(input_ids=ids[:, -1:], cache=out.past_key_values, use_cache=True).logits
     assert rel_err(fused.float(), plain.float()) < 1e-2
 
 
@@ -266,13 +266,13 @@ def test_engine_decode_advances_gla_state_in_place_and_matches_the_separate_kern
         out = model(input_ids=ids[:, :-1], use_cache=True)
         before = [s["recurrent_state"].clone() for s in out.past_key_values.states]
         held = [s["recurrent_state"] for s in out.past_key_values.states]
-        step = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        step = model(input_ids=ids[:, -1:], cache=out.past_key_values, use_cache=True)
     assert all(s["recurrent_state"] is h for s, h in zip(step.past_key_values.states, held))  # in place
     with torch.no_grad():  # the same step through fla's recurrent kernel (projections separate)
         cache = model(input_ids=ids[:, :-1], use_cache=True).past_key_values
         for s, b in zip(cache.states, before):
             assert rel_err(s["recurrent_state"], b) <= 1e-2
-        plain = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        plain = model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
     assert rel_err(step.logits.float(), plain.logits.float()) < 1e-2
     for s, p in zip(step.past_key_values.states, plain.past_key_values.states):
         assert rel_err(s["recurrent_state"], p["recurrent_state"]) <= 1e-2

@@ -159,7 +159,7 @@ def decode(model, ids, mask, steps):
         logits.append(last)
         tokens.append(last.argmax(-1))
         mask = torch.cat([mask, mask.new_ones(len(ids), 1)], dim=1)
-        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tokens[-1][:, None], attention_mask=mask, cache=cache, use_cache=True)
         cache = out.past_key_values
     return torch.stack(tokens, 1), torch.stack(logits, 1)
 

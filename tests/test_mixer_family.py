@@ -217,7 +217,7 @@ def test_step_form_token_by_token_equals_parallel_form(models, name):
     full_logits = model(tokens).logits
     cache, step_logits = None, []
     for t in range(tokens.shape[1]):
-        out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(tokens[:, t : t + 1], cache=cache, use_cache=True)
         cache = out.past_key_values
         step_logits.append(out.logits)
     assert_close_rel(torch.cat(step_logits, dim=1), full_logits)
@@ -230,10 +230,10 @@ def test_prefill_then_steps_and_two_prefill_chunks_equal_parallel_form(models, n
     tokens = random_tokens(2, 24, seed=2)
     full_logits = model(tokens).logits
     out = model(tokens[:, :9], use_cache=True)
-    out = model(tokens[:, 9:16], past_key_values=out.past_key_values, use_cache=True)  # a second chunk
+    out = model(tokens[:, 9:16], cache=out.past_key_values, use_cache=True)  # a second chunk
     logits = [full_logits[:, :9], out.logits]
     for t in range(16, tokens.shape[1]):
-        out = model(tokens[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(tokens[:, t : t + 1], cache=out.past_key_values, use_cache=True)
         logits.append(out.logits)
     assert_close_rel(torch.cat(logits, dim=1), full_logits)
     first = model(tokens[:, :9], use_cache=True).logits
@@ -252,7 +252,7 @@ def test_left_padded_batch_matches_each_sequence_alone(models, name):
     out = model(tokens, attention_mask=mask, use_cache=True)
     next_tokens = random_tokens(2, 1, seed=99)
     mask = torch.cat([mask, torch.ones_like(next_tokens)], dim=1)
-    step = model(next_tokens, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+    step = model(next_tokens, attention_mask=mask, cache=out.past_key_values, use_cache=True)
     for i, seq in enumerate(seqs):
         alone = model(torch.cat([seq, next_tokens[i]])[None]).logits
         assert_close_rel(out.logits[i, -1], alone[0, -2])
@@ -270,7 +270,7 @@ def test_cache_reorder_and_select_match_recomputation(models, name):
     ]:
         cache = model(tokens, use_cache=True).past_key_values
         edit(cache)
-        logits = model(next_tokens[rows], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(next_tokens[rows], cache=cache, use_cache=True).logits[:, -1]
         assert_close_rel(logits, model(torch.cat([tokens, next_tokens], dim=1)[rows]).logits[:, -1])
 
 
@@ -298,7 +298,7 @@ def test_option_values_outside_the_presets_decode_like_the_parallel_form(setup):
     out = model(tokens[:, :8], use_cache=True)
     logits = [out.logits]
     for t in range(8, tokens.shape[1]):
-        out = model(tokens[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(tokens[:, t : t + 1], cache=out.past_key_values, use_cache=True)
         logits.append(out.logits)
     assert_close_rel(torch.cat(logits, dim=1), full_logits)
     mask = torch.ones_like(tokens)
@@ -374,7 +374,7 @@ def test_greedy_generate_matches_a_manual_greedy_loop(models, name):
     for _ in range(6):
         next_token = out.logits[:, -1].argmax(-1, keepdim=True)
         new_tokens.append(next_token)
-        out = model(next_token, past_key_values=out.past_key_values, use_cache=True)
+        out = model(next_token, cache=out.past_key_values, use_cache=True)
     assert torch.equal(generated, torch.cat([prompt, *new_tokens], dim=1))
 
 

@@ -117,7 +117,7 @@ def test_prefill_then_one_token_steps_matches_parallel_forward(setup):
     step_logits = [out.logits]
     cache = out.past_key_values
     for t in range(prefill, tokens.shape[1]):
-        out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(tokens[:, t : t + 1], cache=cache, use_cache=True)
         step_logits.append(out.logits)
     assert cache.get_seq_length() == tokens.shape[1]
     assert_close_rel(torch.cat(step_logits, dim=1), full_logits)
@@ -130,7 +130,7 @@ def test_prefill_in_two_parallel_chunks_matches_one_parallel_pass(setup):
     tokens = random_tokens(2, 45)
     full_logits = model(tokens).logits
     first = model(tokens[:, :19], use_cache=True)
-    second = model(tokens[:, 19:], past_key_values=first.past_key_values, use_cache=True)
+    second = model(tokens[:, 19:], cache=first.past_key_values, use_cache=True)
     assert_close_rel(torch.cat([first.logits, second.logits], dim=1), full_logits)
 
 
@@ -163,7 +163,7 @@ def test_left_padded_batch_matches_each_sequence_alone(setup):
 
     next_tokens = random_tokens(len(seqs), 1, seed=99)
     mask = torch.cat([mask, torch.ones_like(next_tokens)], dim=1)
-    step = model(next_tokens, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+    step = model(next_tokens, attention_mask=mask, cache=out.past_key_values, use_cache=True)
 
     for i, seq in enumerate(seqs):
         alone = model(torch.cat([seq, next_tokens[i]])[None]).logits
@@ -298,7 +298,7 @@ def test_cache_reorder_and_select_match_recomputation(setup):
     def step_after(cache_edit, rows):
         cache = model(tokens, use_cache=True).past_key_values
         cache_edit(cache)
-        logits = model(next_tokens[rows], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(next_tokens[rows], cache=cache, use_cache=True).logits[:, -1]
         expected = model(torch.cat([tokens, next_tokens], dim=1)[rows]).logits[:, -1]
         assert_close_rel(logits, expected)
 
@@ -322,7 +322,7 @@ def test_generate_matches_manual_greedy_loop(setup):
     for _ in range(8):
         next_token = out.logits[:, -1].argmax(-1, keepdim=True)
         new_tokens.append(next_token)
-        out = model(next_token, past_key_values=cache, use_cache=True)
+        out = model(next_token, cache=cache, use_cache=True)
     assert torch.equal(generated, torch.cat([prompt, *new_tokens], dim=1))
 
 
@@ -403,3 +403,76 @@ def test_config_fills_defaults():
         "expand_k": 0.5, "expand_v": 1.0, "gate_low_rank_dim": 16, "gate_logit_normalizer": 16, "chunk_size": 64,
     }
     assert math.isclose(AttnLabConfig(mixer="softmax").rope_theta, 10000.0)
+
+
+# --- the cache's names in the HF convention (transformers 5.24 renamed `past_key_values` to `cache`) ---
+
+
+def test_the_cache_is_taken_under_both_names_and_returned_under_the_installed_ones():
+    from attnlab.models.hf_names import CACHE_KEY, cache_of
+
+    model, tokens = tiny_model(), random_tokens(2, 12)
+    with torch.no_grad():
+        first = model(tokens[:, :8], use_cache=True)
+        new = model(tokens[:, 8:], cache=cache_of(first), use_cache=True).logits
+        first = model(tokens[:, :8], use_cache=True)
+        old = model(tokens[:, 8:], past_key_values=cache_of(first), use_cache=True).logits
+        whole = model(tokens).logits[:, 8:]
+    assert CACHE_KEY in type(first).__dataclass_fields__
+    torch.testing.assert_close(new, whole, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(old, whole, rtol=1e-4, atol=1e-5)
+
+
+def test_both_cache_names_at_once_are_refused():
+    model, tokens = tiny_model(), random_tokens(1, 4)
+    cache = model(tokens, use_cache=True).past_key_values
+    with pytest.raises(TypeError, match="not both"):
+        model(tokens, cache=cache, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("keyword", ["cache_params", "position_ids", "past_key_value", "num_logits_to_keep"])
+def test_a_keyword_the_model_does_not_take_raises_naming_it(keyword):
+    model, tokens = tiny_model(), random_tokens(1, 4)
+    with pytest.raises(TypeError, match=keyword):
+        model(tokens, **{keyword: None})
+
+
+def test_hidden_states_are_returned_on_request_and_attentions_refused():
+    model, tokens = tiny_model(), random_tokens(1, 5)
+    out = model(tokens, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_layers + 1
+    assert all(h.shape == (1, 5, model.config.hidden_size) for h in out.hidden_states)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(tokens, output_attentions=True)
+
+
+def test_generation_and_decoding_paths_print_no_transformers_deprecation():
+    """attnlab's own calls use the installed version's name: no "deprecated" line from transformers."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from attnlab.data import ByteTokenizer
+    from attnlab.generation import generate
+    from attnlab.train.sampling import sample_continuation
+
+    hf_logging.warning_once.cache_clear()  # a warning printed by an earlier test prints again
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    hf_logging.get_logger("transformers").addHandler(handler)
+    model, tokenizer = tiny_model(vocab_size=259), ByteTokenizer()
+    generate(model, tokenizer, ["To be", "or"], max_new_tokens=4)
+    generate(model, tokenizer, ["To be", "or"], max_new_tokens=4, num_beams=2)
+    model.generate(**tokenizer(["To be", "or"], padding=True, return_tensors="pt"), max_new_tokens=3,
+                   pad_token_id=tokenizer.pad_token_id)
+    from transformers import LlamaConfig, LlamaForCausalLM  # an HF model through the engine: its cache argument
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    generate(llama, tokenizer, ["To be", "or"], max_new_tokens=3, num_beams=2)
+    try:
+        sample_continuation(model, tokenizer, "To be", max_new_tokens=3)
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(handler)
+    assert not [line for line in lines if "deprecated" in line]

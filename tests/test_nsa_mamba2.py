@@ -234,7 +234,7 @@ def test_prefill_then_one_token_steps_matches_parallel_forward(setup, models):
     out = model(tokens[:, :13], use_cache=True)
     step_logits, cache = [out.logits], out.past_key_values
     for t in range(13, tokens.shape[1]):
-        out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(tokens[:, t : t + 1], cache=cache, use_cache=True)
         step_logits.append(out.logits)
     assert_close_rel(torch.cat(step_logits, dim=1), full_logits)
 
@@ -248,7 +248,7 @@ def test_steps_from_the_first_token_match_parallel_forward(setup, models):
     out = model(tokens[:, :1], use_cache=True)
     step_logits, cache = [out.logits], out.past_key_values
     for t in range(1, 20):
-        out = model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(tokens[:, t : t + 1], cache=cache, use_cache=True)
         step_logits.append(out.logits)
     assert_close_rel(torch.cat(step_logits, dim=1), full_logits)
 
@@ -261,7 +261,7 @@ def test_prefill_in_parallel_pieces_matches_one_parallel_pass(setup, models):
     full_logits = model(tokens).logits
     pieces, cache, start = [], None, 0
     for end in (5, 19, 24, 45):  # pieces ending inside and at block boundaries
-        out = model(tokens[:, start:end], past_key_values=cache, use_cache=True)
+        out = model(tokens[:, start:end], cache=cache, use_cache=True)
         pieces.append(out.logits)
         cache, start = out.past_key_values, end
     assert_close_rel(torch.cat(pieces, dim=1), full_logits)
@@ -285,7 +285,7 @@ def test_left_padded_batch_matches_each_sequence_alone(setup, models):
     steps = []
     for t in range(4):
         mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=torch.long)], dim=1)
-        step = model(next_tokens[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+        step = model(next_tokens[:, t : t + 1], attention_mask=mask, cache=cache, use_cache=True)
         steps.append(step.logits)
     steps = torch.cat(steps, dim=1)
     for i, seq in enumerate(seqs):
@@ -306,7 +306,7 @@ def test_cache_reorder_and_select_match_recomputation(setup, models):
     ]:
         cache = model(tokens, use_cache=True).past_key_values
         edit(cache)
-        logits = model(next_tokens[rows], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(next_tokens[rows], cache=cache, use_cache=True).logits[:, -1]
         expected = model(torch.cat([tokens, next_tokens], dim=1)[rows]).logits[:, -1]
         assert_close_rel(logits, expected)
 

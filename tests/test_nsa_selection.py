@@ -160,7 +160,7 @@ def test_mixer_decoding_with_left_padding_matches_its_parallel_forward(rule):
     out = model(tokens[:, :10], attention_mask=mask[:, :10], use_cache=True)
     steps, cache = [out.logits], out.past_key_values
     for t in range(10, tokens.shape[1]):
-        out = model(tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True)
+        out = model(tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
         steps.append(out.logits)
     steps = torch.cat(steps, dim=1)
     torch.testing.assert_close(steps[0], full[0], rtol=1e-4, atol=1e-5)

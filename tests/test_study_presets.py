@@ -501,7 +501,7 @@ def test_study_preset_on_the_kernels_in_bf16_matches_the_fp32_reference(name):
         out = fast(input_ids=ids[:, :190], attention_mask=mask[:, :190], use_cache=True)
         cache, steps = out.past_key_values, []
         for t in range(190, 200):
-            out = fast(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+            out = fast(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
             cache = out.past_key_values
             steps.append(out.logits)
         assert gpu_rel_err(torch.cat(steps, 1), full[:, 190:]) < 1e-4

@@ -96,7 +96,7 @@ class StaticStep:
         cache = AttnLabCache(len(self.states))
         cache.states = [dict(s) for s in self.states]
         with fused_projections(self.fused):
-            out = self.model(input_ids=self.tokens[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=self.tokens[:, None], cache=cache, use_cache=True, logits_to_keep=1)
         for buffers, new in zip(self.states, cache.states):
             for name, buf in buffers.items():
                 if new[name] is not buf:

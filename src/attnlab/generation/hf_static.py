@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from attnlab.models.hf_names import CACHE_KEY
+
 from .runner import DecodeState, ModelRunner
 
 BLOCK = 256  # cache lengths are multiples of this
@@ -60,7 +62,7 @@ def static_cache_problem(model) -> str | None:
         return f"its layers are spread over {', '.join(sorted(map(str, placed)))}"
     params = inspect.signature(model.forward).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    missing = [name for name in ("attention_mask", "past_key_values") if name not in params and not takes_any]
+    missing = [name for name in ("attention_mask", CACHE_KEY) if name not in params and not takes_any]
     if missing:
         return f"its forward takes no {', '.join(missing)}"
     for module in model.modules():
@@ -127,7 +129,7 @@ class HFStaticStep:
         else:
             mask = visible
         kwargs: dict[str, Any] = dict(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
-                                      past_key_values=self.cache, use_cache=True)
+                                      use_cache=True, **{CACHE_KEY: self.cache})
         if self.runner.keep_arg:
             kwargs[self.runner.keep_arg] = 1
         out = self.model(**kwargs)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from attnlab.models.hf_names import CACHE_KEY, cache_of
 from attnlab.models.modeling import AttnLabPreTrainedModel
 from attnlab.models.modules import fuse_projections, fused_projections
 
@@ -64,7 +65,7 @@ class ModelRunner:
     def _forward(self, input_ids, attention_mask, positions, cache) -> tuple[torch.Tensor, Any]:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": True}
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[CACHE_KEY] = cache
         if self.keep_arg:
             kwargs[self.keep_arg] = 1
         if self.takes_positions:
@@ -72,7 +73,7 @@ class ModelRunner:
         with fused_projections(self.fused):
             out = self.model(**kwargs)
         logits = out.logits[:, -1, :].float()  # [rows, vocab], also for models that ignored logits_to_keep
-        return logits, out.past_key_values
+        return logits, cache_of(out)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:

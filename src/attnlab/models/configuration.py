@@ -19,7 +19,7 @@ class AttnLabConfig(PretrainedConfig):
     """
 
     model_type = "attnlab"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     # the names transformers looks for (generation, device maps)
     attribute_map = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
 

@@ -13,6 +13,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from attnlab.models import kernels
 from attnlab.models.cache import AttnLabCache
 from attnlab.models.configuration import AttnLabConfig
+from attnlab.models.hf_names import CACHE_KEY, one_cache
 from attnlab.models.mixers import build_mixer
 from attnlab.models.modules import GatedRMSNorm, PreNorm, RMSNorm, SwiGLU
 
@@ -38,15 +39,15 @@ class AttnLabBlock(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: AttnLabCache | None = None,
+        cache: AttnLabCache | None = None,
         use_cache: bool = False,
     ) -> torch.Tensor:
-        layer_state = past_key_values[self.layer_idx] if past_key_values is not None else None
+        layer_state = cache[self.layer_idx] if cache is not None else None
         mixed, layer_state = self.attn(
             self.attn_norm(hidden_states), attention_mask=attention_mask, cache=layer_state, use_cache=use_cache
         )
-        if use_cache and past_key_values is not None:
-            past_key_values.update(self.layer_idx, layer_state)
+        if use_cache and cache is not None:
+            cache.update(self.layer_idx, layer_state)
         if self.mlp is None:
             return hidden_states + mixed
         normed, hidden_states = self.mlp_norm(mixed, residual=hidden_states)  # hidden_states + mixed, and its norm
@@ -58,7 +59,7 @@ class AttnLabPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["AttnLabBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _is_stateful = True  # recurrent mixers cannot roll back, so no assisted generation
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -92,14 +93,22 @@ class AttnLabModel(AttnLabPreTrainedModel):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: AttnLabCache | None = None,
+        cache: AttnLabCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        return_dict: bool = True,
-        **kwargs,
+        return_dict: bool | None = True,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        past_key_values: AttnLabCache | None = None,
     ) -> BaseModelOutputWithPast:
         """attention_mask: [B, T] or [B, past + T], 1 for tokens and 0 for (left) padding.
-        use_cache defaults to config.use_cache outside training."""
+        cache: the state after earlier tokens (`past_key_values` is its name before transformers 5.24).
+        use_cache defaults to config.use_cache outside training. output_hidden_states: also return the
+        input of every block and the final normed output, as HF models do."""
+        cache = one_cache(cache, past_key_values)
+        if output_attentions:
+            raise ValueError("attnlab models return no attention weights (most of their mixers form none): "
+                             "leave output_attentions off")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
@@ -109,27 +118,30 @@ class AttnLabModel(AttnLabPreTrainedModel):
             use_cache = self.config.use_cache and not self.training
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        if use_cache and past_key_values is None:
-            past_key_values = AttnLabCache(self.config.num_layers)
+        if use_cache and cache is None:
+            cache = AttnLabCache(self.config.num_layers)
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: let mixers take their unmasked fast paths
 
+        all_hidden = [] if output_hidden_states else None
         for block in self.layers:
-            hidden_states = block(
-                hidden_states, attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache
-            )
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states = block(hidden_states, attention_mask=attention_mask, cache=cache, use_cache=use_cache)
         hidden_states = self.norm(hidden_states)
+        if all_hidden is not None:
+            all_hidden.append(hidden_states)
         if use_cache:
-            past_key_values.advance(seq_len)
+            cache.advance(seq_len)
 
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
-        )
+        output = BaseModelOutputWithPast(**{"last_hidden_state": hidden_states, CACHE_KEY: cache if use_cache else None,
+                                            "hidden_states": tuple(all_hidden) if all_hidden is not None else None})
         return output if return_dict is not False else output.to_tuple()  # None (peft, HF) means a dict
 
 
 class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.weight"}
+    accepts_loss_kwargs = True  # transformers.Trainer: the loss divides by `num_items_in_batch` itself
 
     def __init__(self, config: AttnLabConfig):
         super().__init__(config)
@@ -154,8 +166,8 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         # `generate` must not create a `DynamicCache`; the first forward creates an `AttnLabCache`.
         return False
 
-    def _reorder_cache(self, past_key_values: AttnLabCache, beam_idx: torch.LongTensor) -> AttnLabCache:
-        return past_key_values.reorder(beam_idx)
+    def _reorder_cache(self, cache: AttnLabCache, beam_idx: torch.LongTensor) -> AttnLabCache:
+        return cache.reorder(beam_idx)
 
     def enable_health_stats(self, on: bool = True) -> None:
         """Let mixers that report training-health statistics (NSA) record them on training forwards
@@ -187,21 +199,30 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
-        past_key_values: AttnLabCache | None = None,
+        cache: AttnLabCache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
         inputs_embeds: torch.Tensor | None = None,
-        return_dict: bool = True,
-        **kwargs,
+        return_dict: bool | None = True,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        past_key_values: AttnLabCache | None = None,
     ) -> CausalLMOutputWithPast:
         """labels: [B, T] token ids, -100 where no loss is wanted; shifted inside (position t predicts t + 1).
-        logits_to_keep: if > 0, logits are computed for the last `logits_to_keep` positions only."""
+        logits_to_keep: if > 0, logits are computed for the last `logits_to_keep` positions only.
+        cache: the state after earlier tokens, under the name the installed transformers uses (`cache`
+        from 5.24, `past_key_values` before; both are taken). num_items_in_batch: set by
+        transformers.Trainer under gradient accumulation or several processes (see the loss below).
+        No other keyword is taken: a misspelt or unsupported one raises TypeError, never vanishes."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=one_cache(cache, past_key_values),
             use_cache=use_cache,
             inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden_states = outputs.last_hidden_state  # [B, T, hidden]
         if logits_to_keep > 0:
@@ -218,7 +239,7 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
             shifted_logits = logits.reshape(-1, logits.shape[-1])
             # With `num_items_in_batch` (transformers.Trainer under gradient accumulation or several
             # processes) the loss is a sum over this micro-batch divided by the tokens of the whole step.
-            num_items = kwargs.get("num_items_in_batch")
+            num_items = num_items_in_batch
             reduction = "sum" if num_items is not None else "mean"
             if kernels.use_fla(self.config.kernels, logits):
                 loss = kernels.cross_entropy(shifted_logits, shifted_labels, reduction=reduction)
@@ -227,5 +248,6 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
             if num_items is not None:
                 loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
 
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        output = CausalLMOutputWithPast(**{"loss": loss, "logits": logits, CACHE_KEY: getattr(outputs, CACHE_KEY),
+                                           "hidden_states": outputs.hidden_states})
         return output if return_dict is not False else output.to_tuple()  # None (peft, HF) means a dict

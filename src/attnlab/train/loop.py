@@ -272,7 +272,8 @@ class TelemetryCallback(TrainerCallback):
         self.t0 = time.perf_counter()
         self.start_step = start_step
         self.throughput = Throughput()
-        self.last = {"loss": float("nan"), "tokens_per_s": 0.0}
+        self.last: dict | None = None  # the latest logged record: its loss is what progress shows
+        self.line_due_at_log = False  # a plain line waits for this step's log (Trainer logs after on_step_end)
         self.val_loss: float | None = None
         self.val_bpb: float | None = None
         self.sample: str | None = None
@@ -282,7 +283,7 @@ class TelemetryCallback(TrainerCallback):
         self.segment_t0 = time.perf_counter()
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+            TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
         )
         self.task = None
@@ -293,15 +294,18 @@ class TelemetryCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         if not self.plain:
             self.progress.start()
-        self.task = self.progress.add_task("train", total=state.max_steps, completed=self.start_step, loss=float("nan"), tps=0.0)
+        self.task = self.progress.add_task("train", total=state.max_steps, completed=self.start_step, loss="loss -", tps=0.0)
         self.throughput = Throughput()
         self.segment_t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
         self.throughput.add(self.tokens_per_step)
         self.progress.update(self.task, completed=state.global_step)
-        if self.plain:
-            self._plain_line(state.global_step, state.max_steps)
+        if self.plain and self._line_due(state.global_step, state.max_steps):
+            if control.should_log:  # this step's loss is about to be logged: the line shows it
+                self.line_due_at_log = True
+            else:
+                self._plain_line(state.global_step, state.max_steps)
         if state.global_step >= state.max_steps:  # always validate and checkpoint at the end
             control.should_evaluate = self.val_bytes_per_token is not None
             control.should_save = self.cfg.train.save_every > 0
@@ -321,21 +325,34 @@ class TelemetryCallback(TrainerCallback):
         }
         self.logger.heartbeat(record)
         self.last = record
-        self.progress.update(self.task, loss=record["loss"], tps=record["tokens_per_s"])
+        self.progress.update(self.task, loss=self._loss_field(state.global_step), tps=record["tokens_per_s"])
         if self.on_heartbeat is not None and state.is_world_process_zero:
             self.on_heartbeat(record)
+        if self.line_due_at_log:
+            self.line_due_at_log = False
+            self._plain_line(state.global_step, state.max_steps)
 
-    def _plain_line(self, step: int, max_steps: int) -> None:
+    def _loss_field(self, step: int) -> str:
+        """The latest logged loss, with its step when that is not `step`; no value before the first log."""
+        if self.last is None:
+            return "loss -"
+        at = "" if self.last["step"] == step else f" (step {self.last['step']})"
+        return f"loss {self.last['loss']:.4f}{at}"
+
+    def _line_due(self, step: int, max_steps: int) -> bool:
         now = time.perf_counter()
         if now - self.last_line < self.cfg.train.progress_every_s and step < max_steps:
-            return
+            return False
         self.last_line = now
+        return True
+
+    def _plain_line(self, step: int, max_steps: int) -> None:
         done = step - self.start_step
-        seconds = max(now - self.segment_t0, 1e-9)
+        seconds = max(time.perf_counter() - self.segment_t0, 1e-9)
         rate = done / seconds
         eta = _clock((max_steps - step) / rate) if rate > 0 else "?"
         self.console.print(
-            f"step {step}/{max_steps} ({100 * step / max(max_steps, 1):.0f}%)  loss {self.last['loss']:.4f}  "
+            f"step {step}/{max_steps} ({100 * step / max(max_steps, 1):.0f}%)  {self._loss_field(step)}  "
             f"{done * self.tokens_per_step / seconds:,.0f} tok/s  elapsed {_clock(self.elapsed())}  ETA {eta}",
             highlight=False, markup=False, soft_wrap=True,
         )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.models.hf_names import cache_of
+
 
 @torch.no_grad()
 def sample_continuation(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
@@ -20,8 +22,8 @@ def sample_continuation(model, tokenizer, prompt: str, max_new_tokens: int, temp
     out, cache, new = None, None, []
     x = ids
     for _ in range(max_new_tokens):
-        out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = cache_of(out)
         logits = out.logits[:, -1, :].float() / temperature  # [1, V]
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
