@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks in one call: `bash benchmarks/gpu.sh STAGE...`
-# Stages: tests (CUDA tests; TEST_FILES picks the files), train (training throughput at 8x2048), long (T=8192/16384),
+# Stages: tests (every CUDA test in tests/, TEST_WORKERS processes at once; TEST_FILES picks files), accuracy (the bf16
+# decode step against fp32 arithmetic, projections separate and fused), train (training throughput at 8x2048), long (T=8192/16384),
 # decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), train-run (`attnlab train` with and
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
@@ -12,13 +13,21 @@ set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
 mkdir -p "$TRITON_CACHE_DIR"
+# A machine without network: the Python packages it lacks (fla, attnlab's own dependencies) as wheels in .whl/
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python -c "import attnlab" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # A cache carried from another machine, as split parts (tcache.tar.xz.part-aa, -ab, ...) in .tcache-in/
 ls .tcache-in/tcache.tar.xz.part-* >/dev/null 2>&1 && cat .tcache-in/tcache.tar.xz.part-* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
-  tests) run tests "${TESTS_LIMIT:-540}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda ${TEST_FILES:-tests/test_kernels_cuda.py tests/test_attention_family_kernels.py tests/test_conv_kernel.py tests/test_mamba2_cuda.py tests/test_mamba2_step.py tests/test_ssd_kernels.py tests/test_nsa_kernels.py tests/test_train.py tests/test_convert.py tests/test_decode_attention.py tests/test_hf_static.py tests/test_family_step.py tests/test_study_presets.py tests/test_init_from.py tests/test_static_decode.py} ;;
+  tests) run tests "${TESTS_LIMIT:-570}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests}
+    grep -E "passed|failed" "$OUT/tests.log" | tail -1 | sed 's/^/CUDA tests: /' | tee -a "$OUT/summary.txt" ;;
+  accuracy) run accuracy 300 python benchmarks/fused_projection_accuracy.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model attnlab-gla-eager --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --saved --out "$OUT/train-gla-8x2048.json" ;;
   zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"

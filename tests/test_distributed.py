@@ -25,9 +25,10 @@ def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run([*launcher, "--nproc_per_node", str(nproc), *args], capture_output=True, text=True, timeout=600, env=env)
 
 
-def _train_under_torchrun(overrides: list[str], run, *extra: str) -> None:
+def _train_under_torchrun(overrides: list[str], run, *extra: str) -> subprocess.CompletedProcess:
     proc = _torchrun("-m", "attnlab.cli", "train", *sets(overrides), "--run-dir", str(run), *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +234,39 @@ def fsdp_cuda_runs(tmp_path_factory, small_corpus):
     _train_under_torchrun(overrides, root / "fsdp", "--set", "train.strategy=fsdp")
     assert run_cli("train", *sets(overrides), "--run-dir", str(root / "single")) == 0
     return root / "fsdp", root / "single", overrides
+
+
+@pytest.fixture(scope="module")
+def ddp_cuda_runs(tmp_path_factory, small_corpus):
+    """The tiny run in fp32 on CUDA with two micro-batches a step: DDP on 2 GPUs captured and eager, and
+    one process with the same global batch captured and eager; with what each DDP run printed."""
+    from conftest import TINY
+
+    overrides = TINY + [f"data.source={small_corpus}", "train.device=cuda", "train.precision=fp32", "train.grad_accum=2"]
+    root, runs = tmp_path_factory.mktemp("ddp-cuda"), {}
+    for graphs in ("true", "false"):
+        proc = _train_under_torchrun(overrides + [f"train.cuda_graphs={graphs}"], root / f"ddp-{graphs}")
+        runs[f"ddp-{graphs}"] = (root / f"ddp-{graphs}", proc.stdout + proc.stderr)
+        assert run_cli("train", *sets(overrides + [f"train.cuda_graphs={graphs}"]), "--run-dir", str(root / f"one-{graphs}")) == 0
+        runs[f"one-{graphs}"] = (root / f"one-{graphs}", "")
+    return runs
+
+
+@pytest.mark.cuda
+@two_cuda_devices
+def test_ddp_on_two_gpus_is_captured_and_follows_the_single_process_trajectory(ddp_cuda_runs):
+    captured, printed = ddp_cuda_runs["ddp-true"]
+    assert "training step captured as CUDA graphs" in printed
+    for name in ("ddp-false", "one-true", "one-false"):
+        assert _losses(captured) == pytest.approx(_losses(ddp_cuda_runs[name][0]), abs=1e-5), name
+
+
+@pytest.mark.cuda
+@two_cuda_devices
+def test_ddp_prints_no_warning_from_torch_about_unused_parameters_or_buffers(ddp_cuda_runs):
+    for name in ("ddp-true", "ddp-false"):
+        printed = ddp_cuda_runs[name][1]
+        assert "find_unused_parameters" not in printed and "UserWarning" not in printed, printed[-2000:]
 
 
 @pytest.mark.cuda

@@ -1,5 +1,6 @@
 """fla's kernels against the pure-PyTorch reference (CUDA only; skipped without a GPU and the gpu extra)."""
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -128,28 +129,55 @@ def test_decoding_on_fla_kernels_equals_the_parallel_form():
     assert logits.argmax(-1).tolist() == new
 
 
-def bf16_fla_model_and_prompts():
+def bf16_fla_model_and_prompts(seed: int = 0):
     """A 2-layer GLA model at the benchmarked width in bf16 on fla's kernels, and 4 prompts of 70 tokens."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=1024, num_layers=2, num_heads=4,
                                              kernels="fla")).cuda().to(torch.bfloat16).eval()
     return model, torch.randint(0, 256, (4, 70), device="cuda")
 
 
-def test_fused_projections_on_fla_kernels_match_the_separate_ones_in_bf16():
-    """The decode path's fused input projections (sliced, so not contiguous) through fla's kernels."""
+def fp32_reference(model: AttnLabForCausalLM) -> AttnLabForCausalLM:
+    """The same weights in fp32 on the pure-PyTorch reference kernels."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.kernels = "torch"
+    reference = AttnLabForCausalLM(config).cuda().eval()
+    reference.load_state_dict({name: w.float() for name, w in model.state_dict().items()})
+    return reference
+
+
+def decode_step_paths(model, ids) -> dict:
+    """The last token's logits and states after a prefill of the rest: through fla's kernels with the
+    projections separate (`plain`) and fused (`fused`, the engine's path), and in fp32 on the reference (`exact`)."""
     from attnlab.models.modules import fuse_projections, fused_projections
 
-    model, ids = bf16_fla_model_and_prompts()
     pairs = fuse_projections(model)
     assert len(pairs) == 4
+    out = {}
     with torch.no_grad():
-        out = model(input_ids=ids[:, :-1], use_cache=True)
-        plain = model(input_ids=ids[:, -1:], cache=out.past_key_values, use_cache=True).logits
-        with fused_projections(pairs):
-            out = model(input_ids=ids[:, :-1], use_cache=True)
-            fused = model(input_ids=ids[:, -1:], cache=out.past_key_values, use_cache=True).logits
-    assert rel_err(fused.float(), plain.float()) < 1e-2
+        for name in ("plain", "fused", "exact"):
+            net = fp32_reference(model) if name == "exact" else model
+            with fused_projections(pairs) if name == "fused" else contextlib.nullcontext():
+                cache = net(input_ids=ids[:, :-1], use_cache=True).past_key_values
+                prefill = [s["recurrent_state"].clone() for s in cache.states]
+                held = [s["recurrent_state"] for s in cache.states]
+                step = net(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+            out[name] = dict(logits=step.logits.float(), prefill=prefill, states=[s["recurrent_state"] for s in step.past_key_values.states],
+                             in_place=all(s["recurrent_state"] is h for s, h in zip(step.past_key_values.states, held)))
+    return out
+
+
+def test_fused_projections_on_fla_kernels_are_as_accurate_as_the_separate_ones_in_bf16():
+    """The decode path's fused input projections (sliced, so not contiguous) through fla's kernels: each
+    bf16 path against fp32 arithmetic on the same weights (the two bf16 paths differ from each other by
+    up to the sum of their errors, so they are not compared with each other)."""
+    model, ids = bf16_fla_model_and_prompts()
+    paths = decode_step_paths(model, ids)
+    plain, fused = (rel_err(paths[name]["logits"], paths["exact"]["logits"]) for name in ("plain", "fused"))
+    assert fused < 1e-2 and plain < 1e-2
+    assert fused <= 1.25 * plain + 1e-3  # no accuracy lost to the fusion
 
 
 class _ByteTok:
@@ -257,22 +285,11 @@ def test_fused_gla_step_kernel_matches_the_reference_step_and_advances_the_state
         assert rel_err(buffer, ref_state) <= 1e-5  # the state itself stays fp32
 
 
-def test_engine_decode_advances_gla_state_in_place_and_matches_the_separate_kernels():
-    from attnlab.models.modules import fuse_projections, fused_projections
-
+def test_engine_decode_advances_gla_state_in_place_and_is_as_accurate_as_the_separate_kernels():
     model, ids = bf16_fla_model_and_prompts()
-    pairs = fuse_projections(model)
-    with torch.no_grad(), fused_projections(pairs):
-        out = model(input_ids=ids[:, :-1], use_cache=True)
-        before = [s["recurrent_state"].clone() for s in out.past_key_values.states]
-        held = [s["recurrent_state"] for s in out.past_key_values.states]
-        step = model(input_ids=ids[:, -1:], cache=out.past_key_values, use_cache=True)
-    assert all(s["recurrent_state"] is h for s, h in zip(step.past_key_values.states, held))  # in place
-    with torch.no_grad():  # the same step through fla's recurrent kernel (projections separate)
-        cache = model(input_ids=ids[:, :-1], use_cache=True).past_key_values
-        for s, b in zip(cache.states, before):
-            assert rel_err(s["recurrent_state"], b) <= 1e-2
-        plain = model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
-    assert rel_err(step.logits.float(), plain.logits.float()) < 1e-2
-    for s, p in zip(step.past_key_values.states, plain.past_key_values.states):
-        assert rel_err(s["recurrent_state"], p["recurrent_state"]) <= 1e-2
+    paths = decode_step_paths(model, ids)
+    assert paths["fused"]["in_place"]
+    for key in ("prefill", "states"):
+        for layer, exact in enumerate(paths["exact"][key]):
+            plain, fused = (rel_err(paths[name][key][layer], exact) for name in ("plain", "fused"))
+            assert fused < 1e-2 and fused <= 1.25 * plain + 1e-3, (key, layer, plain, fused)

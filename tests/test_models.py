@@ -476,3 +476,14 @@ def test_generation_and_decoding_paths_print_no_transformers_deprecation():
     finally:
         hf_logging.get_logger("transformers").removeHandler(handler)
     assert not [line for line in lines if "deprecated" in line]
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_every_parameter_of_every_mixer_gets_a_gradient(mixer):
+    """`attnlab train` runs DDP without its search for unused parameters (train/loop.py): it holds
+    only because a training forward uses every parameter."""
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=2, mixer=mixer)).train()
+    tokens = random_tokens(2, 24)
+    model(tokens, labels=tokens).loss.backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []

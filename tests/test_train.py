@@ -241,35 +241,53 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_write_its_final_model
     assert (run / "final" / "model.safetensors").is_file() and _run_json(run)["status"] == "finished"
 
 
-@pytest.mark.parametrize("mixer, checkpointing, world, reason", [
-    ("nsa", False, 1, "not verified for capture"),
-    ("gla", True, 1, "gradient checkpointing"),
-    ("gla", False, 2, "several processes"),
-    ("gla", False, 1, "not on a CUDA device"),
-    ("softmax", False, 1, "not on a CUDA device"),
+@pytest.mark.parametrize("mixer, checkpointing, sharded, reason", [
+    ("nsa", None, False, "not verified for capture"),
+    ("gla", "reentrant", False, "gradient checkpointing is not in its capturable form"),
+    ("gla", "capturable", False, "not on a CUDA device"),  # checkpointing itself no longer blocks capture
+    ("gla", None, True, "FSDP"),
+    ("gla", None, False, "not on a CUDA device"),
+    ("softmax", None, False, "not on a CUDA device"),
 ])
-def test_a_training_step_that_cannot_be_captured_says_why(mixer, checkpointing, world, reason, monkeypatch):
+def test_a_training_step_that_cannot_be_captured_says_why(mixer, checkpointing, sharded, reason, monkeypatch):
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
     from attnlab.models.mixers import MIXERS
-    from attnlab.train.graphs import graph_blocker
+    from attnlab.train.graphs import CHECKPOINT_KWARGS, graph_blocker
 
     if reason == "not verified for capture":  # every built-in mixer is verified: one that is not
         monkeypatch.setattr(MIXERS[mixer], "train_graph_safe", False)
 
     model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, mixer=mixer))
-    if checkpointing:
+    if checkpointing == "reentrant":
         model.gradient_checkpointing_enable()
-    assert reason in graph_blocker(model, world)
+    elif checkpointing == "capturable":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS)
+    blocker = graph_blocker(model, sharded=sharded)
+    assert reason in blocker and (checkpointing != "capturable" or "checkpointing" not in blocker)
+
+
+def test_flat_gradient_views_tile_one_buffer_per_dtype():
+    from attnlab.train.graphs import flat_views
+
+    params = [torch.randn(3, 4), torch.randn(5), torch.randn(2, dtype=torch.float64), torch.randn(2, 2)]
+    flats, views = flat_views(params)
+    assert [f.numel() for f in flats] == [21, 2] and all(f.eq(0).all() for f in flats)
+    assert [v.shape for v in views] == [p.shape for p in params]
+    for v in views:
+        v.fill_(1.0)
+    assert all(f.eq(1).all() for f in flats)  # the views cover each buffer exactly, without overlap
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_training_follows_the_eager_trajectory(tmp_path, tiny, capsys):
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+def test_cuda_graph_training_follows_the_eager_trajectory(tmp_path, tiny, capsys, checkpointing):
     on_gpu = [o for o in tiny if not o.startswith("train.device")] + ["train.device=cuda", "train.batch_size=2", "train.grad_accum=2"]
     runs = {}
     for graphs in ("false", "true"):
         run = tmp_path / f"graphs-{graphs}"
-        assert run_cli("train", *sets(on_gpu + [f"train.cuda_graphs={graphs}"]), "--run-dir", str(run)) == 0
+        settings = on_gpu + [f"train.cuda_graphs={graphs}", f"train.gradient_checkpointing={checkpointing if graphs == 'true' else 'false'}"]
+        assert run_cli("train", *sets(settings), "--run-dir", str(run)) == 0
         runs[graphs] = [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]
-    assert "captured as CUDA graphs" in capsys.readouterr().out
+    assert "captured as CUDA graphs" in capsys.readouterr().out  # with gradient checkpointing too
     assert runs["true"] == pytest.approx(runs["false"], abs=1e-4)

@@ -122,25 +122,31 @@ def synthetic_corpus(work_dir: Path, size: int, seed: int = 0, progress: Callabl
     return out
 
 
-def bpe_tokenizer(work_dir: Path, seed: int = 0) -> Path:
-    """A byte-level BPE tokenizer of BPE_VOCAB ids with an <eos> token, trained on the synthetic words
-    and saved with save_pretrained (written once, then reused)."""
-    out = work_dir / f"bpe-{BPE_VOCAB}"
-    if (out / "tokenizer.json").is_file():
-        return out
+def train_bpe(lines: list[str], vocab_size: int, out: Path) -> Path:
+    """A byte-level BPE tokenizer of at most `vocab_size` ids (fewer when the text has no more merges to
+    learn) with an <eos> token, trained with HF `tokenizers` on `lines` and saved into `out` with
+    save_pretrained (nothing downloaded)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    text = _word_text(4 * 10**6, np.random.default_rng(seed))
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<eos>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    lines = text.split("\n")
     backend.train_from_iterator((lines[i : i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(out)
     return out
+
+
+def bpe_tokenizer(work_dir: Path, seed: int = 0) -> Path:
+    """A byte-level BPE tokenizer of BPE_VOCAB ids with an <eos> token, trained on the synthetic words
+    (written once, then reused)."""
+    out = work_dir / f"bpe-{BPE_VOCAB}"
+    if (out / "tokenizer.json").is_file():
+        return out
+    text = _word_text(4 * 10**6, np.random.default_rng(seed))
+    return train_bpe(text.split("\n"), BPE_VOCAB, out)
 
 
 def _child() -> None:

@@ -31,12 +31,13 @@ from attnlab.config.preflight import PreflightReport
 from attnlab.data.blocks import DATA_STATE
 from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
 from attnlab.launch import rank, world_size
+from attnlab.models import AttnLabForCausalLM
 
 from .checkpoint import (
     OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
     torch_load_checked, write_manifest,
 )
-from .graphs import CapturedLoss, graph_blocker
+from .graphs import CHECKPOINT_KWARGS, CapturedLoss, graph_blocker
 from .sampling import sample_continuation
 from .schedule import scheduler_spec
 from .telemetry import RunLogger, Throughput, read_jsonl
@@ -77,6 +78,7 @@ class AttnLabTrainer(Trainer):
         self.say = say
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
+        self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
 
     def _get_train_sampler(self, train_dataset=None):
         if self.train_sampler is not None:
@@ -95,26 +97,34 @@ class AttnLabTrainer(Trainer):
         if self.graph_note is not None:
             return None
         model = self.accelerator.unwrap_model(model)
-        blocker = graph_blocker(model, world_size())
+        blocker = graph_blocker(model, sharded=self.is_fsdp_enabled)
         if blocker is None:
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
             self.captured = None  # moved weights: the old graphs' memory goes first
             try:
-                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype)
-                self.say(f"training step captured as CUDA graphs (batch {tuple(inputs['input_ids'].shape)}; other shapes run eagerly)")
-                return self.captured
+                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype, flat=world_size() > 1)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
                 blocker = f"capture failed ({str(err).splitlines()[0][:200]})"
                 torch.cuda.empty_cache()
+        if world_size() > 1 and not _all_ranks(blocker is None, self.args.device):
+            # every process reduces its gradients the same way: all captured, or all through DDP
+            self.captured = None
+            blocker = blocker or "capture failed on another process"
+        if blocker is None:
+            self.say(f"training step captured as CUDA graphs (batch {tuple(inputs['input_ids'].shape)}; other shapes run eagerly)")
+            return self.captured
         self.graph_note = blocker
         self.say(f"training step runs eagerly: {blocker} (train.cuda_graphs)")
         return None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         captured = None if return_outputs else self._captured_loss(model, inputs)
-        if captured is None:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        return captured.loss(inputs["input_ids"], inputs["labels"], num_items_in_batch)
+        self.replayed = captured is not None
+        if captured is not None:
+            # the Trainer's own loss arithmetic (its scaling under several processes) around the replay
+            model = lambda input_ids, labels, num_items_in_batch=None: {  # noqa: E731
+                "loss": captured.loss(input_ids, labels, num_items_in_batch)}
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _save_checkpoint(self, model, trial):
         # args.output_dir is the staging directory; every rank writes its part (rank 0 the weights and
@@ -198,6 +208,8 @@ class AttnLabTrainer(Trainer):
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.replayed and world_size() > 1 and self.accelerator.sync_gradients:
+            self.captured.all_reduce_grads()  # what DDP's hooks do in an eager backward
         if not torch.isfinite(loss).all():
             step = self.state.global_step + 1
             last = self.checkpoints.newest()
@@ -207,6 +219,15 @@ class AttnLabTrainer(Trainer):
                 f"Lower train.lr (now {self.args.learning_rate:g}), raise train.warmup_steps, or keep train.grad_clip > 0. {where}"
             )
         return loss
+
+
+def _all_ranks(ok: bool, device) -> bool:
+    """Whether `ok` holds on every process."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 class StopOnSignal(TrainerCallback):
@@ -413,6 +434,10 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         per_device_train_batch_size=t.batch_size // world_size(),
         per_device_eval_batch_size=t.batch_size // world_size(),
         ddp_backend=("gloo" if report.device == "cpu" else "nccl") if world_size() > 1 else None,
+        # attnlab and HF causal LMs use every parameter on every forward (tests/test_models.py holds every mixer
+        # to it): no search for unused ones after each backward. Their buffers are constants: none broadcast.
+        ddp_find_unused_parameters=False,
+        ddp_broadcast_buffers=False,
         gradient_accumulation_steps=t.grad_accum,
         learning_rate=t.lr,
         weight_decay=t.weight_decay,
@@ -499,7 +524,9 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
                           "make it writable (or free space) and start again.") from None
     console.print(f"model: {parameters:,} parameters ({parameters / 1e6:.2f} M)", highlight=False)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # attnlab models: the form that is captured with the step (train/graphs.py); HF models keep their RNG bookkeeping
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS if isinstance(model, AttnLabForCausalLM)
+                                            else {"use_reentrant": False})
     if hasattr(model, "enable_health_stats"):
         model.enable_health_stats(True)
     tokenizer, data = report.tokenizer, report.data

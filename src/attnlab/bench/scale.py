@@ -1,0 +1,473 @@
+"""How `attnlab train` scales over GPUs (`attnlab bench scale`).
+
+Every variant is one real `attnlab train` run in a fresh process: `python -m attnlab.cli train` on one
+GPU, `torchrun --standalone --nproc_per_node G -m attnlab.cli train` on G, each into its own run
+directory, with the global batch `batch_per_gpu x G` (train.batch_size), no evaluation, checkpoints or
+samples during the run, a log every few steps. A variant is a model (an attnlab mixer or preset, or
+`hf-llama`: an HF Llama of the same size trained through `train.init_from`), a GPU count, a strategy
+(train.strategy), gradient checkpointing on or off, and the step captured as CUDA graphs (the default)
+or eager (train.cuda_graphs=false). All models share width, depth, heads, SwiGLU width and vocabulary
+(untied embeddings); the tokenizer is a byte-level BPE tokenizer trained once on the built-in corpus
+(cached in the work directory), or the byte tokenizer for quick runs.
+
+Measured from the run directory: tokens/s, the median over the logged steps after the first two
+(metrics.csv, `tokens_per_s`: all processes together); peak allocated GPU memory, the largest
+`gpu_mem_peak_alloc_gib` in any rank's heartbeat. The result is one JSON file, rewritten after every
+run:
+
+    {"env":      {"device", "gpus", "gpu_count", "torch", "transformers", "python", "command"},
+     "settings": {"hidden", "layers", "heads", "intermediate", "vocab", "tokenizer", "batch_per_gpu", "seq_len", ...},
+     "runs":     {"MODEL@GPUSxBATCHxSEQ:STRATEGY[:ckpt][:eager]": {"tokens_per_s", "per_gpu_tokens_per_s", "efficiency",
+                  "peak_allocated_gib", "cuda_graphs", "wall_s"[, "note"]} | {"error": "<one line>"}}}
+
+BATCH is the per-GPU batch. `efficiency` is the run's per-GPU tokens/s over that of the one-GPU run of
+the same model and per-GPU batch, captured and without checkpointing (None when that run is missing
+or failed). One process ignores the strategy, so one GPU runs once, under the first strategy asked
+for. `cuda_graphs` says whether the step really ran captured (`attnlab train` says so; runs it cannot
+capture train eagerly, with the reason in `note`). A run that fails (non-zero exit, out of memory,
+past its time limit) is the row {"error": ...} and the bench goes on.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HF_LLAMA = "hf-llama"
+STRATEGIES = ("ddp", "fsdp")
+TOKENIZERS = ("bpe", "byte")
+CORPUS = "shakespeare"  # the built-in corpus: what the runs train on and the BPE tokenizer learns from
+LR = 1e-4
+SKIP_LOGS = 2  # logged steps left out of the median: the first steps build, capture, compile and autotune
+KILL_GRACE_S = 30  # after SIGTERM at a run's time limit (a run stops at the end of its step), then SIGKILL
+
+
+@dataclass(frozen=True)
+class Size:
+    """What every model of one bench shares."""
+
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int | None  # None: the tokenizer's size (the byte tokenizer)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One `attnlab train` run of the bench."""
+
+    model: str  # attnlab-<mixer> or hf-llama
+    gpus: int
+    batch_per_gpu: int
+    seq_len: int
+    strategy: str = "ddp"
+    ckpt: bool = False
+    eager: bool = False
+
+    @property
+    def key(self) -> str:
+        """MODEL@GPUSxBATCHxSEQ:STRATEGY[:ckpt][:eager], BATCH per GPU."""
+        return (f"{self.model}@{self.gpus}x{self.batch_per_gpu}x{self.seq_len}:{self.strategy}"
+                + (":ckpt" if self.ckpt else "") + (":eager" if self.eager else ""))
+
+    @property
+    def name(self) -> str:
+        """The key as a file name."""
+        return re.sub(r"[@:]", "-", self.key)
+
+    @property
+    def is_baseline(self) -> bool:
+        """One GPU, captured, no checkpointing: what the efficiency of this model and batch is relative to."""
+        return self.gpus == 1 and not self.ckpt and not self.eager
+
+
+def parse_key(key: str) -> Variant:
+    """The variant a result key names (the inverse of `Variant.key`)."""
+    m = re.fullmatch(r"(?P<model>.+)@(?P<gpus>\d+)x(?P<batch>\d+)x(?P<seq>\d+):(?P<strategy>\w+)(?P<flags>(?::\w+)*)", key)
+    if m is None:
+        raise ValueError(f"not a bench scale key: {key!r}")
+    flags = m["flags"].split(":")[1:]
+    if set(flags) - {"ckpt", "eager"}:
+        raise ValueError(f"unknown flag in bench scale key {key!r}: {flags}")
+    return Variant(m["model"], int(m["gpus"]), int(m["batch"]), int(m["seq"]), m["strategy"], "ckpt" in flags, "eager" in flags)
+
+
+def variants(models: list[str], gpu_counts: list[int], strategies: list[str], batch_per_gpu: int, seq_len: int,
+             ckpt: bool, eager: bool) -> list[Variant]:
+    """Every run of a bench, each model's one-GPU baseline first. One GPU runs under the first strategy
+    only (one process ignores train.strategy)."""
+    out = []
+    for model in models:
+        for gpus in sorted(set(gpu_counts)):
+            for strategy in strategies[:1] if gpus == 1 else strategies:
+                for with_ckpt in (False, True) if ckpt else (False,):
+                    for is_eager in (False, True) if eager else (False,):
+                        out.append(Variant(model, gpus, batch_per_gpu, seq_len, strategy, with_ckpt, is_eager))
+    return out
+
+
+def default_gpu_counts(visible: int) -> list[int]:
+    """1, 2, 4, ... up to the visible count, and the visible count itself."""
+    counts = [1]
+    while counts[-1] * 2 <= visible:
+        counts.append(counts[-1] * 2)
+    return counts + ([visible] if visible > counts[-1] else [])
+
+
+def efficiencies(runs: dict[str, dict]) -> dict[str, float | None]:
+    """key -> per-GPU tokens/s over that of the one-GPU captured run without checkpointing of the same
+    model, per-GPU batch and sequence length (None where that run is missing or failed, or the run failed)."""
+    baselines: dict[tuple, float] = {}
+    for key, row in runs.items():
+        v = parse_key(key)
+        if v.is_baseline and row.get("per_gpu_tokens_per_s"):
+            baselines.setdefault((v.model, v.batch_per_gpu, v.seq_len), row["per_gpu_tokens_per_s"])
+    out = {}
+    for key, row in runs.items():
+        v = parse_key(key)
+        base = baselines.get((v.model, v.batch_per_gpu, v.seq_len))
+        value = row.get("per_gpu_tokens_per_s")
+        out[key] = round(value / base, 3) if base and value is not None else None
+    return out
+
+
+# --- what a run directory says -------------------------------------------------------------------
+
+
+def median_tokens_per_s(metrics_csv: Path, skip: int = SKIP_LOGS) -> float | None:
+    """Median `tokens_per_s` of the logged steps in metrics.csv after the first `skip` (fewer skipped when
+    there are fewer logs); None when nothing was logged."""
+    if not metrics_csv.is_file():
+        return None
+    with open(metrics_csv, newline="") as f:
+        rates = [float(row["tokens_per_s"]) for row in csv.DictReader(f) if row.get("tokens_per_s")]
+    if not rates:
+        return None
+    return statistics.median(rates[min(skip, len(rates) - 1):])
+
+
+def peak_allocated_gib(run_dir: Path) -> float | None:
+    """The largest peak of allocated GPU memory in any process's heartbeat (GiB); None off CUDA."""
+    peaks = []
+    for path in [run_dir / "heartbeat.jsonl", *sorted(run_dir.glob("heartbeat_rank*.jsonl"))]:
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                value = json.loads(line).get("gpu_mem_peak_alloc_gib")
+            except (ValueError, AttributeError):
+                continue  # a torn line
+            if isinstance(value, (int, float)):
+                peaks.append(value)
+    return round(max(peaks), 2) if peaks else None
+
+
+def graph_report(stdout: str) -> tuple[bool, str | None]:
+    """(captured, why not): whether the run's training step ran as CUDA graphs, as `attnlab train` says."""
+    text = " ".join(stdout.split())  # a line wrapped by the console is one line again
+    if "training step captured as CUDA graphs" in text:
+        return True, None
+    m = re.search(r"training step runs eagerly: (.+?) \(train\.cuda_graphs\)", text)
+    return False, m.group(1) if m else None
+
+
+_NOISE = re.compile(
+    r"^\s|^[=\-*]{3,}|ChildFailedError|torch\.distributed\.elastic|^\[\d+\]:|^Failures:|^Root Cause|<NO_OTHER_FAILURES>|"
+    r"FAILED$|^[WI]\d{4} |OMP_NUM_THREADS|^Traceback|^During handling|^The above exception")
+
+
+def failure_reason(stdout: str, stderr: str, returncode: int) -> str:
+    """One line saying why a run failed: out of memory; the first preflight error; the last `error:` line;
+    the last exception raised; the last line of its own on stderr (torchrun's report left out)."""
+    if re.search(r"OutOfMemoryError|out of memory", stdout + stderr, re.IGNORECASE):
+        return "out of memory"
+    m = re.search(r"^preflight error\s+(.+)$", stdout, re.MULTILINE)
+    if m:
+        return f"preflight: {m.group(1).strip()}"[:300]
+    lines = [line.rstrip() for line in stderr.splitlines() if line.strip() and not _NOISE.search(line)]
+    for pattern in (r"^error: ", r"^[\w.]+(Error|Exception|Interrupt)\b"):
+        hits = [line for line in lines if re.search(pattern, line)]
+        if hits:
+            return hits[-1].removeprefix("error: ")[:300]
+    return lines[-1][:300] if lines else f"exit code {returncode}"
+
+
+# --- launching runs ------------------------------------------------------------------------------
+
+
+def launcher(gpus: int) -> list[str]:
+    """The command that starts `gpus` training processes of attnlab's CLI, up to `train`."""
+    if gpus == 1:
+        return [sys.executable, "-m", "attnlab.cli"]
+    beside = Path(sys.executable).parent / "torchrun"  # this interpreter's, before any other on PATH
+    torchrun = str(beside) if beside.is_file() else shutil.which("torchrun")
+    start = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    return [*start, "--standalone", "--nproc_per_node", str(gpus), "-m", "attnlab.cli"]
+
+
+@dataclass
+class Finished:
+    """A finished (or stopped) process: exit code, whether it ran past its limit, its wall seconds."""
+
+    returncode: int
+    timed_out: bool
+    wall_s: float
+
+
+def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout_s: float) -> Finished:
+    """Run `command` in its own process group, its output into the two files; at `timeout_s`, SIGTERM to
+    the group, SIGKILL after KILL_GRACE_S. The group is stopped the same way if this process is interrupted."""
+    env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}  # whole lines in the logs, written as they come
+    t0 = time.perf_counter()
+    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+            return Finished(proc.returncode, False, time.perf_counter() - t0)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            return Finished(proc.returncode, True, time.perf_counter() - t0)
+        except BaseException:
+            _stop_group(proc, grace_s=10)
+            raise
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# --- what the runs share: the tokenizer and HF Llama's starting weights ----------------------------
+
+
+def corpus_bpe_tokenizer(work_dir: Path, vocab: int) -> Path:
+    """A byte-level BPE tokenizer of `vocab` ids trained on the built-in corpus (written once into
+    `work_dir`, then reused)."""
+    from attnlab.bench.data import train_bpe
+    from attnlab.data import read_documents
+
+    out = work_dir / f"bpe-{vocab}-{CORPUS}"
+    if not (out / "tokenizer.json").is_file():
+        lines = [line for doc in read_documents(CORPUS) for line in doc.split("\n")]
+        part = out.with_name(out.name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        train_bpe(lines, vocab, part)
+        shutil.rmtree(out, ignore_errors=True)
+        part.rename(out)
+    return out
+
+
+def hf_llama_init(work_dir: Path, size: Size, vocab: int) -> Path:
+    """A randomly initialised HF Llama of `size` (SDPA, untied embeddings), saved once into `work_dir`
+    for `train.init_from`; `bench zoo` builds the same model."""
+    import torch
+
+    from attnlab.bench.train import build
+
+    out = work_dir / f"hf-llama-{size.hidden}x{size.layers}x{size.heads}-mlp{size.intermediate}-vocab{vocab}"
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        model = build(HF_LLAMA, size.hidden, size.layers, size.heads, vocab, size.intermediate)
+        part = out.with_name(out.name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        model.save_pretrained(part, safe_serialization=True)
+        shutil.rmtree(out, ignore_errors=True)
+        part.rename(out)
+    return out
+
+
+@dataclass
+class Bench:
+    """What every run of one bench shares, and the overrides of one run."""
+
+    size: Size
+    device: str  # cuda or cpu
+    tokenizer: str  # data.tokenizer: 'byte' or the BPE tokenizer's directory
+    steps: int
+    hf_llama_dir: Path | None = None
+    extra: list[str] = field(default_factory=list)  # --set overrides, applied last
+
+    @property
+    def warmup_steps(self) -> int:
+        return min(10, self.steps // 4)
+
+    @property
+    def log_every(self) -> int:
+        return min(5, max(1, self.steps // 8))
+
+    def overrides(self, v: Variant) -> list[str]:
+        """The `--set` overrides of one run."""
+        if v.model == HF_LLAMA:
+            model = [f"train.init_from={self.hf_llama_dir}"]  # its size comes from the checkpoint
+        else:
+            s = self.size
+            model = [f"model.mixer={v.model.removeprefix('attnlab-')}", f"model.hidden_size={s.hidden}", f"model.num_layers={s.layers}",
+                     f"model.num_heads={s.heads}", f"model.intermediate_size={s.intermediate}", "model.tie_word_embeddings=false"]
+            if s.vocab is not None:
+                model.append(f"model.vocab_size={s.vocab}")
+            if v.seq_len > 2048:
+                model.append(f"model.max_position_embeddings={v.seq_len}")
+        return [
+            *model, f"data.source={CORPUS}", f"data.tokenizer={self.tokenizer}", f"data.seq_len={v.seq_len}",
+            f"train.batch_size={v.batch_per_gpu * v.gpus}", f"train.max_steps={self.steps}", f"train.lr={LR:g}",
+            f"train.warmup_steps={self.warmup_steps}", f"train.log_every={self.log_every}", "train.eval_every=0", "train.eval_batches=1",
+            "train.save_every=0", "train.sample_tokens=0", f"train.device={self.device}",
+            f"train.precision={'bf16' if self.device == 'cuda' else 'fp32'}", f"train.cuda_graphs={str(not v.eager).lower()}",
+            f"train.gradient_checkpointing={str(v.ckpt).lower()}", f"train.strategy={v.strategy}", *self.extra,
+        ]
+
+    def command(self, v: Variant, run_dir: Path) -> list[str]:
+        sets = [arg for item in self.overrides(v) for arg in ("--set", item)]
+        return [*launcher(v.gpus), "train", *sets, "--run-dir", str(run_dir)]
+
+
+def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s: float) -> dict:
+    """Run one variant and read its row from its run directory (the weights it wrote are deleted)."""
+    run_dir = runs_dir / v.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    stdout_path, stderr_path = logs_dir / f"{v.name}.log", logs_dir / f"{v.name}.stderr.log"
+    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s)
+    stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
+    for heavy in ("final", "checkpoints"):
+        shutil.rmtree(run_dir / heavy, ignore_errors=True)
+    if done.timed_out:
+        return {"error": f"timed out after {timeout_s:g} s"}
+    if done.returncode != 0:
+        return {"error": failure_reason(stdout, stderr, done.returncode)}
+    tokens_per_s = median_tokens_per_s(run_dir / "metrics.csv")
+    if tokens_per_s is None:
+        return {"error": f"no step was logged (see {stdout_path})"}
+    captured, why_eager = graph_report(stdout)
+    row = {"tokens_per_s": round(tokens_per_s), "per_gpu_tokens_per_s": round(tokens_per_s / v.gpus), "efficiency": None,
+           "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured, "wall_s": round(done.wall_s, 1)}
+    if why_eager and not v.eager:
+        row["note"] = f"ran eagerly: {why_eager}"
+    return row
+
+
+# --- the bench -----------------------------------------------------------------------------------
+
+
+def gpu_names() -> list[str]:
+    """The visible CUDA devices' names, asked of a fresh process (this one keeps no CUDA context on a GPU
+    that the runs measure)."""
+    code = "import json, torch; print(json.dumps([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return []
+
+
+def environment(device: str) -> dict:
+    import platform
+    from importlib.metadata import version
+
+    names = gpu_names() if device == "cuda" else []
+    return {"device": device, "gpus": names, "gpu_count": len(names), "torch": version("torch"),
+            "transformers": version("transformers"), "python": platform.python_version(),
+            "command": " ".join(["attnlab", *sys.argv[1:]])}
+
+
+def write(result: dict, out: Path) -> None:
+    """The JSON, replaced whole (an interrupted bench leaves the runs measured so far, never half a file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(out.name + ".part")
+    part.write_text(json.dumps(result, indent=1) + "\n")
+    part.replace(out)
+
+
+def describe(key: str, row: dict) -> str:
+    """The words of one measured row."""
+    if "error" in row:
+        return f"error: {row['error']}"
+    eff = "" if row["efficiency"] is None else f", efficiency {row['efficiency']:.2f}"
+    peak = "" if row["peak_allocated_gib"] is None else f", peak {row['peak_allocated_gib']} GiB allocated"
+    graphs = ", CUDA graphs" if row["cuda_graphs"] else ""
+    note = f" ({row['note']})" if row.get("note") else ""
+    return (f"{row['tokens_per_s']:,} tokens/s ({row['per_gpu_tokens_per_s']:,} per GPU{eff}){peak}{graphs}, "
+            f"{row['wall_s']} s{note}")
+
+
+def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: Path, out: Path, timeout_s: float,
+              settings: dict, log: Callable[[str], None] = print) -> tuple[dict, bool]:
+    """Run every variant of `plan` in turn; a line to `log` as each starts and ends, the JSON rewritten
+    after each. Returns (result, finished): finished is False when the bench was interrupted."""
+    plan = list(plan)
+    runs_dir = work_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    result = {"env": environment(bench.device), "settings": settings, "runs": {}}
+    write(result, out)
+    for n, v in enumerate(plan, 1):
+        where = "1 process" if v.gpus == 1 else f"torchrun, {v.gpus} processes"
+        log(f"[{n}/{len(plan)}] {v.key}: started ({where}; log {logs_dir / v.name}.log)")
+        try:
+            row = measure(bench, v, runs_dir, logs_dir, timeout_s)
+        except KeyboardInterrupt:
+            log(f"[{n}/{len(plan)}] {v.key}: interrupted; {out} holds the {len(result['runs'])} runs measured before it")
+            return result, False
+        result["runs"][v.key] = row
+        for key, value in efficiencies(result["runs"]).items():
+            if "error" not in result["runs"][key]:
+                result["runs"][key]["efficiency"] = value
+        write(result, out)
+        log(f"[{n}/{len(plan)}] {v.key}: {describe(v.key, row)}")
+    return result, True
+
+
+def model_names(names: list[str]) -> list[str]:
+    """Bench names (`attnlab-<mixer>`, or hf-llama) of the models asked for, given with or without the
+    attnlab- prefix; one error naming the choices for anything else."""
+    from attnlab.errors import PreflightError
+    from attnlab.models.mixers import MIXERS
+
+    out = []
+    for name in names:
+        bare = name.removeprefix("attnlab-")
+        if name != HF_LLAMA and bare not in MIXERS:
+            raise PreflightError(f"unknown --model {name!r}; choose {HF_LLAMA} or a registered mixer or preset, with or "
+                                 f"without the attnlab- prefix: {', '.join(sorted(MIXERS))}")
+        out.append(name if name == HF_LLAMA else f"attnlab-{bare}")
+    return list(dict.fromkeys(out))
+
+
+def prepare_bench(models: list[str], size: Size, device: str, tokenizer: str, steps: int, work_dir: Path, extra: list[str],
+                  log: Callable[[str], None] = print) -> Bench:
+    """The tokenizer and, when hf-llama is measured, its starting weights (made once in `work_dir`)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer == "bpe":
+        log(f"tokenizer: byte-level BPE of {size.vocab:,} ids trained on the built-in corpus (once, in {work_dir})")
+        spec = str(corpus_bpe_tokenizer(work_dir, size.vocab))
+    else:
+        spec = "byte"
+    bench = Bench(size, device, spec, steps, extra=list(extra))
+    if HF_LLAMA in models:
+        vocab = size.vocab
+        if vocab is None:
+            from attnlab.data import load_tokenizer
+
+            vocab = len(load_tokenizer(spec))
+        log(f"{HF_LLAMA}: randomly initialised weights for train.init_from (once, in {work_dir})")
+        bench.hf_llama_dir = hf_llama_init(work_dir, size, vocab)
+    return bench
