@@ -7,7 +7,8 @@
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
-# fsdp (2 GPUs). Logs go to $OUT (or ./gpu-out) as they are written;
+# fsdp (2 GPUs), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
+# every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -44,6 +45,10 @@ for stage in "$@"; do case $stage in
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
+  scale) run scale "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \
+    ${SCALE_GPUS:+$(printf -- '--gpus %s ' $SCALE_GPUS)} ${SCALE_ARGS---no-ckpt} --out "$OUT/scale.json"
+    # the table and plot of the runs measured, when the limit stopped the bench before it wrote them
+    [ "$OUT/scale.json" -nt "$OUT/scale.png" ] && python -c "import json,sys; from pathlib import Path; from rich.console import Console; from attnlab.bench.scale import results_table; from attnlab.bench.plot import plot_scale; p=Path(sys.argv[1]); r=json.loads(p.read_text()); Console(width=200).print(results_table(r)[0]); print('wrote', plot_scale(r, p.with_suffix('.png')))" "$OUT/scale.json" ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
   decode-zoo)
     for arch in ${DECODE_ARCHS:-attnlab-softmax hf-llama attnlab-nsa attnlab-2mamba-e attnlab-gated_softmax attnlab-mamba2 attnlab-2mamba attnlab-linear__output_norm attnlab-linear_elu attnlab-gla}; do

@@ -5,7 +5,7 @@ import pytest
 from conftest import run_cli, sets
 
 
-@pytest.mark.parametrize("verb", [[], ["train"], ["preflight"], ["generate"], ["eval"], ["score"], ["finetune"], ["merge"], ["sweep"], ["report"], ["bench"], ["bench", "decode"], ["bench", "train"]])
+@pytest.mark.parametrize("verb", [[], ["train"], ["preflight"], ["generate"], ["eval"], ["score"], ["finetune"], ["merge"], ["sweep"], ["report"], ["bench"], ["bench", "decode"], ["bench", "train"], ["bench", "scale"]])
 def test_every_verb_has_help(verb, capsys):
     assert run_cli(*verb, "--help") == 0
     assert "Usage" in capsys.readouterr().out

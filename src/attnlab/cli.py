@@ -342,6 +342,13 @@ bench_app = typer.Typer(help="Benchmarks: throughput and memory against peers.",
 app.add_typer(bench_app, name="bench")
 
 
+def _print_table(grid: Table) -> None:
+    """A table on the terminal as wide as the terminal; in a log file 200 columns wide, so that it keeps whole
+    lines (`console.print(width=...)` can only narrow the console's 80 columns there)."""
+    wide = console if console.is_terminal else Console(width=max(console.width, 200))
+    wide.print(grid)
+
+
 @bench_app.command("decode")
 def bench_decode_cmd(
     model: Optional[str] = typer.Argument(None, help="A model (as for generate). Omit for the default config's architecture, randomly initialised.", show_default=False),
@@ -502,7 +509,7 @@ def bench_train_cmd(
         console.print(f"wrote {out} and {plot_train(rows, out.with_suffix('.png'), torch.cuda.get_device_name())}")
 
 
-from attnlab.bench.names import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS  # noqa: E402
+from attnlab.bench.names import OP_PEERS, OP_PRESETS, PRESETS, SCALE_MODELS, STATS_SUFFIX, TRAIN_PEERS  # noqa: E402
 
 
 @bench_app.command("zoo")
@@ -562,7 +569,7 @@ def bench_zoo_cmd(
         for name in names:
             rows = [result[section][f"{name}@{col}"] for col in columns]
             grid.add_row(name, *("OOM" if r.get("error") == "out of memory" else "n/a" if "error" in r else cell(r) for r in rows))
-        console.print(grid, width=None if console.is_terminal else 200)  # a log file gets whole lines
+        _print_table(grid)
 
     def gib(value) -> str:
         return "" if value is None else f" · {value} GiB"
@@ -580,6 +587,95 @@ def bench_zoo_cmd(
         from attnlab.bench.plot import plot_zoo
 
         console.print(f"wrote {out} and {plot_zoo(result, out.with_suffix('.png'))}")
+
+
+@bench_app.command("scale")
+def bench_scale_cmd(
+    models: Optional[list[str]] = typer.Option(None, "--model", "-m", show_default=False, help=(
+        f"Model (repeatable): any registered mixer or preset (2mamba or attnlab-2mamba), or hf-llama (HF Llama of the same size, "
+        f"trained through train.init_from). Default: {', '.join(SCALE_MODELS)}.")),
+    gpus: Optional[list[int]] = typer.Option(None, "--gpus", "-g", show_default=False, help=(
+        "GPU count to run on (repeatable); 1 runs one process, more run under torchrun. Default: 1, 2, 4, ... up to the visible GPUs.")),
+    strategy: list[str] = typer.Option(["ddp"], "--strategy", help="train.strategy for several GPUs: ddp or fsdp (repeatable)."),
+    batch_per_gpu: Optional[int] = typer.Option(None, "--batch-per-gpu", min=1, show_default=False, help="Sequences per GPU per step (train.batch_size = this x GPUs) [default: 16]."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, show_default=False, help="Tokens per sequence [default: 1024]."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, show_default=False, help="Optimizer steps per run; tokens/s is the median of the logged steps after the first two [default: 40]."),
+    eager: bool = typer.Option(True, "--eager/--no-eager", help="Also run every variant eagerly (train.cuda_graphs=false) beside the captured step."),
+    ckpt: bool = typer.Option(True, "--ckpt/--no-ckpt", help="Also run every variant with train.gradient_checkpointing=true."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", min=1, show_default=False, help="Hidden size of every model [default: 1024]."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, show_default=False, help="Decoder layers [default: 20]."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, show_default=False, help="Heads [default: 16]."),
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, show_default=False, help="SwiGLU width of every model's MLP [default: 2048]."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", show_default=False, help=(
+        "bpe: a byte-level BPE tokenizer of --vocab ids trained once on the built-in corpus (cached in --work-dir); byte: the byte "
+        "tokenizer and its 259 ids, for quick runs [default: bpe; byte with --device cpu].")),
+    vocab: int = typer.Option(32768, "--vocab", min=260, help="Vocabulary of the BPE tokenizer and of every model (untied embeddings)."),
+    set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="One more config override for every run, applied last, e.g. --set train.grad_clip=0 (repeatable)."),
+    timeout_s: float = typer.Option(900, "--timeout-s", min=1, help="Time limit of one run in seconds; a run past it is stopped and recorded as an error."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", show_default=False, help="Where the tokenizer, HF Llama's starting weights and the run directories go (kept, and reused by the next bench). Default: a temporary folder, deleted at the end."),
+    out: Path = typer.Option(Path("scale.json"), "--out", help="JSON result, rewritten after every run; a PNG plot beside it (same name, .png), and the runs' logs in NAME-logs/."),
+    device: str = typer.Option("cuda", "--device", help=(
+        "cuda, or cpu: the same pipeline with gloo CPU processes (1 and 2 by default) and tiny defaults: hidden 32, 1 layer, 2 heads, "
+        "SwiGLU 64, 2 x 32 tokens per process, 8 steps, the byte tokenizer (a functional check).")),
+):
+    """How `attnlab train` scales over GPUs: tokens/s, per-GPU tokens/s, efficiency against one GPU and peak memory of each
+    model, GPU count, strategy, with and without gradient checkpointing, captured and eager; every variant a real run.
+
+    Example: attnlab bench scale --model 2mamba --model hf-llama --gpus 1 --gpus 2 --gpus 4 --out scale.json
+    """
+    import shutil
+    import tempfile
+
+    import torch
+
+    from attnlab.bench.scale import (DEFAULTS, STRATEGIES, TOKENIZERS, Size, default_gpu_counts, model_names, prepare_bench, results_table,
+                                     run_scale, variants)
+
+    if device not in DEFAULTS:
+        raise PreflightError(f"--device takes cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PreflightError("bench scale measures training on CUDA GPUs and no CUDA device is visible; "
+                             "pass --device cpu for a functional check with CPU processes (gloo) at tiny sizes")
+    for name in strategy:
+        if name not in STRATEGIES:
+            raise PreflightError(f"--strategy takes {' or '.join(STRATEGIES)}, not {name!r}")
+    defaults = DEFAULTS[device]
+    tokenizer = tokenizer or defaults["tokenizer"]
+    if tokenizer not in TOKENIZERS:
+        raise PreflightError(f"--tokenizer takes {' or '.join(TOKENIZERS)}, not {tokenizer!r}")
+    visible = torch.cuda.device_count() if device == "cuda" else 0
+    counts = gpus or default_gpu_counts(visible if device == "cuda" else 2)
+    if any(g < 1 for g in counts):
+        raise PreflightError("--gpus takes counts of 1 or more")
+    if device == "cuda" and max(counts) > visible:
+        raise PreflightError(f"--gpus {max(counts)} asks for more GPUs than the {visible} visible")
+    size = Size(hidden or defaults["hidden"], layers or defaults["layers"], heads or defaults["heads"],
+                intermediate or defaults["intermediate"], vocab if tokenizer == "bpe" else None)
+    if size.hidden % size.heads:
+        raise PreflightError(f"--hidden {size.hidden} is not a multiple of --heads {size.heads}")
+    names = model_names(models or list(SCALE_MODELS))
+    steps = steps or defaults["steps"]
+    plan = variants(names, counts, list(dict.fromkeys(strategy)), batch_per_gpu or defaults["batch_per_gpu"], seq_len or defaults["seq_len"], ckpt, eager)
+    log = lambda line: console.print(line, highlight=False, soft_wrap=True, markup=False)  # noqa: E731
+    temporary = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="attnlab-bench-scale-")) if temporary else work_dir
+    try:
+        bench = prepare_bench(names, size, device, tokenizer, steps, work, set_, log)
+        log(f"{len(plan)} runs of {steps} steps: {', '.join(names)} on {', '.join(map(str, sorted(set(counts))))} "
+            f"{'GPU(s)' if device == 'cuda' else 'CPU process(es)'}")
+        result, finished = run_scale(bench, plan, work, out.parent / f"{out.stem}-logs", out, timeout_s, log)
+    finally:
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)
+    grid, errors = results_table(result)
+    _print_table(grid)
+    for line in errors:
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
+    from attnlab.bench.plot import plot_scale
+
+    console.print(f"wrote {out} and {plot_scale(result, out.with_suffix('.png'))}", highlight=False)
+    if not finished:
+        raise typer.Exit(130)
 
 
 @bench_app.command("data")
@@ -615,7 +711,7 @@ def bench_data_cmd(
         grid.add_row(key, f"{row['tokens']:,}", f"{row['prepare_mb_s']:,.1f} ({row['prepare_mb_s_per_worker']:,.1f} x {row['workers']}; "
                      f"{row['prepare_mb_per_cpu_s']:,.1f})", start(row), start(row, "resume_"),
                      f"{row['peak_rss_mib']:,.0f} ({row['rss_vs_baseline']:.2f}x)")
-    console.print(grid, width=None if console.is_terminal else 200)
+    _print_table(grid)
     console.print(f"import floor: {result['import_floor_s']} s from launch to `import torch; from transformers import Trainer` in a "
                   "fresh interpreter (median of 3), under every first step above", highlight=False)
     names = [size_name(s) for s in sizes]

@@ -9,3 +9,4 @@ OP_PEERS = ("sdpa", "fla-parallel_forgetting_attn", "fla-chunk_gla")
 # `attnlab-<mixer>-stats`: the model stepped with its training-health statistics recorded, as
 # `attnlab train` steps it (NSA's gate and selection statistics); beside `attnlab-<mixer>`, their cost
 STATS_SUFFIX = "-stats"
+SCALE_MODELS = ("2mamba", "hf-llama")  # what `attnlab bench scale` measures by default

@@ -55,9 +55,10 @@ def plot_decode(rows: list[dict], path: Path, device: str) -> Path:
     return path
 
 
-def _grouped(ax, section: dict, field: str, title: str, unit: str, log: bool = False) -> None:
-    """One group of bars per name (peers' names in grey), one bar per shape; a row without the
-    value is marked at the foot of its bar: OOM, or n/a for any other error."""
+def _grouped(ax, section: dict, field: str, title: str, unit: str, log: bool = False, legend: str = "B x T") -> None:
+    """One group of bars per name (peers' names in grey), one bar per shape (NAME@SHAPE keys; `legend`
+    titles the shapes); a row without the value is marked at the foot of its bar: OOM, or n/a for any
+    other error."""
     names = list(dict.fromkeys(key.rsplit("@", 1)[0] for key in section))
     shapes = list(dict.fromkeys(key.rsplit("@", 1)[1] for key in section))
     width = 0.8 / len(shapes)
@@ -93,7 +94,7 @@ def _grouped(ax, section: dict, field: str, title: str, unit: str, log: bool = F
     ax.set_ylabel(unit)
     ax.grid(axis="y", alpha=0.3)
     if ax.get_legend_handles_labels()[1]:
-        ax.legend(title="B x T", fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(title=legend, fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def plot_zoo(result: dict, path: Path) -> Path:
@@ -112,6 +113,44 @@ def plot_zoo(result: dict, path: Path) -> Path:
     for ax, (section, field, title, unit, log) in zip(axes[:, 0], panels):
         _grouped(ax, section, field, title, unit, log)
     fig.suptitle(f"attnlab bench zoo on {result['env'].get('gpu') or 'cpu'}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_scale(result: dict, path: Path) -> Path:
+    """`attnlab bench scale`: per model and variant (strategy, checkpointing, eager), one bar per GPU count:
+    efficiency against one GPU, tokens/s of all GPUs together, and peak memory when measured. A one-GPU run
+    stands in every strategy's group (one process has no strategy)."""
+    from attnlab.bench.scale import parse_key
+
+    runs = result.get("runs", {})
+    keys = [(parse_key(key), row) for key, row in runs.items()]
+    models = list(dict.fromkeys(v.model for v, _ in keys))
+    strategies = list(dict.fromkeys(v.strategy for v, _ in keys if v.gpus > 1)) or list(dict.fromkeys(v.strategy for v, _ in keys))
+    bars = []  # (group order, group name, GPU count, row): a model's groups together, each group's GPU counts in order
+    for v, row in keys:
+        for strategy in strategies if v.gpus == 1 else [v.strategy]:
+            variant = ":".join([strategy] + (["ckpt"] if v.ckpt else []) + (["eager"] if v.eager else []))
+            order = (models.index(v.model), strategies.index(strategy) if strategy in strategies else len(strategies), v.ckpt, v.eager)
+            bars.append((order, f"{v.model}:{variant}", v.gpus, row))
+    section = {f"{group}@{gpus} GPU{'s' if gpus > 1 else ''}": row for _, group, gpus, row in sorted(bars, key=lambda b: (b[0], b[2]))}
+    panels = [("efficiency", "efficiency: per-GPU tokens/s over one GPU's, captured, no checkpointing (higher is better)", "x one GPU", ".2f"),
+              ("tokens_per_s", "training tokens/s, all GPUs together (higher is better)", "tokens/s", ",.0f")]
+    if any(row.get("peak_allocated_gib") is not None for row in runs.values()):
+        panels.append(("peak_allocated_gib", "peak memory allocated per GPU (lower is better)", "GiB", ".0f"))
+    groups = len({key.rsplit("@", 1)[0] for key in section})
+    fig, axes = plt.subplots(len(panels), 1, figsize=(min(40, max(9, 1.1 * groups)), 4 * len(panels)), squeeze=False)
+    for ax, (field, title, unit, tick) in zip(axes[:, 0], panels):
+        if section:
+            _grouped(ax, section, field, title, unit, legend="GPUs")
+        ax.yaxis.set_major_formatter(lambda value, _, tick=tick: f"{value:{tick}}")
+        if field == "efficiency":
+            ax.axhline(1.0, color="#555555", linewidth=0.8, linestyle="--")
+    settings = result.get("settings", {})
+    where = ", ".join(dict.fromkeys(result["env"].get("gpus") or [])) or "CPU processes"
+    fig.suptitle(f"attnlab bench scale: {settings.get('batch_per_gpu')} x {settings.get('seq_len')} tokens per GPU, on {where}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

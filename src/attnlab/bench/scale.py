@@ -49,6 +49,13 @@ STRATEGIES = ("ddp", "fsdp")
 TOKENIZERS = ("bpe", "byte")
 CORPUS = "shakespeare"  # the built-in corpus: what the runs train on and the BPE tokenizer learns from
 LR = 1e-4
+# The sizes of a bench when not given: the 2Mamba study's scale on GPUs; a functional check in seconds on CPU.
+DEFAULTS = {
+    "cuda": {"hidden": 1024, "layers": 20, "heads": 16, "intermediate": 2048, "batch_per_gpu": 16, "seq_len": 1024, "steps": 40,
+             "tokenizer": "bpe"},
+    "cpu": {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64, "batch_per_gpu": 2, "seq_len": 32, "steps": 8,
+            "tokenizer": "byte"},
+}
 SKIP_LOGS = 2  # logged steps left out of the median: the first steps build, capture, compile and autotune
 KILL_GRACE_S = 30  # after SIGTERM at a run's time limit (a run stops at the end of its step), then SIGKILL
 
@@ -185,7 +192,7 @@ def graph_report(stdout: str) -> tuple[bool, str | None]:
 
 _NOISE = re.compile(
     r"^\s|^[=\-*]{3,}|ChildFailedError|torch\.distributed\.elastic|^\[\d+\]:|^Failures:|^Root Cause|<NO_OTHER_FAILURES>|"
-    r"FAILED$|^[WI]\d{4} |OMP_NUM_THREADS|^Traceback|^During handling|^The above exception")
+    r"FAILED$|^[WIEF]\d{4} |OMP_NUM_THREADS|^Traceback|^During handling|^The above exception")
 
 
 def failure_reason(stdout: str, stderr: str, returncode: int) -> str:
@@ -226,10 +233,19 @@ class Finished:
     wall_s: float
 
 
-def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout_s: float) -> Finished:
+def run_environment(gpus: int) -> dict[str, str]:
+    """The environment of a run: whole lines in its logs, written as they come; one process gets the one
+    OpenMP thread that torchrun gives each of its processes (unless the caller set a count), so that one
+    GPU and several differ only in their count."""
+    env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
+    if gpus == 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
     """Run `command` in its own process group, its output into the two files; at `timeout_s`, SIGTERM to
     the group, SIGKILL after KILL_GRACE_S. The group is stopped the same way if this process is interrupted."""
-    env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}  # whole lines in the logs, written as they come
     t0 = time.perf_counter()
     with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -240,7 +256,7 @@ def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout
             _stop_group(proc)
             return Finished(proc.returncode, True, time.perf_counter() - t0)
         except BaseException:
-            _stop_group(proc, grace_s=10)
+            _stop_group(proc, grace_s=5)  # quickly: whoever interrupted this process may not wait long
             raise
 
 
@@ -286,6 +302,9 @@ def hf_llama_init(work_dir: Path, size: Size, vocab: int) -> Path:
 
     out = work_dir / f"hf-llama-{size.hidden}x{size.layers}x{size.heads}-mlp{size.intermediate}-vocab{vocab}"
     if not (out / "config.json").is_file():
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # no bar for writing one shard
         torch.manual_seed(0)
         model = build(HF_LLAMA, size.hidden, size.layers, size.heads, vocab, size.intermediate)
         part = out.with_name(out.name + ".part")
@@ -314,6 +333,15 @@ class Bench:
     @property
     def log_every(self) -> int:
         return min(5, max(1, self.steps // 8))
+
+    def settings(self, plan: list[Variant]) -> dict:
+        """What the JSON records of the bench as a whole (its runs share one per-GPU batch and sequence length)."""
+        s = self.size
+        return {"hidden": s.hidden, "layers": s.layers, "heads": s.heads, "intermediate": s.intermediate, "vocab": s.vocab,
+                "tokenizer": "byte" if self.tokenizer == "byte" else "bpe", "corpus": CORPUS,
+                "batch_per_gpu": plan[0].batch_per_gpu, "seq_len": plan[0].seq_len,
+                "steps": self.steps, "lr": LR, "warmup_steps": self.warmup_steps, "log_every": self.log_every,
+                "skipped_logs": SKIP_LOGS, "overrides": self.extra}
 
     def overrides(self, v: Variant) -> list[str]:
         """The `--set` overrides of one run."""
@@ -346,7 +374,7 @@ def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s:
     run_dir = runs_dir / v.name
     shutil.rmtree(run_dir, ignore_errors=True)
     stdout_path, stderr_path = logs_dir / f"{v.name}.log", logs_dir / f"{v.name}.stderr.log"
-    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s)
+    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s, run_environment(v.gpus))
     stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
     for heavy in ("final", "checkpoints"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
@@ -410,14 +438,14 @@ def describe(key: str, row: dict) -> str:
 
 
 def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: Path, out: Path, timeout_s: float,
-              settings: dict, log: Callable[[str], None] = print) -> tuple[dict, bool]:
+              log: Callable[[str], None] = print) -> tuple[dict, bool]:
     """Run every variant of `plan` in turn; a line to `log` as each starts and ends, the JSON rewritten
     after each. Returns (result, finished): finished is False when the bench was interrupted."""
     plan = list(plan)
     runs_dir = work_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     logs_dir.mkdir(parents=True, exist_ok=True)
-    result = {"env": environment(bench.device), "settings": settings, "runs": {}}
+    result = {"env": environment(bench.device), "settings": bench.settings(plan), "runs": {}}
     write(result, out)
     for n, v in enumerate(plan, 1):
         where = "1 process" if v.gpus == 1 else f"torchrun, {v.gpus} processes"
@@ -471,3 +499,26 @@ def prepare_bench(models: list[str], size: Size, device: str, tokenizer: str, st
         log(f"{HF_LLAMA}: randomly initialised weights for train.init_from (once, in {work_dir})")
         bench.hf_llama_dir = hf_llama_init(work_dir, size, vocab)
     return bench
+
+
+def results_table(result: dict):
+    """(table, error lines): the runs of a bench as one rich table, and a line per failed run."""
+    from rich.table import Table
+
+    settings = result["settings"]
+    where = ", ".join(dict.fromkeys(result["env"]["gpus"])) or "CPU processes"
+    grid = Table(title=f"attnlab train over GPUs, {settings['batch_per_gpu']} x {settings['seq_len']} tokens per GPU, on {where}")
+    for col in ("model", "GPUs", "strategy", "ckpt", "eager", "graphs", "tokens/s", "per-GPU tokens/s", "efficiency", "peak GiB"):
+        grid.add_column(col, justify="left" if col in ("model", "strategy") else "right")
+    errors = []
+    for key, row in result["runs"].items():
+        v = parse_key(key)
+        head = [v.model, str(v.gpus), v.strategy if v.gpus > 1 else "-", "yes" if v.ckpt else "no", "yes" if v.eager else "no"]
+        if "error" in row:
+            errors.append(f"{key}: {row['error']}")
+            grid.add_row(*head, "", "OOM" if row["error"] == "out of memory" else "error", "", "", "")
+            continue
+        grid.add_row(*head, "yes" if row["cuda_graphs"] else "no", f"{row['tokens_per_s']:,}", f"{row['per_gpu_tokens_per_s']:,}",
+                     "" if row["efficiency"] is None else f"{row['efficiency']:.2f}",
+                     "" if row["peak_allocated_gib"] is None else f"{row['peak_allocated_gib']:.2f}")
+    return grid, errors
