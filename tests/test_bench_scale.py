@@ -1,0 +1,180 @@
+"""`attnlab bench scale`: keys, efficiency and what a run directory says, as units; the whole bench on CPU
+processes (gloo) at tiny sizes; the refusal without CUDA."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.bench import scale
+from attnlab.bench.scale import Variant
+from conftest import run_cli
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_key_names_model_gpus_per_gpu_batch_sequence_strategy_and_flags():
+    assert Variant("attnlab-2mamba", 4, 16, 1024, "fsdp", ckpt=True, eager=True).key == "attnlab-2mamba@4x16x1024:fsdp:ckpt:eager"
+    assert Variant("hf-llama", 1, 8, 2048).key == "hf-llama@1x8x2048:ddp"
+    for v in (Variant("attnlab-2mamba-e", 2, 16, 1024, "ddp", eager=True), Variant("hf-llama", 8, 4, 4096, "fsdp", ckpt=True)):
+        assert scale.parse_key(v.key) == v
+        assert "@" not in v.name and ":" not in v.name
+    with pytest.raises(ValueError):
+        scale.parse_key("attnlab-gla@16x1024")
+
+
+def test_the_plan_runs_one_gpu_once_under_the_first_strategy_each_model_from_its_baseline():
+    plan = scale.variants(["attnlab-2mamba", "hf-llama"], [4, 1, 2], ["ddp", "fsdp"], 16, 1024, ckpt=True, eager=True)
+    assert len(plan) == 2 * (4 + 2 * 4 + 2 * 4)  # per model: one GPU x 4 variants, then 2 strategies x 4 on 2 and on 4 GPUs
+    assert len({v.key for v in plan}) == len(plan)
+    assert {v.strategy for v in plan if v.gpus == 1} == {"ddp"}
+    assert plan[0].is_baseline and plan[20].is_baseline and plan[20].model == "hf-llama"
+    assert [v.gpus for v in plan[:20]] == sorted(v.gpus for v in plan[:20])
+    assert [v.key for v in scale.variants(["hf-llama"], [1], ["fsdp"], 2, 32, ckpt=False, eager=False)] == ["hf-llama@1x2x32:fsdp"]
+
+
+@pytest.mark.parametrize("visible, counts", [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
+def test_default_gpu_counts_double_up_to_every_visible_gpu(visible, counts):
+    assert scale.default_gpu_counts(visible) == counts
+
+
+def test_efficiency_is_per_gpu_throughput_over_the_one_gpu_captured_run_without_checkpointing_of_the_same_model_and_batch():
+    def row(per_gpu, gpus=1):
+        return {"tokens_per_s": per_gpu * gpus, "per_gpu_tokens_per_s": per_gpu}
+
+    runs = {
+        "attnlab-2mamba@1x16x1024:ddp": row(1000),
+        "attnlab-2mamba@1x16x1024:ddp:eager": row(800),
+        "attnlab-2mamba@1x16x1024:ddp:ckpt": row(700),
+        "attnlab-2mamba@2x16x1024:ddp": row(900, 2),
+        "attnlab-2mamba@4x16x1024:fsdp:ckpt": row(500, 4),
+        "attnlab-2mamba@4x16x1024:ddp": {"error": "out of memory"},
+        "attnlab-2mamba@2x8x1024:ddp": row(450, 2),  # another per-GPU batch: no baseline of its own
+        "hf-llama@1x16x1024:ddp": {"error": "timed out after 900 s"},
+        "hf-llama@2x16x1024:ddp": row(600, 2),
+    }
+    assert scale.efficiencies(runs) == {
+        "attnlab-2mamba@1x16x1024:ddp": 1.0, "attnlab-2mamba@1x16x1024:ddp:eager": 0.8, "attnlab-2mamba@1x16x1024:ddp:ckpt": 0.7,
+        "attnlab-2mamba@2x16x1024:ddp": 0.9, "attnlab-2mamba@4x16x1024:fsdp:ckpt": 0.5, "attnlab-2mamba@4x16x1024:ddp": None,
+        "attnlab-2mamba@2x8x1024:ddp": None, "hf-llama@1x16x1024:ddp": None, "hf-llama@2x16x1024:ddp": None}
+
+
+def test_tokens_per_s_is_the_median_of_the_logged_steps_after_the_first_two(tmp_path):
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb\n"
+                       "5,1,5.5,1e-4,1,10.0,,\n10,2,5.4,1e-4,1,20.0,,\n15,3,5.3,1e-4,1,300.0,,\n20,4,5.2,1e-4,1,100.0,,\n"
+                       "25,5,5.1,1e-4,1,200.0,,\n25,6,,,,,5.0,7.0\n")
+    assert scale.median_tokens_per_s(metrics) == 200.0
+    metrics.write_text("step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb\n5,1,5.5,1e-4,1,10.0,,\n")
+    assert scale.median_tokens_per_s(metrics) == 10.0  # fewer logs than skipped: the last one
+    assert scale.median_tokens_per_s(tmp_path / "missing.csv") is None
+
+
+def test_peak_memory_is_the_largest_in_any_process_heartbeat(tmp_path):
+    beat = lambda gib: json.dumps({"step": 5, "gpu_mem_peak_alloc_gib": gib}) + "\n"  # noqa: E731
+    (tmp_path / "heartbeat.jsonl").write_text(beat(10.5) + beat(11.0))
+    (tmp_path / "heartbeat_rank0.jsonl").write_text(beat(11.0))
+    (tmp_path / "heartbeat_rank1.jsonl").write_text(beat(12.25) + '{"step": 10, "gpu_mem')  # a torn last line
+    assert scale.peak_allocated_gib(tmp_path) == 12.25
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "heartbeat.jsonl").write_text(json.dumps({"step": 5, "gpu_mem_alloc_gib": None}) + "\n")
+    assert scale.peak_allocated_gib(tmp_path / "cpu") is None
+
+
+def test_the_log_says_whether_the_step_ran_captured_and_why_not():
+    assert scale.graph_report("training step captured as CUDA graphs (batch (16,\n 1024); other shapes run eagerly)") == (True, None)
+    assert scale.graph_report("training step runs eagerly: LlamaForCausalLM is not an\nattnlab model (train.cuda_graphs)") == (
+        False, "LlamaForCausalLM is not an attnlab model")
+    assert scale.graph_report("model: 1,000 parameters") == (False, None)
+
+
+TORCHRUN_REPORT = """W1127 01:55:19.984000 9198 site-packages/torch/distributed/run.py:874] *****************************************
+{worker}
+E1127 01:55:34.635000 9198 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1
+Traceback (most recent call last):
+  File "/usr/bin/torchrun", line 8, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+attnlab.cli FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 1 (pid: 9203)
+============================================================
+"""
+
+
+@pytest.mark.parametrize("stdout, worker, reason", [
+    ("", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "out of memory"),
+    ("preflight error   train.strategy: fsdp needs CUDA devices\n", "error: preflight found 1 error (listed above); nothing was started.",
+     "preflight: train.strategy: fsdp needs CUDA devices"),
+    ("", "error: cannot load the causal LM in /x (train.init_from): bad file", "cannot load the causal LM in /x (train.init_from): bad file"),
+    ("", 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: NCCL error: unhandled system error', "RuntimeError: NCCL error: unhandled system error"),
+    ("", "Killed", "Killed"),
+])
+def test_a_failed_run_is_one_line_of_its_own_not_torchruns_report(stdout, worker, reason):
+    assert scale.failure_reason(stdout, TORCHRUN_REPORT.format(worker=worker), 1) == reason
+    assert scale.failure_reason("", "", -9) == "exit code -9"
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.is_file() and "\nState:\tZ" not in status.read_text()  # a zombie has ended
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_run_past_its_time_limit_is_stopped_with_every_process_it_started(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    launcher = ("import subprocess, sys, time; "
+                f"worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(worker.pid)); "
+                "time.sleep(60)")
+    done = scale.run_logged([sys.executable, "-c", launcher], tmp_path / "out.log", tmp_path / "err.log", timeout_s=3)
+    assert done.timed_out and 3 <= done.wall_s < 30
+    assert not _alive(int(pid_file.read_text()))
+
+
+def test_without_cuda_the_bench_refuses_and_names_the_cpu_check(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_cli("bench", "scale", "--out", str(tmp_path / "scale.json")) == 1
+    err = capsys.readouterr().err
+    assert "no CUDA device is visible" in err and "--device cpu" in err
+    assert not (tmp_path / "scale.json").exists()
+
+
+def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_plot(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert run_cli("bench", "scale", "--device", "cpu", "--model", "softmax", "--gpus", "1", "--gpus", "2", "--no-eager", "--no-ckpt",
+                   "--steps", "6", "--out", str(out)) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"env", "settings", "runs"}
+    assert {"device", "gpus", "gpu_count", "torch", "transformers", "python", "command"} <= set(result["env"])
+    assert result["env"]["device"] == "cpu" and result["settings"]["tokenizer"] == "byte"
+    assert list(result["runs"]) == ["attnlab-softmax@1x2x32:ddp", "attnlab-softmax@2x2x32:ddp"]
+    one, two = result["runs"].values()
+    for row in (one, two):
+        assert set(row) == {"tokens_per_s", "per_gpu_tokens_per_s", "efficiency", "peak_allocated_gib", "cuda_graphs", "wall_s"}, row
+        assert row["tokens_per_s"] > 0 and row["peak_allocated_gib"] is None and row["cuda_graphs"] is False
+    assert one["efficiency"] == 1.0 and one["per_gpu_tokens_per_s"] == one["tokens_per_s"]
+    assert two["per_gpu_tokens_per_s"] == round(two["tokens_per_s"] / 2)
+    assert two["efficiency"] == pytest.approx(two["per_gpu_tokens_per_s"] / one["per_gpu_tokens_per_s"], abs=2e-3)
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG
+    assert (tmp_path / "scale-logs" / "attnlab-softmax-2x2x32-ddp.log").is_file()
+    printed = capsys.readouterr().out
+    assert "[2/2] attnlab-softmax@2x2x32:ddp: started (torchrun, 2 processes" in printed
+    assert "per-GPU tokens/s" in printed
+
+
+def test_hf_llama_trains_through_init_from_with_a_bpe_tokenizer_made_once_in_the_work_dir(tmp_path):
+    out, work = tmp_path / "scale.json", tmp_path / "work"
+    args = ["bench", "scale", "--device", "cpu", "--model", "hf-llama", "--gpus", "1", "--no-eager", "--no-ckpt", "--steps", "4",
+            "--tokenizer", "bpe", "--vocab", "512", "--work-dir", str(work), "--out", str(out)]
+    assert run_cli(*args) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["vocab"] == 512 and result["settings"]["tokenizer"] == "bpe"
+    assert result["runs"]["hf-llama@1x2x32:ddp"]["tokens_per_s"] > 0
+    llama = json.loads(next(work.glob("hf-llama-*/config.json")).read_text())
+    assert (llama["vocab_size"], llama["hidden_size"], llama["num_hidden_layers"], llama["tie_word_embeddings"]) == (512, 32, 1, False)
+    assert (work / "bpe-512-shakespeare" / "tokenizer.json").is_file()
+    assert not list((work / "runs").glob("*/final"))  # each run's weights are deleted once measured
