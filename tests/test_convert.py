@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 from attnlab.errors import CheckpointError
 from attnlab.models.convert import export_fla, load_converted, load_fla_gla
 
+pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
+
 FLA_CONFIG = {"model_type": "gla", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "vocab_size": 300,
               "expand_k": 0.5, "expand_v": 1.0, "hidden_ratio": 4, "intermediate_size": None, "norm_eps": 1e-6,
               "use_short_conv": False, "feature_map": None, "use_output_gate": True, "tie_word_embeddings": False,

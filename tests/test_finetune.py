@@ -7,6 +7,8 @@ import pytest
 import torch
 from conftest import run_cli, sets
 
+pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
+
 IGNORE = -100
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -16,6 +16,8 @@ from attnlab.models.hf_names import CACHE_KEY
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
+
 PROMPTS = ["Hello there, friend", "A", "The quick brown fox jumps"]  # three lengths: left padding matters
 NEW = 10
 

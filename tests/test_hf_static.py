@@ -19,6 +19,8 @@ from attnlab.generation import engine, generate, hf_static, release_graphs
 from attnlab.generation.graphs import _RUNNERS, make_runner
 from attnlab.generation.hf_static import BLOCK, HFStaticRunner, hf_static_runner, probe, static_cache_problem
 
+pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
+
 PROMPTS = ["Hello there, friend", "A", "The quick brown fox jumps", "Be"]  # four lengths: left padding matters
 TINY = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=256, eos_token_id=257, pad_token_id=258)

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from attnlab.train.loop import AttnLabTrainer
 
+pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
+
 VOCAB = 259  # the byte tokenizer's size
 
 

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 from attnlab.models import MIXERS, AttnLabCache, AttnLabConfig, AttnLabForCausalLM
 from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step, naive_recurrent_gla
 
+pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
+
 VOCAB = 64
 # chunk_size=16 so that sequences of a few dozen tokens cross GLA chunk boundaries
 MIXER_SETUPS = {
