@@ -45,10 +45,11 @@ for stage in "$@"; do case $stage in
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
-  scale) run scale "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \
-    ${SCALE_GPUS:+$(printf -- '--gpus %s ' $SCALE_GPUS)} ${SCALE_ARGS---no-ckpt} --out "$OUT/scale.json"
+  scale|scale2) name=$stage; [ $stage = scale2 ] && { SCALE_MODELS=${SCALE2_MODELS:-$SCALE_MODELS}; SCALE_ARGS=${SCALE2_ARGS:-$SCALE_ARGS}; }
+    run $name "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \
+    ${SCALE_GPUS:+$(printf -- '--gpus %s ' $SCALE_GPUS)} ${SCALE_ARGS---no-ckpt} --out "$OUT/$name.json"
     # the table and plot of the runs measured, when the limit stopped the bench before it wrote them
-    [ "$OUT/scale.json" -nt "$OUT/scale.png" ] && python -c "import json,sys; from pathlib import Path; from rich.console import Console; from attnlab.bench.scale import results_table; from attnlab.bench.plot import plot_scale; p=Path(sys.argv[1]); r=json.loads(p.read_text()); Console(width=200).print(results_table(r)[0]); print('wrote', plot_scale(r, p.with_suffix('.png')))" "$OUT/scale.json" ;;
+    [ "$OUT/$name.json" -nt "$OUT/$name.png" ] && python -c "import json,sys; from pathlib import Path; from rich.console import Console; from attnlab.bench.scale import results_table; from attnlab.bench.plot import plot_scale; p=Path(sys.argv[1]); r=json.loads(p.read_text()); Console(width=200).print(results_table(r)[0]); print('wrote', plot_scale(r, p.with_suffix('.png')))" "$OUT/$name.json" ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;
   decode-zoo)
     for arch in ${DECODE_ARCHS:-attnlab-softmax hf-llama attnlab-nsa attnlab-2mamba-e attnlab-gated_softmax attnlab-mamba2 attnlab-2mamba attnlab-linear__output_norm attnlab-linear_elu attnlab-gla}; do

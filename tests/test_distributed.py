@@ -22,7 +22,9 @@ def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*launcher, "--nproc_per_node", str(nproc), *args], capture_output=True, text=True, timeout=600, env=env)
+    # --standalone: a free port of its own, so that runs launched side by side (pytest -n) do not collide
+    return subprocess.run([*launcher, "--standalone", "--nproc_per_node", str(nproc), *args], capture_output=True, text=True,
+                          timeout=600, env=env)
 
 
 def _train_under_torchrun(overrides: list[str], run, *extra: str) -> subprocess.CompletedProcess:

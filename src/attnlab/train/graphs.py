@@ -56,6 +56,31 @@ def graph_blocker(model: nn.Module, sharded: bool = False) -> str | None:
     return None
 
 
+_CAPTURE_STREAM: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The one stream the training step is warmed up and captured on. DDP must be built on it too: DDP keeps
+    each parameter's gradient accumulator alive, which autograd ties to the stream current when it was made;
+    one made on another stream makes the captured backward wait on that stream, and the capture fails."""
+    global _CAPTURE_STREAM
+    if _CAPTURE_STREAM is None:
+        _CAPTURE_STREAM = torch.cuda.Stream()
+    return _CAPTURE_STREAM
+
+
+def on_capture_stream(prepare_model):
+    """`prepare_model` (accelerate's, which wraps the model in DDP) run on `capture_stream()`."""
+    def prepare(*args, **kwargs):
+        stream = capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model = prepare_model(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        return model
+    return prepare
+
+
 def _checkpoints_capturably(model: nn.Module) -> bool:
     funcs = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
     return bool(funcs) and all(getattr(f, "keywords", {}) == CHECKPOINT_KWARGS for f in funcs)
@@ -105,7 +130,7 @@ class CapturedLoss:
         self.fingerprint = weights_fingerprint(model)
         self.autocast_dtype = autocast_dtype
         self.static_ids, self.static_labels = input_ids.clone(), labels.clone()
-        side = torch.cuda.Stream()
+        side = capture_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
@@ -113,11 +138,11 @@ class CapturedLoss:
         torch.cuda.current_stream().wait_stream(side)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: a CUDA call from another thread (a data loader, a logger) does not void the capture
-        with torch.cuda.graph(self.forward_graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.forward_graph, stream=side, capture_error_mode="thread_local"):
             static_loss = self._loss()
         self.static_loss = static_loss.detach()
         self.static_grad_loss = torch.empty_like(static_loss)
-        with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=side, capture_error_mode="thread_local"):
             self.static_grads = torch.autograd.grad(static_loss, self.params, grad_outputs=self.static_grad_loss,
                                                     allow_unused=True, materialize_grads=True)
             if self.flat_grads is not None:

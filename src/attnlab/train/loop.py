@@ -37,7 +37,7 @@ from .checkpoint import (
     OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
     torch_load_checked, write_manifest,
 )
-from .graphs import CHECKPOINT_KWARGS, CapturedLoss, graph_blocker
+from .graphs import CHECKPOINT_KWARGS, CapturedLoss, graph_blocker, on_capture_stream
 from .sampling import sample_continuation
 from .schedule import scheduler_spec
 from .telemetry import RunLogger, Throughput, read_jsonl
@@ -79,6 +79,8 @@ class AttnLabTrainer(Trainer):
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
         self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
+        if cuda_graphs and world_size() > 1:
+            self.accelerator.prepare_model = on_capture_stream(self.accelerator.prepare_model)
 
     def _get_train_sampler(self, train_dataset=None):
         if self.train_sampler is not None:
