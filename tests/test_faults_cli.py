@@ -82,21 +82,41 @@ def test_generate_refuses_an_output_in_a_read_only_directory_before_loading_the_
 
 @pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")])
 def test_generate_says_when_its_output_cannot_be_written_and_leaves_nothing_behind(model_dir, tmp_path, capsys, monkeypatch, code, reason):
-    from pathlib import Path
+    import os
 
-    write_text = Path.write_text
+    write = os.write
 
-    def failing(self, *args, **kwargs):
-        if self.name.endswith(".tmp"):
-            write_text(self, "partial")  # the disk filled up half way
+    def failing(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
+            write(fd, bytes(data[:3]))  # the disk filled up half way
             raise OSError(code, reason)
-        return write_text(self, *args, **kwargs)
+        return write(fd, data)
 
-    monkeypatch.setattr(Path, "write_text", failing)
+    monkeypatch.setattr(os, "write", failing)
     out = tmp_path / "out.jsonl"
     assert run_cli("generate", str(model_dir), "-p", "a", "-p", "b", "--output", str(out), "--max-new-tokens", "2") == 1
     one_error(capsys, reason, str(out))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_never_writes_through_a_symlink_planted_at_its_temporary_name(model_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.tmp").symlink_to(victim)  # the fixed temporary name attnlab once used
+    assert run_cli("generate", str(model_dir), "-p", "a", "-p", "b", "--output", str(out), "--max-new-tokens", "2") == 0
+    assert victim.read_text() == "keep me"
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["a", "b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.tmp", "victim.txt"]
+
+
+def test_generate_replaces_a_symlink_at_its_output_instead_of_writing_through_it(model_dir, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out.jsonl"
+    out.symlink_to(victim)
+    assert run_cli("generate", str(model_dir), "-p", "a", "--output", str(out), "--max-new-tokens", "2") == 0
+    assert victim.read_text() == "keep me" and not out.is_symlink()
 
 
 def test_generate_refuses_a_model_whose_config_json_is_malformed(model_dir, tmp_path, capsys):

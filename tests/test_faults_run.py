@@ -104,6 +104,16 @@ def test_a_second_new_run_on_a_held_directory_is_refused_and_the_holder_keeps_it
         assert run.is_dir() and not (run / "config.yaml").exists()
 
 
+def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_left_untouched(run, tmp_path, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (run / ".lock").unlink(missing_ok=True)
+    (run / ".lock").symlink_to(victim)
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") != 0
+    _one_error(capsys, "symbolic link", ".lock")
+    assert victim.read_text() == "keep me"
+
+
 HOLD = textwrap.dedent("""
     import sys, time
     from attnlab.train.rundir import RunLock

@@ -8,7 +8,11 @@ a model loads wherever possible, so that no compute is spent on results that can
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
+import shutil
+import stat
 from pathlib import Path
 
 from attnlab.errors import OutputError
@@ -46,22 +50,144 @@ def prepare_output_file(path: str | Path, what: str = "--output") -> Path:
 def write_text_atomic(path: str | Path, text: str, what: str = "--output") -> Path:
     """Write `text` to a temporary name beside `path`, then rename it over `path`: a reader sees the
     old file or the new one, never half of it. A failed write leaves no temporary file behind."""
-    return _write_atomic(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"), what)
+    return _write_atomic(Path(path), text.encode("utf-8"), what)
 
 
 def write_bytes_atomic(path: str | Path, data: bytes, what: str = "--output") -> Path:
     """`write_text_atomic` for bytes."""
-    return _write_atomic(Path(path), lambda tmp: tmp.write_bytes(data), what)
+    return _write_atomic(Path(path), data, what)
 
 
-def _write_atomic(path: Path, write, what: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
+def _write_atomic(path: Path, data: bytes, what: str) -> Path:
     try:
-        write(tmp)
-        tmp.replace(path)
+        replace_file(path, data)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise OutputError(f"could not write {what} {path} ({_reason(e)}); nothing was written there. "
                           "Free some space or pass a path you can write to.") from None
     return path
+
+
+# --- the one safe writer: nothing written through a link planted at a target or its temporary name -----------
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def replace_file(path: str | Path, data: str | bytes, fsync: bool = False) -> Path:
+    """Write `data` (str: UTF-8) as the file `path`, whole or not at all, never through a planted link.
+
+    The bytes go to a new file under a fresh random name in `path`'s directory, created with
+    O_CREAT|O_EXCL (so neither an existing file nor a symlink there is ever opened), then `os.replace`
+    renames it over `path` (a symlink at `path` is replaced, not followed). On any failure the temporary
+    file is removed and the OSError raised; `path` is as it was. `fsync`: flush the bytes to disk first."""
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    fd, tmp = _new_temporary_file(path)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def temporary_name(path: str | Path) -> Path:
+    """A fresh random name beside `path` for a file or directory that will be renamed over it
+    (`.NAME.<random>.tmp`: hidden, and matched by `*.tmp` clean-ups)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+
+
+def _new_temporary_file(path: Path) -> tuple[int, Path]:
+    for _ in range(100):
+        tmp = temporary_name(path)
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
+def replace_symlink(link: str | Path, target: str) -> Path:
+    """Point the symlink `link` at `target` atomically: a new link under a fresh random name, renamed over `link`."""
+    link = Path(link)
+    for _ in range(100):
+        tmp = temporary_name(link)
+        try:
+            os.symlink(target, tmp)  # fails on any existing path: never reuses a planted one
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temporary name", str(link))
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return link
+
+
+def remove_path(path: str | Path) -> None:
+    """Remove whatever is at `path`: a symlink or file is unlinked (never followed), a directory removed
+    with its contents (rmtree never follows the links inside it). Nothing there is not an error."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def fresh_dir(path: str | Path) -> Path:
+    """Create `path` as a new, empty directory to stage files in, removing what a crashed run left there
+    first. `os.mkdir` fails on any existing path, so a symlink planted at `path` is never written through."""
+    path = Path(path)
+    remove_path(path)
+    os.mkdir(path)
+    return path
+
+
+def open_lock_file(path: str | Path) -> int:
+    """Open (creating if missing) the lock file `path` for reading and writing, without following a
+    symlink at it; refuse a link or anything but a regular file with one link, which truncating or
+    writing it would damage. Raises OutputError saying what is there; OSError for other failures."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP or path.is_symlink():
+            raise OutputError(f"{path} is a symbolic link; attnlab never writes through a link planted where it "
+                              f"keeps its lock. Remove the link (rm {path}) and run again.") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        kind = "not a regular file" if not stat.S_ISREG(st.st_mode) else "a hard link to another file"
+        raise OutputError(f"{path} is {kind}; attnlab keeps its lock in a file of its own. "
+                          f"Remove it (rm {path}) and run again.")
+    return fd
+
+
+# --- paths that must stay under their roots ---------------------------------------------------------------
+
+
+def inside(root: str | Path, path: str | Path) -> Path:
+    """`path` (taken relative to `root` unless absolute) resolved, symlinks and '..' followed, if it stays
+    under `root` resolved; ValueError otherwise. Callers turn that into their own error naming the field."""
+    base = Path(root).resolve()
+    resolved = (base / Path(path)).resolve()
+    if not resolved.is_relative_to(base):
+        raise ValueError(f"{path} resolves to {resolved}, outside {base}")
+    return resolved

@@ -13,7 +13,8 @@ import os
 import socket
 from pathlib import Path
 
-from attnlab.errors import RunDirError
+from attnlab.errors import OutputError, RunDirError
+from attnlab.outputs import open_lock_file
 
 LOCK_FILE = ".lock"
 
@@ -71,7 +72,9 @@ class RunLock:
         check_writable(d)
         path = d / LOCK_FILE
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock_file(path)  # never through a symlink planted at RUN/.lock
+        except OutputError as e:
+            raise RunDirError(str(e)) from None
         except OSError as e:
             raise RunDirError(f"cannot open {path}: {_explain(e)}. Make the run directory writable.") from None
         try:
