@@ -143,6 +143,58 @@ def test_a_db_id_outside_the_data_directory_is_refused(tmp_path, capsys, db_id):
     assert_one_error(capsys, "is not a database name", "db_id")
 
 
+def test_a_spider_database_linked_from_outside_the_data_directory_is_refused(tmp_path, capsys):
+    data = Path(shutil.copytree(SPIDER, tmp_path / "spider"))
+    outside = tmp_path / "outside"
+    (data / "database" / "library").rename(outside)
+    (data / "database" / "library").symlink_to(outside, target_is_directory=True)
+    preds = tmp_path / "preds.sql"
+    preds.write_text("SELECT count(*) FROM book\n" * len(json.loads((data / "dev.json").read_text())))
+    assert run_cli("score", "--task", "spider", "--data", str(data), "--predictions", str(preds)) == 1
+    assert_one_error(capsys, "outside the data directory", "library")
+
+
+# --- paths that stay under their roots: sweep run directories, prepared shards ------------------------
+
+
+def test_a_sweep_suite_name_that_leaves_the_runs_directory_is_refused_naming_the_field(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({"name": "../../x", "jobs": [{"name": "job"}]}))
+    assert run_cli("sweep", str(path), "--dry-run") == 1
+    assert_one_error(capsys, "name", "'../../x' is not a directory name")
+
+
+def test_sweep_jobs_named_a_a2_and_a_get_three_directories(tmp_path):
+    from attnlab.sweep.suite import expand, load_suite
+
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "jobs": [{"name": "a"}, {"name": "a-2"}, {"name": "a"}]}))
+    names = [job.name for job in expand(load_suite(path))]
+    assert names[:2] == ["a", "a-2"] and len(set(names)) == 3
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot"])
+def test_a_prepared_corpus_manifest_naming_a_shard_outside_its_directory_is_refused(tmp_path, where):
+    from attnlab.data.prepare import prepare_corpus
+    from attnlab.data.prepared import PreparedCorpus
+    from attnlab.errors import DataError
+
+    src = tmp_path / "plays.txt"
+    src.write_text("To be, or not to be, that is the question.\n" * 20)
+    out = tmp_path / "corpus"
+    prepare_corpus(str(src), out, "byte")
+    manifest = json.loads((out / "manifest.json").read_text())
+    shard = manifest["shards"][0]["file"]
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(out / shard, tmp_path / "elsewhere" / shard)
+    named = str(tmp_path / "elsewhere" / shard) if where == "absolute" else f"../elsewhere/{shard}"
+    manifest["shards"][0]["file"] = named
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=rf"manifest\.json.*{re.escape(repr(named))}.*outside the corpus directory"):
+        PreparedCorpus(out)
+
+
 # --- JSONL: U+2028 and U+0085 inside strings ----------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from attnlab.data.prepare import FORMAT_VERSION, MANIFEST, is_validation
 from attnlab.errors import DataError
+from attnlab.outputs import inside
 
 
 class PreparedCorpus:
@@ -31,7 +32,7 @@ class PreparedCorpus:
         self.shards: list[np.memmap] = []
         self.doc_offsets: list[np.ndarray] = []
         for entry in m["shards"]:
-            path = self.directory / entry["file"]
+            path = _in_corpus(self.directory, entry, "file")
             expected = entry["tokens"] * self.dtype.itemsize
             if not path.is_file():
                 raise DataError(f"The shard {path} is missing. {redo}")
@@ -40,7 +41,7 @@ class PreparedCorpus:
                 raise DataError(f"The shard {path} is {size:,} bytes, not the {expected:,} its manifest records: it is truncated or corrupt. {redo}")
             if verify and _sha256(path) != entry["sha256"]:
                 raise DataError(f"The shard {path} does not match the SHA-256 its manifest records: it is corrupt. {redo}")
-            index_path = self.directory / entry["index"]
+            index_path = _in_corpus(self.directory, entry, "index")
             try:
                 offsets = np.load(index_path)
             except (OSError, ValueError) as exc:
@@ -116,6 +117,17 @@ def _merge(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _in_corpus(directory: Path, entry: dict, key: str) -> Path:
+    """The file a manifest entry names, refused if it leads outside the corpus directory (absolute, '..', a link)."""
+    name = entry[key]
+    try:
+        inside(directory, name)
+    except (ValueError, TypeError):
+        raise DataError(f"{directory / MANIFEST}: shard entry {entry.get('shard', '?')} names {key} {name!r}, outside the corpus "
+                        f"directory {directory}. A prepared corpus holds its shards itself: prepare it again with --overwrite.") from None
+    return directory / name
 
 
 def _read_manifest(directory: Path) -> dict:

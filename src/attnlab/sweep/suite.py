@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from attnlab.config.loader import load_yaml
 from attnlab.errors import ConfigError
@@ -46,6 +46,14 @@ class Suite(BaseModel):
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="Key -> values; every combination is a job.")
     jobs: list[JobEntry] = Field(default_factory=list, description="Explicit jobs, each crossed with the grid.")
     out_dir: Optional[str] = Field(None, description="Where the run directories go; default runs/<name>.")
+
+    @field_validator("name")
+    @classmethod
+    def _one_directory_name(cls, name: Optional[str]) -> Optional[str]:
+        if name is not None and not is_plain_name(name):
+            raise ValueError(f"{name!r} is not a directory name: runs go to runs/<name>/, so it must be one name "
+                             "(no '/', no '..', not absolute); set out_dir to put the runs elsewhere")
+        return name
 
 
 @dataclass
@@ -106,6 +114,12 @@ def _label(key: str, value: Any) -> str:
     return f"{leaf}{text}"
 
 
+def is_plain_name(name: Any) -> bool:
+    """`name` names one directory entry: no path separators, not '.', '..' or absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and Path(name).name == name)
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", name).strip("-.") or "job"
 
@@ -140,10 +154,14 @@ def expand(suite: Suite, extra_overrides: list[str] | None = None) -> list[Job]:
             parts = ([entry.name] if entry.name else [_label(k, v) for k, v in entry.set.items()])
             parts += [_label(k, v) for k, v in grid_values.items() if len(suite.grid[k]) > 1 or not parts]
             jobs.append(Job(name=_safe("-".join(parts)) if parts else "job", overrides=overrides + tail, varying=varying))
-    seen: dict[str, int] = {}
-    for job in jobs:  # unique names: a second 'gla' becomes 'gla-2'
-        n = seen.get(job.name, 0) + 1
-        seen[job.name] = n
-        if n > 1:
-            job.name = f"{job.name}-{n}"
+    taken: set[str] = set()
+    counts: dict[str, int] = {}
+    for job in jobs:  # unique names: a second 'gla' becomes 'gla-2' (or 'gla-3' if a job is named 'gla-2')
+        name, n = job.name, counts.get(job.name, 1)
+        while name in taken:
+            n += 1
+            name = f"{job.name}-{n}"
+        counts[job.name] = n
+        taken.add(name)
+        job.name = name
     return jobs

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from attnlab.errors import DataError
+from attnlab.outputs import inside
 
 from ..metrics import normalize_sql, ratio, sql_orders_rows
 from ..sql import results_match, run_query
@@ -88,6 +89,12 @@ class SpiderTask(Task):
             db_path = data / "database" / db_id / f"{db_id}.sqlite"
             if not db_path.is_file():
                 raise DataError(f"{split_path.name}, item {n}: database file {db_path} not found")
+            try:
+                inside(data, db_path)
+            except ValueError:
+                raise DataError(f"{split_path.name}, item {n}: the database file {db_path} of {db_id!r} leads outside the data "
+                                f"directory {data} (to {db_path.resolve()}, through a symbolic link). Put the database itself "
+                                "under database/<db_id>/.") from None
             prompt = self.render(db_id=db_id, schema=render_schema(schemas[db_id]), question=item["question"].strip())
             examples.append(Example(str(item.get("id", n)), prompt, [item["query"]], {"db_id": db_id, "db_path": str(db_path), "question": item["question"]}))
         return examples
