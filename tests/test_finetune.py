@@ -433,6 +433,25 @@ def test_resume_continues_to_the_uninterrupted_runs_adapter(attnlab_dir, tmp_pat
     assert json.loads((tmp_path / "split" / "run.json").read_text())["status"] == "finished"
 
 
+def test_a_run_stopped_after_its_last_checkpoint_resumes_to_finish_it(attnlab_dir, tmp_path):
+    import shutil
+
+    from attnlab.errors import ConfigError
+    from attnlab.finetune.run import run_finetune
+
+    data = _jsonl(tmp_path / "d.jsonl", STYLE_ROWS)
+    cfg = _cfg(attnlab_dir, data, tmp_path, ["train.max_steps=3", "train.save_every=3", "train.warmup_steps=0"])
+    done = run_finetune(cfg, tmp_path / "run")
+    expected = _adapter_tensors(done.adapter_dir)
+    shutil.rmtree(tmp_path / "run" / "final")  # as if stopped between the last checkpoint and the final adapter
+    finished = run_finetune(cfg, tmp_path / "run", resume=True)
+    assert finished.report["steps"] == 3 and json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
+    for name, tensor in _adapter_tensors(finished.adapter_dir).items():
+        torch.testing.assert_close(tensor, expected[name])
+    with pytest.raises(ConfigError, match="already reached step 3"):  # a finished run is not resumed again
+        run_finetune(cfg, tmp_path / "run", resume=True)
+
+
 def test_eval_section_runs_during_finetuning_and_records_the_best_checkpoint(attnlab_dir, tmp_path):
     from attnlab.finetune.run import run_finetune
 

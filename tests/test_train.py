@@ -236,9 +236,15 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_write_its_final_model
     assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0
     import shutil
 
+    from safetensors.torch import load_file
+
+    expected = load_file(str(run / "final" / "model.safetensors"))
     shutil.rmtree(run / "final")  # as if killed between the last checkpoint and the final save
     assert run_cli("train", "--resume", "--run-dir", str(run)) == 0
     assert (run / "final" / "model.safetensors").is_file() and _run_json(run)["status"] == "finished"
+    final = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(final[name], expected[name]) for name in expected)  # no step beyond max_steps
+    assert max(json.loads(line)["step"] for line in (run / "heartbeat.jsonl").read_text().splitlines()) == 8
 
 
 @pytest.mark.parametrize("mixer, checkpointing, sharded, reason", [

@@ -29,6 +29,7 @@ from attnlab.errors import (
     TrainingDivergedError,
 )
 from attnlab.train.loop import AttnLabTrainer
+from attnlab.outputs import replace_file
 
 from .config import (
     FinetuneConfig,
@@ -257,7 +258,9 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     console.print(f"base {p.where.name}: {cfg.finetune.method} on {', '.join(p.targets)}; trainable {trainable:,} of {total:,} "
                   f"parameters ({report['trainable_pct']:.3f}%)", highlight=False)
     start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
-    if start_step >= steps:
+    # A run stopped at its last step (after the checkpoint, before its final adapter) resumes to finish: no steps,
+    # the final adapter and the summary. One that finished, or that is past the steps asked for, is refused.
+    if start_step > steps or (start_step == steps and (run_dir / "final").exists()):
         raise ConfigError(f"the run already reached step {start_step} (train.max_steps={steps}); to train further, resume with "
                           f"--set train.max_steps=N, N > {start_step}")
 
@@ -311,7 +314,7 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     adapter_dir = run_dir / "final"
     stopper.install()
     try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        trainer.train_or_finish(resume_from)
     finally:
         stopper.restore()
         telemetry.progress.stop()
@@ -412,6 +415,4 @@ def _write_status(run_dir: Path, record: dict) -> None:
     record = {**record, "attnlab_version": attnlab.__version__, "torch_version": torch.__version__,
               "transformers_version": transformers.__version__, "python": platform.python_version(),
               "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    tmp.replace(run_dir / "run.json")
+    replace_file(run_dir / "run.json", json.dumps(record, indent=1, default=str))

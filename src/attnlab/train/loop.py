@@ -11,7 +11,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ from attnlab.data.blocks import DATA_STATE
 from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
 from attnlab.launch import rank, world_size
 from attnlab.models import AttnLabForCausalLM
+from attnlab.outputs import fresh_dir, remove_path, replace_file
 
 from .checkpoint import (
     OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
@@ -127,6 +127,16 @@ class AttnLabTrainer(Trainer):
             model = lambda input_ids, labels, num_items_in_batch=None: {  # noqa: E731
                 "loss": captured.loss(input_ids, labels, num_items_in_batch)}
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def train_or_finish(self, resume_from: Path | None) -> None:
+        """Train, or, for a run resumed at the step it was to end at (stopped after its last checkpoint, before
+        its final model), take no step: the checkpoint's weights and Trainer state as they are. The Trainer
+        itself would take one step more."""
+        if resume_from is None or int(resume_from.name.split("-")[1]) < self.args.max_steps:
+            self.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            return
+        self._load_from_checkpoint(str(resume_from))
+        self.state = transformers.TrainerState.load_from_json(str(resume_from / "trainer_state.json"))
 
     def _save_checkpoint(self, model, trial):
         # args.output_dir is the staging directory; every rank writes its part (rank 0 the weights and
@@ -584,7 +594,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     status = "failed"
     stopper.install()
     try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        trainer.train_or_finish(resume_from)
         if stopper.stopped_at is not None and trainer.state.global_step < trainer.state.max_steps:  # at the end: just finish
             status = "interrupted"
             saved = checkpoints.newest()
@@ -648,23 +658,23 @@ def _stable_run_id(run_dir: Path) -> str:
     """One W&B run per run directory, across resumes."""
     path = run_dir / "wandb_id"
     if not path.exists():
-        path.write_text(uuid.uuid4().hex[:12])
+        replace_file(path, uuid.uuid4().hex[:12])
     return path.read_text().strip()
 
 
 def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path, step: int, state_dict: dict | None = None) -> None:
     final, tmp = run_dir / "final", run_dir / ".final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    fresh_dir(tmp)  # never a directory or link planted at the temporary name
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     save_config(cfg, tmp / "run_config.yaml")
     write_manifest(tmp, step)  # generate / eval verify the final model against it
     if final.exists():
         old = run_dir / ".final.old"
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
         final.replace(old)
         tmp.replace(final)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
     else:
         tmp.replace(final)
 
@@ -748,6 +758,4 @@ def _write_status(run_dir: Path, status: str, cfg: RunConfig, report: PreflightR
             old = None
         if isinstance(old, dict) and "eval" in old:
             record["eval"] = old["eval"]
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(run_dir / "run.json")
+    replace_file(run_dir / "run.json", json.dumps(record, indent=1))
