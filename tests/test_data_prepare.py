@@ -272,6 +272,16 @@ def test_cli_prepares_a_corpus_and_prints_a_summary(tmp_path, capsys):
     assert PreparedCorpus(tmp_path / "out").val_tokens > 0
 
 
+def test_cli_holds_out_validation_by_default_as_train_does(tmp_path):
+    """`attnlab train` holds out data.val_fraction of a plain corpus: a prepared one had none unless asked."""
+    from attnlab.config.schema import DataSection
+
+    src = _corpus(tmp_path / "src")
+    assert run_cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--workers", "1") == 0
+    corpus = PreparedCorpus(tmp_path / "out")
+    assert DataSection.model_fields["val_fraction"].default > 0 and corpus.val_tokens > 0
+
+
 def test_cli_reports_progress_as_lines_when_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
     from attnlab.data import cli as data_cli
 

@@ -17,6 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from attnlab.config.schema import DataSection
 from attnlab.data.prepare import DEFAULT_SHARD_TOKENS, prepare_corpus
 from attnlab.data.prepare import Progress as PrepareProgress
 
@@ -79,7 +80,9 @@ def prepare_command(
     workers: int = typer.Option(max(1, min(8, os.cpu_count() or 1)), "--workers", "-w", min=1, help="Tokenizer processes (HF tokenizers); 1 tokenizes in this process, as the byte tokenizer always does (its encoding costs less than sending text to a worker).",
                                 show_default="CPU cores, at most 8"),
     text_field: str = typer.Option("text", "--text-field", help="JSON field / Parquet or dataset column that holds the text."),
-    val_fraction: float = typer.Option(0.0, "--val-fraction", help="Fraction of the documents (whole documents, chosen by --seed) held out for validation; 0 for none."),
+    val_fraction: float = typer.Option(DataSection.model_fields["val_fraction"].default, "--val-fraction",
+                                       help="Fraction of the documents (whole documents, chosen by --seed) held out for validation, as "
+                                            "`attnlab train` holds out of a plain corpus (data.val_fraction); 0 for none."),
     seed: int = typer.Option(0, "--seed", help="Seed of the validation split."),
     shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", min=1, help="Tokens per shard, at least (a shard ends at a document boundary)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete the shards and manifest already in --out and start afresh (needed when the source or tokenizer changed)."),
