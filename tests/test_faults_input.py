@@ -143,6 +143,30 @@ def test_a_db_id_outside_the_data_directory_is_refused(tmp_path, capsys, db_id):
     assert_one_error(capsys, "is not a database name", "db_id")
 
 
+# --- files saved with a UTF-8 byte-order mark ------------------------------------------------------------
+
+
+def test_predictions_saved_with_a_byte_order_mark_score_as_without_it(tmp_path):
+    gold = [ex["query"] for ex in json.loads((SPIDER / "dev.json").read_text(encoding="utf-8"))]
+    preds = tmp_path / "preds.sql"
+    preds.write_text("".join(q + "\n" for q in gold), encoding="utf-8-sig")
+    assert preds.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert run_cli("score", "--task", "spider", "--predictions", str(preds), "-o", str(tmp_path / "out")) == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]
+    assert metrics["exact_match"] == 1.0 and metrics["execution_accuracy"] == 1.0
+
+
+def test_task_data_saved_with_a_byte_order_mark_is_read(tmp_path):
+    data = Path(shutil.copytree(SPIDER, tmp_path / "spider"))
+    for name in ("dev.json", "tables.json"):
+        (data / name).write_text((SPIDER / name).read_text(encoding="utf-8"), encoding="utf-8-sig")
+    gold = [ex["query"] for ex in json.loads((SPIDER / "dev.json").read_text(encoding="utf-8"))]
+    preds = tmp_path / "preds.sql"
+    preds.write_text("".join(q + "\n" for q in gold), encoding="utf-8")
+    assert run_cli("score", "--task", "spider", "--data", str(data), "--predictions", str(preds), "-o", str(tmp_path / "out")) == 0
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["metrics"]["exact_match"] == 1.0
+
+
 def test_a_spider_database_linked_from_outside_the_data_directory_is_refused(tmp_path, capsys):
     data = Path(shutil.copytree(SPIDER, tmp_path / "spider"))
     outside = tmp_path / "outside"
@@ -256,6 +280,26 @@ def test_a_sweep_rerun_after_the_suite_changed_a_finished_job_refuses_it(tmp_pat
     assert "finished earlier" in capsys.readouterr().out
 
 
+def test_a_sweep_dry_run_says_a_job_that_preflight_refuses_would_be_refused_and_why(tmp_path, tiny, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # the plan table's note on one line
+    tiny_set = {k: v for k, v in (o.split("=", 1) for o in tiny)}
+    suite = {"name": "s", "set": tiny_set, "jobs": [{"name": "fits"},
+                                                   {"name": "short", "set": {"model.max_position_embeddings": 16}}]}
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "runs"
+    assert run_cli("sweep", str(path), "--out-dir", str(out), "--dry-run") == 0
+    printed = capsys.readouterr().out
+    words = " ".join(re.sub("[\u2500-\u257f]", " ", printed).split())
+    rows = {line.split()[0]: line for line in (" ".join(re.sub("[\u2500-\u257f]", " ", row).split())
+                                                  for row in printed.splitlines()) if line.split() and line.split()[0] in ("fits", "short")}
+    assert "start" in rows["fits"] and "refused" in rows["short"] and "start" not in rows["short"].split()[:2]
+    assert "model.max_position_embeddings" in words and "preflight refuses" in words
+    commands = [line for line in printed.splitlines() if line.startswith(("fits:", "short:"))]
+    assert [c.split(":")[0] for c in commands] == ["fits"]  # no command printed for the refused job
+    assert not out.exists()
+
+
 # --- configs: keys given twice, sizes that do not fit -------------------------------------------------
 
 
@@ -285,6 +329,30 @@ def test_a_suite_key_given_twice_is_refused(tmp_path, capsys):
     path.write_text("name: s\ngrid:\n  train.seed: [0, 1]\n  train.seed: [2]\n")
     assert run_cli("sweep", str(path), "--dry-run") == 1
     assert_one_error(capsys, "'grid.train.seed'", "lines 3 and 4")
+
+
+@pytest.mark.parametrize("override", ["train.max_steps=true", "model.hidden_size=true", "train.lr=false", "train.eval_every=false"])
+def test_a_boolean_for_a_number_setting_is_refused_not_read_as_one(tiny, capsys, override):
+    assert run_cli("preflight", *sets(tiny + [override])) == 1
+    assert_one_error(capsys, override.split("=")[0], "not a boolean")
+
+
+@pytest.mark.parametrize("override", ["train.lr=nan", "train.weight_decay=inf", "train.grad_clip=.inf", "model.rope_theta=-inf",
+                                      "train.progress_every_s=.nan", "data.val_fraction=nan"])
+def test_a_non_finite_number_for_a_float_setting_is_refused_naming_it(tiny, capsys, override):
+    assert run_cli("preflight", *sets(tiny + [override])) == 1
+    assert_one_error(capsys, override.split("=")[0], "finite number")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_train_seed_outside_numpys_range_is_refused_by_preflight(tiny, capsys, seed):
+    assert run_cli("preflight", *sets(tiny + [f"train.seed={seed}"])) == 1
+    assert_one_error(capsys, "train.seed")
+
+
+def test_a_non_finite_generation_setting_in_the_eval_section_is_refused(tiny, capsys):
+    assert run_cli("preflight", *sets(tiny + ["eval.generation.length_penalty=nan"])) == 1
+    assert_one_error(capsys, "length_penalty", "finite number")
 
 
 def test_max_position_embeddings_below_seq_len_is_refused_by_preflight(tiny, capsys):
@@ -344,3 +412,191 @@ def test_a_misspelled_generate_setting_suggests_the_generation_key():
     with pytest.raises(ConfigError) as info:
         generate(model, ByteTokenizer(), "hi", max_new_token=5)
     assert "did you mean 'max_new_tokens'" in str(info.value) and "sample_tokens" not in str(info.value)
+
+
+# --- generate: settings, prompts and model files refused before anything is allocated ----------------
+
+
+@pytest.mark.parametrize("setting", [
+    ["--num-beams", "2", "--length-penalty", "nan"], ["--num-beams", "2", "--length-penalty", "inf"],
+    ["--do-sample", "--temperature", "nan"], ["--do-sample", "--temperature", "inf"],
+    ["--repetition-penalty", "nan"], ["--do-sample", "--top-p", "nan"],
+])
+def test_generate_refuses_a_non_finite_float_setting_naming_it(attnlab_dir, capsys, monkeypatch, setting):
+    import attnlab.loading
+
+    monkeypatch.setattr(attnlab.loading, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    assert run_cli("generate", str(attnlab_dir), "--prompt", "x", *setting) == 1
+    assert_one_error(capsys, setting[-2].removeprefix("--").replace("-", "_"), "finite number")
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(-1), str(10**30)])
+def test_generate_refuses_a_seed_beyond_64_bits(attnlab_dir, capsys, seed):
+    assert run_cli("generate", str(attnlab_dir), "--prompt", "x", "--do-sample", "--seed", seed, "--max-new-tokens", "2") == 1
+    assert_one_error(capsys, "seed")
+
+
+def test_generate_reads_a_prompt_file_saved_with_a_byte_order_mark_without_the_mark(attnlab_dir, tmp_path):
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    prompts.write_text("Hello\nWorld\n", encoding="utf-8-sig")
+    assert run_cli("generate", str(attnlab_dir), "--input", str(prompts), "--output", str(out), "--max-new-tokens", "2") == 0
+    assert [json.loads(line)["prompt"] for line in out.read_text(encoding="utf-8").splitlines()] == ["Hello", "World"]
+
+
+def _copy_model(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    if config_changes:
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return dst
+
+
+def _never_build(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model must not be built from these files"))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("num_layers", 10_000_000, ["layers"]), ("vocab_size", -5, ["positive"]), ("vocab_size", 10_000_000_000, ["parameters"]),
+    ("hidden_size", 1_000_000_000, ["parameters"]), ("num_layers", "4", ["not an integer"]), ("hidden_size", True, ["not an integer"]),
+    ("intermediate_size", -1, ["at least 0"]),
+])
+def test_generate_refuses_a_model_config_with_impossible_sizes_before_building_it(attnlab_dir, tmp_path, capsys, monkeypatch,
+                                                                                   field, value, words):
+    broken = _copy_model(attnlab_dir, tmp_path / "m", **{field: value})
+    _never_build(monkeypatch)
+    assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, "config.json", field, *words)
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """`path`'s safetensors header passed through `change` (a function of the parsed header), the data kept."""
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def header_length_2_62(path):
+    path.write_bytes((2**62).to_bytes(8, "little") + path.read_bytes()[8:])
+
+
+def header_length_past_the_end(path):
+    path.write_bytes((path.stat().st_size).to_bytes(8, "little") + path.read_bytes()[8:])
+
+
+def too_short(path):
+    path.write_bytes(b"\x01\x02")
+
+
+def header_not_json(path):
+    path.write_bytes((16).to_bytes(8, "little") + b"\xff" * 16 + path.read_bytes())
+
+
+def absurd_offsets(path):
+    _rewrite_header(path, lambda h: _first_tensor(h).update(data_offsets=[0, 10**15]))
+
+
+def negative_offsets(path):
+    _rewrite_header(path, lambda h: _first_tensor(h).update(data_offsets=[-8, 0]))
+
+
+def shape_bigger_than_its_bytes(path):
+    _rewrite_header(path, lambda h: _first_tensor(h).update(shape=[10**6, 10**6]))
+
+
+@pytest.mark.parametrize("damage, words", [
+    (truncate, ["lie outside"]), (header_length_2_62, ["header length"]), (header_length_past_the_end, ["header length"]),
+    (too_short, ["less than a safetensors header"]), (header_not_json, ["not valid JSON"]), (absurd_offsets, ["lie outside"]),
+    (negative_offsets, ["lie outside"]), (shape_bigger_than_its_bytes, ["bytes for a"]),
+])
+def test_generate_refuses_a_damaged_safetensors_file_before_loading_it(attnlab_dir, tmp_path, capsys, monkeypatch, damage, words):
+    broken = _copy_model(attnlab_dir, tmp_path / "m")
+    assert not (broken / "manifest.json").exists()
+    damage(broken / "model.safetensors")
+    _never_build(monkeypatch)
+    assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, "model.safetensors", *words)
+
+
+@pytest.mark.parametrize("how", ["argument", "jsonl"])
+def test_generate_refuses_a_prompt_holding_a_lone_surrogate_before_loading_the_model(attnlab_dir, tmp_path, capsys, monkeypatch, how):
+    import attnlab.loading
+
+    monkeypatch.setattr(attnlab.loading, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    if how == "argument":
+        args = ["--prompt", "ok", "--prompt", "a\ud800b"]
+    else:
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"prompt": "ok"}\n{"prompt": "a\\ud800b"}\n')
+        args = ["--input", str(prompts)]
+    assert run_cli("generate", str(attnlab_dir), *args) == 1
+    assert_one_error(capsys, "surrogate", "prompts.jsonl, line 2" if how == "jsonl" else "--prompt 2")
+
+
+def test_the_generation_api_refuses_a_prompt_holding_a_lone_surrogate():
+    from attnlab.data import ByteTokenizer
+    from attnlab.errors import DataError
+    from attnlab.generation import generate
+    from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=32, num_layers=1, num_heads=2))
+    with pytest.raises(DataError, match="surrogate"):
+        generate(model, ByteTokenizer(), ["fine", "\udced\udca0"], max_new_tokens=2)
+
+
+# --- convert: configs of the wrong types, files that are not JSON --------------------------------------
+
+
+def _fla_checkpoint(path: Path, **config_changes) -> Path:
+    from safetensors.torch import save_file
+
+    from test_convert import FLA_CONFIG, fla_gla_tensors
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**FLA_CONFIG, **config_changes}))
+    save_file(fla_gla_tensors(), str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"hidden_size": "64"}, ["hidden_size", "not an integer"]), ({"num_heads": 4.0}, ["num_heads", "not an integer"]),
+    ({"expand_k": "half"}, []), ({"num_hidden_layers": None, "vocab_size": None}, []), ({"num_hidden_layers": 10**9}, ["layers"]),
+    ({"vocab_size": 10**13}, ["parameters"]),
+])
+def test_convert_refuses_a_config_of_the_wrong_types_naming_the_file(tmp_path, capsys, changes, words):
+    src = _fla_checkpoint(tmp_path / "gla", **changes)
+    assert run_cli("convert", str(src), str(tmp_path / "out")) == 1
+    assert_one_error(capsys, "config.json", *words)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"[1, 2, 3]"], ids=["random_bytes", "a_list"])
+def test_convert_refuses_a_config_json_that_is_not_a_json_object(tmp_path, capsys, content):
+    src = _fla_checkpoint(tmp_path / "gla")
+    (src / "config.json").write_bytes(content)
+    assert run_cli("convert", str(src), str(tmp_path / "out")) == 1
+    assert_one_error(capsys, "config.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_truncated_safetensors_file(tmp_path, capsys):
+    src = _fla_checkpoint(tmp_path / "gla")
+    truncate(src / "model.safetensors")
+    assert run_cli("convert", str(src), str(tmp_path / "out")) == 1
+    assert_one_error(capsys, "model.safetensors", "truncated")
+    assert not (tmp_path / "out").exists()

@@ -183,13 +183,25 @@ def convert(
     console.print(f"{what}: wrote {out}", highlight=False)
 
 
+def _check_text(prompt: str, where: str) -> None:
+    """Refuse a prompt that is not text: a lone surrogate (a JSON escape such as \\ud800, or an argument whose bytes
+    were not UTF-8) cannot be encoded, so no tokenizer can read it."""
+    from attnlab.errors import DataError
+
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: the prompt holds a lone surrogate ({prompt[e.start]!r} at character {e.start}), which is "
+                        "not text; write the character itself, or save the prompt as UTF-8") from None
+
+
 def _read_prompts(path: Path) -> list[dict]:
     from attnlab.errors import DataError
 
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
                         "save the prompts as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
@@ -202,6 +214,7 @@ def _read_prompts(path: Path) -> list[dict]:
         for n, row in jsonl_records(text, path):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise DataError(f'{path}, line {n}: expected an object with a "prompt" string, e.g. {{"id": 1, "prompt": "..."}}')
+            _check_text(row["prompt"], f"{path}, line {n}")
             rows.append(row)
     else:
         from attnlab.data.corpus import text_lines
@@ -252,6 +265,8 @@ def generate(
     if stop:
         settings["stop"] = list(stop)
     cfg = resolve_config(settings)  # impossible settings fail here, before the model loads
+    for n, p in enumerate(prompt, start=1):
+        _check_text(p, f"--prompt {n}")
     rows = [{"prompt": p} for p in prompt] + (_read_prompts(input_file) if input_file else [])
     if output is not None:
         prepare_output_file(output)  # before the model loads: no compute spent on results that cannot be written

@@ -69,6 +69,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
 
     from attnlab.data import load_tokenizer
     from attnlab.data.tokenizer import _prepare_for_lm
+    from attnlab.models.files import check_model_files
 
     import transformers
 
@@ -91,6 +92,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
                 raise CheckpointError(f"{where} holds no usable tokenizer ({e}); use a GGUF file that embeds its tokenizer") from None
         else:
             _refuse_pickled_only(where)
+            check_model_files(where)  # sizes and safetensors headers, before anything is built from them
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, use_safetensors=True, **common)
             tokenizer = load_tokenizer(str(where))
     except CheckpointError:

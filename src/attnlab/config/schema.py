@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from attnlab.eval.config import EvalSection
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from attnlab.sections import Section  # unknown keys refused; numbers finite, booleans not numbers
 
 
 class ModelSection(Section):
@@ -52,7 +49,7 @@ class DataSection(Section):
 class TrainSection(Section):
     """Optimisation, cadence, precision and logging."""
 
-    seed: int = Field(0, description="seeds init, data order and samples")
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds init, data order and samples (0 to 2^32 - 1, numpy's range)")
     init_from: str | None = Field(None, description="continue pretraining from this model instead of random weights: an attnlab model or run directory, a checkpoint attnlab converts (attnlab convert --help), or any HF causal LM directory (trained as it is); model.* fields left at their defaults are taken from it, others must agree")
     max_steps: int = Field(400, gt=0, description="optimizer steps")
     batch_size: int = Field(32, gt=0, description="sequences per micro-batch, across all processes (split evenly under torchrun)")
@@ -126,7 +123,7 @@ class GenerateConfig(Section):
     repetition_penalty: float = Field(1.0, gt=0, description="> 1 discourages tokens already in the prompt or output")
     stop: list[str] = Field(default_factory=list, description="strings that end generation (not included in the text)")
     eos_token_id: int | list[int] | None = Field(None, description="null = the tokenizer's and the model's EOS tokens")
-    seed: int = Field(0, description="seed of the sampling generator")
+    seed: int = Field(0, ge=0, lt=2**64, description="seed of the sampling generator (0 to 2^64 - 1)")
     num_return_sequences: int = Field(1, gt=0, description="candidates returned per prompt")
     batch_size: int = Field(8, gt=0, description="prompts decoded together")
     output_scores: bool = Field(False, description="also return each sequence's log-probability score")

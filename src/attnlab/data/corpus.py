@@ -180,7 +180,7 @@ def read_file(path: Path, text_field: str) -> list[str]:
 
 def _read_text_file(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DataError(
             f"{path} is not valid UTF-8 text (byte {exc.start}: {exc.reason}). Convert it to UTF-8, "
@@ -239,7 +239,7 @@ def iter_file_documents(path: Path, text_field: str):
         return
     hint = f"Each line must be one JSON object, e.g. {{\"{text_field}\": \"...\"}}; fix or remove that line."
     try:
-        with open(path, encoding="utf-8") as lines:
+        with open(path, encoding="utf-8-sig") as lines:
             for lineno, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue

@@ -27,7 +27,7 @@ def _template(value: Optional[str]) -> Optional[str]:
         return None
     path = Path(value)
     if len(value) < 4096 and "\n" not in value and "{" not in value and path.is_file():
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     return value.replace("\\n", "\n")
 
 

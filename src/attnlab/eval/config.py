@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Section(BaseModel):
-    # As attnlab.config.schema.Section. This module imports nothing from attnlab.config at import
-    # time, so that the run config schema can import EvalSection without an import cycle.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+# This module imports nothing from attnlab.config at import time, so that the run config schema can
+# import EvalSection without an import cycle.
+from attnlab.sections import Section
 
 
 class EvalTaskSpec(Section):

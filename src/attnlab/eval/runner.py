@@ -132,7 +132,7 @@ def read_predictions(path: Path, examples: Sequence[Example]) -> list[str]:
     if not path.is_file():
         raise DataError(f"predictions file not found: {path}")
     try:
-        lines = text_lines(path.read_text(encoding="utf-8"))
+        lines = text_lines(path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read predictions {path}: {e}") from None
     first = next((line for line in lines if line.strip()), "")

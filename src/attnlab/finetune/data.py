@@ -35,7 +35,7 @@ def read_rows(spec: str) -> list[dict[str, Any]]:
         raise DataError(f"dataset not found: {path}. Point data.train / data.val at a JSONL file of "
                         '{"prompt": ..., "completion": ...} or {"messages": [...]} rows.')
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise DataError(f"{path} is not UTF-8 text (byte {e.start}, line {line}: {e.reason}); re-encode it as UTF-8, e.g. "

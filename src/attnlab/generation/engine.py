@@ -15,7 +15,7 @@ import torch
 
 from attnlab.config import GenerateConfig
 from attnlab.config.loader import validate_section
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, DataError
 
 from .processors import repetition_penalty, suppress_eos, warp_for_sampling
 from .graphs import make_runner
@@ -115,6 +115,11 @@ def check_prompt_lengths(model, encoded: Sequence[Sequence[int]]) -> None:
 
 def _encode(tokenizer, prompt: str | Sequence[int]) -> list[int]:
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"a prompt holds a lone surrogate ({prompt[e.start]!r} at character {e.start}), which is not text "
+                            "and no tokenizer reads; write the character itself") from None
         return list(tokenizer(prompt)["input_ids"])
     ids = [int(t) for t in prompt]
     return ids

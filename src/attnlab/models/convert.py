@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlab.errors import CheckpointError
 from attnlab.loading import resolve_model_dir
+from attnlab.models.files import ATTNLAB_REQUIRED, check_model_config, check_safetensors, read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -52,13 +53,18 @@ def fla_mlp_width(hidden: int, ratio: int | None) -> int:
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map is not an object of tensor names to file names in {path}; "
+                                  "restore it from the original checkpoint")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} holds no *.safetensors weights; attnlab converts checkpoints only from safetensors")
     state: dict[str, torch.Tensor] = {}
     for name in files:
+        check_safetensors(path / name)  # the header fits the file, before safetensors maps it
         state.update(load_file(str(path / name)))
     return state
 
@@ -447,10 +453,9 @@ def read_config(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint not found: {path}. Pass a model directory (config.json and *.safetensors).")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} holds no config.json: pass a model directory (an attnlab, fla or HF checkpoint)")
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}") from None
+    config = read_json_object(path / "config.json")
+    check_model_config(config, path / "config.json")
+    return config
 
 
 def source_kind(config: dict) -> str:
@@ -493,7 +498,16 @@ def converted_config(path: str | Path):
         except (ValueError, KeyError, OSError) as e:
             raise CheckpointError(f"{path} is neither an attnlab model nor a checkpoint attnlab converts, and transformers "
                                   f"cannot read it as a causal LM: {e}") from None
-    return kind, SOURCES[kind].config(raw)
+    try:
+        config = SOURCES[kind].config(raw)
+        check_model_config(config.to_dict(), path / "config.json", required=ATTNLAB_REQUIRED)  # sizes the source left null
+        return kind, config
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of the wrong type, or one missing
+        what = f"field {e.args[0]!r} is missing" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{path / 'config.json'} does not describe a {SOURCES[kind].name} model attnlab can build: "
+                              f"{what}; restore the file from the original checkpoint") from None
 
 
 def load_converted(path: str | Path, dtype: torch.dtype = torch.float32, kernels: str | None = None):

@@ -27,6 +27,25 @@ def _parse_gpus(gpus: Optional[str]) -> list[str] | None:
     return ids
 
 
+def _refuse_in_dry_run(state, base: Path | None) -> None:
+    """Preflight a job that a dry run would start, resume or restart, as its `attnlab train` would: a job whose
+    preflight finds errors is marked `refused`, with the errors as its note, instead of reporting it as started."""
+    from attnlab.config import load_config
+    from attnlab.config.preflight import run_preflight
+    from attnlab.errors import AttnLabError
+
+    resume = state.action == "resume"
+    run_dir = None if state.action == "restart" else state.job.run_dir  # a restart moves the old run aside first
+    try:
+        report = run_preflight(load_config(base, state.job.overrides), run_dir, resume)
+    except AttnLabError as e:
+        errors = [str(e)]
+    else:
+        errors = [f"{p.key}: {p.message}" for p in report.errors]
+    if errors:
+        state.action, state.note = "refused", "preflight refuses it: " + "; ".join(errors)
+
+
 def _plan_table(states: list, slots_desc: str) -> Table:
     table = Table(title=f"sweep plan ({slots_desc})")
     for col in ("job", "action", "run directory", "overrides", "note"):
@@ -79,6 +98,10 @@ def sweep(
     if launcher not in ("local", "slurm"):
         raise ConfigError(f"--launcher must be local or slurm, got '{launcher}'")
 
+    if dry_run:  # what each job's own preflight would say, so that the plan never says "start" for a job that will be refused
+        for s in states:
+            if s.action in ("start", "resume", "restart"):
+                _refuse_in_dry_run(s, base)
     console.print(f"suite [bold]{escape(name)}[/bold] ({escape(str(path))}): {len(jobs)} jobs into {escape(str(root))}", highlight=False)
     console.print(_plan_table(states, slots_desc if launcher == "local" else "slurm"))
     if dry_run:

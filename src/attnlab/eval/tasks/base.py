@@ -68,7 +68,7 @@ class Task:
 
 def read_json_list(path: Path, what: str) -> list:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read {what} {path}: {e}") from None
     except ValueError as e:
