@@ -114,6 +114,30 @@ def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_left_untouch
     assert victim.read_text() == "keep me"
 
 
+def test_a_run_never_writes_through_symlinks_planted_at_the_names_it_writes_under(run, tmp_path, capsys):
+    victim_file, victim_dir = tmp_path / "victim.txt", tmp_path / "victim-dir"
+    victim_file.write_text("keep me")
+    victim_dir.mkdir()
+    for name in ("config.yaml.tmp", "run.json.tmp", "checkpoints/latest.tmp"):
+        (run / name).symlink_to(victim_file)
+    for name in (".final.tmp", ".final.old", "checkpoints/.staging"):
+        (run / name).symlink_to(victim_dir, target_is_directory=True)
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") == 0, capsys.readouterr().err
+    assert victim_file.read_text() == "keep me" and list(victim_dir.iterdir()) == []
+    assert (run / "final" / "model.safetensors").is_file() and os.readlink(run / "checkpoints" / "latest") == "step-0000012"
+    assert _run_json(run)["status"] == "finished"
+
+
+@pytest.mark.parametrize("name", ["heartbeat.jsonl", "metrics.csv"])
+def test_resume_refuses_telemetry_that_is_a_symlink_and_creates_nothing_through_it(run, tmp_path, capsys, name):
+    outside = tmp_path / "outside.jsonl"  # a dangling link: appending through it would create this file
+    (run / name).unlink()
+    (run / name).symlink_to(outside)
+    assert run_cli("train", "--resume", "--run-dir", str(run), "--set", "train.max_steps=12") != 0
+    _one_error(capsys, "symbolic link", name)
+    assert not outside.exists()
+
+
 HOLD = textwrap.dedent("""
     import sys, time
     from attnlab.train.rundir import RunLock

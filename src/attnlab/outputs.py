@@ -118,6 +118,20 @@ def _new_temporary_file(path: Path) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 
+def open_for_append(path: str | Path, newline: str | None = None):
+    """`open(path, "a", encoding="utf-8")` that never appends through a symlink planted at `path`
+    (O_NOFOLLOW): such a link is an OutputError saying to remove it."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP or path.is_symlink():
+            raise OutputError(f"{path} is a symbolic link; attnlab never writes through a link planted among its files. "
+                              f"Remove the link (rm {path}) and run again.") from None
+        raise
+    return os.fdopen(fd, "a", encoding="utf-8", newline=newline)
+
+
 def replace_symlink(link: str | Path, target: str) -> Path:
     """Point the symlink `link` at `target` atomically: a new link under a fresh random name, renamed over `link`."""
     link = Path(link)

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from attnlab.errors import ConfigError
+from attnlab.outputs import replace_file
 
 from .schema import RunConfig
 
@@ -215,9 +216,7 @@ def config_to_yaml(cfg: RunConfig) -> str:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(config_to_yaml(cfg), encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, config_to_yaml(cfg))
 
 
 def diff_configs(old: RunConfig, new: RunConfig, keys: tuple[str, ...]) -> list[str]:

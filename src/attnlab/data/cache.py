@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attnlab.data.prepare import FORMAT_VERSION, MANIFEST, source_units, tokenizer_identity
+from attnlab.outputs import open_lock_file
 
 MB = 1_000_000
 
@@ -68,7 +69,7 @@ def prepared_cache(source: str, tokenizer, tokenizer_spec: str, text_field: str,
     key = cache_key(fingerprints, tokenizer, tokenizer_spec, text_field, val_fraction, seed)
     out = cache_path(source, key, cache_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    with os.fdopen(open_lock_file(out.parent / f".{out.name}.lock"), "r+b") as lock:  # never through a planted link
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process preparing the same key: wait for it
         if (out / MANIFEST).is_file():
             say(f"data: reusing the prepared corpus {out}")

@@ -55,6 +55,7 @@ import numpy as np
 
 from attnlab.data import corpus
 from attnlab.errors import DataError
+from attnlab.outputs import replace_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -330,17 +331,16 @@ class _Encoded:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(data, indent=1) + "\n", fsync=True)
+
+
+def _open_for_writing(path: Path):
+    """`open(path, "wb")` that refuses a symlink planted at `path` rather than writing through it."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666), "wb")
 
 
 def _our_files(out_dir: Path) -> list[Path]:
-    return sorted(p for p in out_dir.glob("shard-*") if p.is_file()) + [p for p in (out_dir / MANIFEST, out_dir / (MANIFEST + ".tmp")) if p.exists()]
+    return sorted(p for p in out_dir.glob("shard-*") if p.is_file()) + [p for p in (out_dir / MANIFEST, out_dir / (MANIFEST + ".tmp")) if p.exists()] + sorted(out_dir.glob(f".{MANIFEST}.*.tmp"))
 
 
 def _existing_identity(out_dir: Path) -> dict | None:
@@ -389,7 +389,7 @@ class _ShardWriter:
         self.out_dir, self.index, self.doc_start, self.dtype = out_dir, index, doc_start, dtype
         self.name = shard_name(index)
         self.tmp = out_dir / f"{self.name}.bin.tmp"
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 (open for the life of the shard)
+        self.file = _open_for_writing(self.tmp)  # open for the life of the shard
         self.sha = hashlib.sha256()
         self.tokens = 0
         self.offsets: list[np.ndarray] = []
@@ -411,7 +411,8 @@ class _ShardWriter:
         self.file.close()
         offsets = np.concatenate(self.offsets) if self.offsets else np.zeros(0, dtype=np.int64)
         idx_tmp = self.out_dir / f"{self.name}.idx.tmp.npy"
-        np.save(idx_tmp, offsets)
+        with _open_for_writing(idx_tmp) as f:
+            np.save(f, offsets)
         os.replace(self.tmp, self.out_dir / f"{self.name}.bin")
         os.replace(idx_tmp, self.out_dir / f"{self.name}.idx.npy")
         record = {
@@ -507,7 +508,7 @@ def prepare_corpus(
                 f"{found['tokenizer'].get('name')!r}, per {found['where']}); pass --overwrite to start it afresh, or choose another --out."
             )
     (out_dir / MANIFEST).unlink(missing_ok=True)  # the directory is not a complete corpus until the end
-    for tmp in out_dir.glob("shard-*.tmp*"):
+    for tmp in [*out_dir.glob("shard-*.tmp*"), *out_dir.glob(".shard-*.tmp")]:
         tmp.unlink()
 
     kept = _kept_shards(out_dir, inputs, fingerprints)

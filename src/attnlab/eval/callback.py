@@ -16,6 +16,7 @@ import torch
 from transformers import TrainerCallback
 
 from attnlab.generation import release_graphs
+from attnlab.outputs import open_for_append, replace_file
 
 from .config import EvalSection
 from .runner import evaluate, evaluate_perplexity, resolve_data
@@ -76,8 +77,8 @@ class EvalDuringTraining(TrainerCallback):
                     else:
                         result = evaluate(model, self.tokenizer, task, examples=examples, generation=self.section.generation)
                         out_dir.mkdir(parents=True, exist_ok=True)
-                        (out_dir / f"{spec.task}.jsonl").write_text(
-                            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records), encoding="utf-8")
+                        replace_file(out_dir / f"{spec.task}.jsonl",
+                                     "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records))
                     metrics.update(result.prefixed())
         finally:
             if was_training:
@@ -86,7 +87,7 @@ class EvalDuringTraining(TrainerCallback):
         self.last_step, self.latest = step, metrics
         self.logger.validation_metrics(step, metrics)
         (self.run_dir / "eval").mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "eval" / "metrics.jsonl", "a") as f:
+        with open_for_append(self.run_dir / "eval" / "metrics.jsonl") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         self._update_best(step, metrics)
         if self.console is not None:
@@ -105,6 +106,4 @@ class EvalDuringTraining(TrainerCallback):
                 return
         self.best = {"metric": name, "mode": self.section.best_mode, "step": step, "value": value,
                      "checkpoint": f"checkpoints/step-{step:07d}", "metrics": metrics}
-        tmp = self.best_path.with_name("best.json.tmp")
-        tmp.write_text(json.dumps(self.best, indent=1) + "\n")
-        tmp.replace(self.best_path)
+        replace_file(self.best_path, json.dumps(self.best, indent=1) + "\n")

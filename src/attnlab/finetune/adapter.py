@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from attnlab.errors import CheckpointError
+from attnlab.outputs import fresh_dir, remove_path
 
 META = "attnlab_adapter.json"
 ROWS = "control_tokens.safetensors"
@@ -37,8 +38,8 @@ def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str)
 
     out = Path(out)
     tmp = out.with_name("." + out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh_dir(tmp)  # never a directory or link planted at the temporary name
     if meta.get("base_model_dir"):  # a base that from_pretrained (and AutoPeftModelForCausalLM) can open
         for config in peft_model.peft_config.values():
             config.base_model_name_or_path = meta["base_model_dir"]
@@ -67,10 +68,10 @@ def _publish(tmp: Path, out: Path) -> None:
     """Move the finished directory `tmp` to `out`, replacing what was there."""
     if out.exists():
         old = out.with_name("." + out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
         out.replace(old)
         tmp.replace(out)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
     else:
         tmp.replace(out)
 
@@ -82,7 +83,8 @@ def save_full_model(model, tokenizer, out: Path, meta: dict, config_yaml: str) -
 
     out = Path(out)
     tmp = out.with_name("." + out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh_dir(tmp)  # never a directory or link planted at the temporary name
     dtype = stored_dtype(Path(meta["base_model_dir"])) if meta.get("base_model_dir") else None
     _save_in_dtype(model, tmp, dtype)
     tokenizer.save_pretrained(tmp)
@@ -209,7 +211,8 @@ def merge_adapter(path: str | Path, out: str | Path, trust_remote_code: bool = F
     base_reference(Path(path), meta)  # refuses before the model loads
     model, tokenizer = load_adapter(path, device="cpu", dtype="fp32", trust_remote_code=trust_remote_code, merged=True)
     tmp = out.with_name("." + out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh_dir(tmp)  # never a directory or link planted at the temporary name
     _save_in_dtype(model, tmp, _base_dtype(meta))  # merged in fp32, saved in the base's own dtype
     tokenizer.save_pretrained(tmp)
     (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))

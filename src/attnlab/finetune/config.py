@@ -17,6 +17,7 @@ from attnlab.config.loader import _format_validation_error, _read_yaml, apply_ov
 from attnlab.config.schema import GenerateConfig, Section, TrainSection
 from attnlab.errors import ConfigError
 from attnlab.eval.config import EvalSection
+from attnlab.outputs import replace_file
 
 
 class BaseModelSection(Section):
@@ -158,6 +159,4 @@ def finetune_config_to_yaml(cfg: FinetuneConfig) -> str:
 
 
 def save_finetune_config(cfg: FinetuneConfig, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(finetune_config_to_yaml(cfg), encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, finetune_config_to_yaml(cfg))

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from attnlab.errors import CheckpointError, ConfigError
+from attnlab.outputs import fresh_dir
 
 # Target modules per architecture (matched as suffixes of module names, as peft does).
 ATTNLAB_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "z_proj", "g_proj", "gk_proj.0", "gk_proj.1",
@@ -86,8 +87,9 @@ def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fresh_dir(tmp)  # never a directory or link planted at the temporary name
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "dtype": "bf16"}, indent=1) + "\n")

@@ -32,6 +32,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from attnlab.errors import AttnLabError
+from attnlab.outputs import open_for_append
 from attnlab.train.checkpoint import CheckpointManager
 
 from .suite import Job
@@ -224,7 +225,7 @@ class SweepRunner:
         s.log_path = self.logs / f"{s.job.name}.log"
         cmd = train_command(s.job, self.base, resume=s.action == "resume")
         env = {**os.environ, **slot.env, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-        log = open(s.log_path, "a", encoding="utf-8")
+        log = open_for_append(s.log_path)  # never through a link planted at the log's name
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {s.action} on {slot.name}"
                   + "".join(f" {k}={v}" for k, v in slot.env.items()) + "\n$ " + " ".join(cmd[1:]) + "\n")
         log.flush()

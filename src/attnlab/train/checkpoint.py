@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from attnlab.errors import CheckpointError
+from attnlab.outputs import remove_path, replace_file, replace_symlink
 
 MANIFEST = "attnlab_manifest.json"
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
@@ -58,9 +59,7 @@ def write_manifest(directory: Path, step: int) -> None:
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    tmp.replace(directory / MANIFEST)
+    replace_file(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
 def verify_checkpoint(directory: Path, require: tuple[str, ...] = ()) -> int:
@@ -132,8 +131,8 @@ class CheckpointManager:
         return found[-1][1] if found else None
 
     def clear_staging(self) -> None:
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
+        if self.staging.exists() or self.staging.is_symlink():
+            remove_path(self.staging)  # a link planted there is removed, never followed
 
     def publish(self, staged: Path, step: int, extra_files: dict[str, str] | None = None) -> Path:
         """Turn a fully written staging directory into checkpoints/step-NNNNNNN, atomically."""
@@ -144,10 +143,10 @@ class CheckpointManager:
         final = self.root / step_dir_name(step)
         if final.exists():  # a re-save of the same step (e.g. resumed at the end): replace it whole
             trash = self.root / f".trash-{final.name}"
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_path(trash)
             final.replace(trash)
             staged.replace(final)
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_path(trash)
         else:
             staged.replace(final)
         _fsync_dir(self.root)
@@ -156,11 +155,7 @@ class CheckpointManager:
         return final
 
     def _point_latest(self, target: Path) -> None:
-        link, tmp = self.root / "latest", self.root / "latest.tmp"
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
-        tmp.symlink_to(target.name)
-        tmp.replace(link)
+        replace_symlink(self.root / "latest", target.name)
         _fsync_dir(self.root)
 
     def _rotate(self) -> None:

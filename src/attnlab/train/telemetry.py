@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from attnlab.errors import RunDirError
+from attnlab.outputs import open_for_append, replace_file
 
 METRICS_COLUMNS = ["step", "elapsed_s", "loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"]
 MIB = 1024 * 1024
@@ -52,6 +53,10 @@ class RunLogger:
         self.heartbeat_path = self.run_dir / "heartbeat.jsonl"
         self.metrics_path = self.run_dir / "metrics.csv"
         self.samples_path = self.run_dir / "samples.jsonl"
+        for path in (self.rank_path, self.heartbeat_path, self.metrics_path, self.samples_path, self.run_dir / "eval" / "metrics.jsonl"):
+            if path is not None and path.is_symlink():
+                raise RunDirError(f"{path} is a symbolic link; attnlab writes its telemetry only into files of its own, never "
+                                  f"through a link. Remove the link (rm {path}), or restore the file, and run again.")
         if self.rank_path is not None:
             _truncate_jsonl_after(self.rank_path, resume_step)
         self.tb = None
@@ -62,8 +67,9 @@ class RunLogger:
             _truncate_jsonl_after(path, resume_step)
         _truncate_csv_after(self.metrics_path, resume_step)
         if not self.metrics_path.exists():
-            with open(self.metrics_path, "w", newline="") as f:
-                csv.writer(f).writerow(METRICS_COLUMNS)
+            header = io.StringIO(newline="")
+            csv.writer(header).writerow(METRICS_COLUMNS)
+            replace_file(self.metrics_path, header.getvalue())
         self.columns = _csv_header(self.metrics_path) or list(METRICS_COLUMNS)
         self.eval_metrics: dict[str, Any] = {}  # the newest evaluation during training, as run.json records it
         from torch.utils.tensorboard import SummaryWriter
@@ -74,11 +80,11 @@ class RunLogger:
         extra = [k for k in record if k not in METRICS_COLUMNS]  # statistics a mixer reports (NSA's nsa_*)
         record = {**record, **memory_fields()}
         if self.rank_path is not None:
-            with open(self.rank_path, "a") as f:
+            with open_for_append(self.rank_path) as f:
                 f.write(json.dumps(record) + "\n")
         if not self.is_main:
             return
-        with open(self.heartbeat_path, "a") as f:
+        with open_for_append(self.heartbeat_path) as f:
             f.write(json.dumps(record) + "\n")
         self._row(record, extra)
         step = record["step"]
@@ -97,7 +103,7 @@ class RunLogger:
 
     def validation_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Task metrics from evaluation during training (e.g. spider/execution_accuracy)."""
-        with open(self.heartbeat_path, "a") as f:
+        with open_for_append(self.heartbeat_path) as f:
             f.write(json.dumps({"step": step, "event": "eval", **metrics}) + "\n")
         self._row({"step": step, **metrics}, list(metrics))
         self.eval_metrics = {"step": step, **metrics}
@@ -109,7 +115,7 @@ class RunLogger:
             self.wandb.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
 
     def sample(self, step: int, prompt: str, text: str) -> None:
-        with open(self.samples_path, "a") as f:
+        with open_for_append(self.samples_path) as f:
             f.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
         self.tb.add_text("sample", f"```\n{prompt}{text}\n```", step)
         if self.wandb is not None:
@@ -120,7 +126,7 @@ class RunLogger:
         if new:  # a statistic or eval metric seen for the first time: one more column, earlier rows blank there
             self.columns += new
             _widen_csv(self.metrics_path, self.columns)
-        with open(self.metrics_path, "a", newline="") as f:
+        with open_for_append(self.metrics_path, newline="") as f:
             csv.writer(f).writerow([_fmt(record.get(c)) for c in self.columns])
 
     def close(self) -> None:
@@ -200,12 +206,11 @@ def _widen_csv(path: Path, columns: list[str]) -> None:
     """Rewrite `path` under the header `columns` (the old ones first), atomically."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))[1:]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        writer.writerows(row + [""] * (len(columns) - len(row)) for row in rows)
-    tmp.replace(path)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(columns)
+    writer.writerows(row + [""] * (len(columns) - len(row)) for row in rows)
+    replace_file(path, text.getvalue())
 
 
 def _merge_into_json(path: Path, key: str, value: Any) -> None:
@@ -217,16 +222,14 @@ def _merge_into_json(path: Path, key: str, value: Any) -> None:
     if not isinstance(record, dict):
         record = {}
     record[key] = value
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    replace_file(path, json.dumps(record, indent=1))
 
 
 def _truncate_jsonl_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    replace_file(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _truncate_csv_after(path: Path, step: int) -> None:
@@ -237,8 +240,9 @@ def _truncate_csv_after(path: Path, step: int) -> None:
         path.unlink()
         return
     keep = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) <= step]
-    with open(path, "w", newline="") as f:
-        csv.writer(f).writerows(keep)
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows(keep)
+    replace_file(path, text.getvalue())
 
 
 class Throughput:
