@@ -119,6 +119,15 @@ def test_generate_replaces_a_symlink_at_its_output_instead_of_writing_through_it
     assert victim.read_text() == "keep me" and not out.is_symlink()
 
 
+def test_convert_never_writes_through_a_symlink_planted_at_its_temporary_directory(model_dir, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    out = tmp_path / "fla"
+    (tmp_path / ".fla.tmp").symlink_to(victim, target_is_directory=True)  # the fixed temporary name convert uses
+    assert run_cli("convert", str(model_dir), str(out), "--to", "fla") == 0
+    assert list(victim.iterdir()) == [] and (out / "config.json").is_file()
+
+
 def test_generate_refuses_a_model_whose_config_json_is_malformed(model_dir, tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from attnlab.errors import CheckpointError
 from attnlab.loading import resolve_model_dir
 from attnlab.models.files import ATTNLAB_REQUIRED, check_model_config, check_safetensors, read_json_object
+from attnlab.outputs import fresh_dir, remove_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -553,13 +554,13 @@ def _publish(out: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling, then move it to `out`: nothing half-written is left behind."""
     _check_free(out)
     tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        tmp.mkdir(parents=True)
+        fresh_dir(tmp)  # never a directory or link planted at the temporary name
         write(tmp)
         tmp.replace(out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
 
 
 def convert(src: str | Path, out: str | Path) -> str:

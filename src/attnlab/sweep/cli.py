@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from attnlab.errors import ConfigError
+from attnlab.outputs import replace_file
 
 from .suite import base_config_path, expand, load_suite, resolve_suite_path
 
@@ -128,7 +129,7 @@ def sweep(
         "jobs": [{"name": s.job.name, "state": s.state, "action": s.action, "run_dir": str(s.job.run_dir),
                   "overrides": s.job.overrides, "returncode": s.returncode} for s in states],
     }
-    (root / "sweep.json").write_text(json.dumps(record, indent=1))
+    replace_file(root / "sweep.json", json.dumps(record, indent=1))
     console.print(f"report: attnlab report {escape(str(root))} --out {escape(str(root / 'report.html'))}", highlight=False)
     if any(s.state == "interrupted" for s in states):
         raise typer.Exit(130)
