@@ -3,6 +3,11 @@
 A wrong output path (a file where a directory should be, a directory where a file should be, a
 read-only or full disk) is an `OutputError` with one message, never a traceback; it is found before
 a model loads wherever possible, so that no compute is spent on results that cannot be kept.
+
+Every file attnlab writes goes through one writer, `replace_file`: a new file under a fresh random name
+beside the target (created with O_CREAT|O_EXCL, so a file or symlink planted there is never opened),
+renamed over the target. Lock files and appended logs are opened with O_NOFOLLOW, staging directories
+are created anew with `fresh_dir`, and paths read from data (`inside`) must stay under their root.
 """
 
 from __future__ import annotations
