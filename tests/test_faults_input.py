@@ -389,6 +389,14 @@ def test_a_mixer_option_of_the_wrong_type_fails_in_preflight_naming_the_key(tiny
     assert "Traceback" not in err.err and len(error_lines(err.err)) == 1
 
 
+@pytest.mark.parametrize("value", ["nan", ".inf", "-inf"])
+def test_a_non_finite_float_mixer_option_fails_in_preflight_naming_the_key(tiny, capsys, value):
+    assert run_cli("preflight", *sets(tiny + ["model.mixer=gla", f"model.mixer_options.expand_k={value}"])) == 1
+    err = capsys.readouterr()
+    assert "model.mixer_options.expand_k" in err.out and "finite number" in err.out
+    assert "Traceback" not in err.err and len(error_lines(err.err)) == 1
+
+
 def test_a_misspelled_mixer_lists_the_closest_names_not_all(tiny, capsys):
     assert run_cli("preflight", *sets(tiny + ["model.mixer=glaa"])) == 1
     out = capsys.readouterr().out
@@ -600,3 +608,18 @@ def test_convert_refuses_a_truncated_safetensors_file(tmp_path, capsys):
     assert run_cli("convert", str(src), str(tmp_path / "out")) == 1
     assert_one_error(capsys, "model.safetensors", "truncated")
     assert not (tmp_path / "out").exists()
+
+
+def test_train_refuses_an_init_from_model_with_a_truncated_safetensors_file(tmp_path, tiny, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnlab.data import ByteTokenizer
+
+    hf = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(hf)
+    ByteTokenizer().save_pretrained(hf)
+    truncate(hf / "model.safetensors")
+    overrides = [o for o in tiny if not o.startswith("model.")] + [f"train.init_from={hf}"]
+    assert run_cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")) == 1
+    assert_one_error(capsys, "model.safetensors", "truncated")

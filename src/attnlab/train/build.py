@@ -127,8 +127,10 @@ def build_model(cfg: RunConfig, report):
 
     from attnlab.errors import CheckpointError
     from attnlab.loading import _refuse_pickled_only
+    from attnlab.models.files import check_model_files
 
     _refuse_pickled_only(Path(where))
+    check_model_files(Path(where))  # sizes and safetensors headers, before transformers builds anything from them
     try:
         return AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, use_safetensors=True, local_files_only=True)
     except (ValueError, OSError) as e:

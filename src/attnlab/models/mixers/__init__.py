@@ -13,6 +13,7 @@ Each mixer class declares `default_options` (its entries in `config.mixer_option
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 import torch.nn as nn
@@ -57,7 +58,7 @@ def _check_option_type(mixer: str, key: str, value: Any, default: Any) -> None:
     elif isinstance(default, int):
         ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif isinstance(default, float):
-        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), "a finite number"
     elif isinstance(default, str):
         ok, kind = isinstance(value, str), "a string"
     else:
