@@ -476,3 +476,20 @@ def test_gguf_conversion_bars_are_off_inside_quiet_gguf_conversion(capsys):
     bar = gguf_utils.tqdm(range(1), disable=False)  # restored afterwards
     assert not bar.disable
     bar.close()
+
+
+def test_consoles_off_a_terminal_are_wide_enough_not_to_wrap_log_lines(monkeypatch):
+    """Off a terminal rich lays out at 80 columns: generated text and progress lines in a log were hard-wrapped."""
+    import io
+
+    from attnlab.console import LOG_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    console = make_console(file=out)
+    line = "word " * 40  # 200 characters
+    console.print(line.strip(), soft_wrap=False)
+    assert console.width == LOG_WIDTH >= 120
+    assert max(len(row) for row in out.getvalue().splitlines()) > 80
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console(file=io.StringIO()).width == 100  # the user's own width wins

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from attnlab.console import make_console
 from attnlab.errors import ConfigError
 
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 TASK_HELP = "spider (text-to-SQL), dart (data-to-text), samsum (summarisation) or perplexity."
 DATA_HELP = ("The task's data in its official layout: a Spider directory; a DART or SAMSum JSON file or directory; "

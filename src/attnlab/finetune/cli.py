@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-console = Console()
+from attnlab.console import make_console
+
+console = make_console()
 
 
 def finetune_command(

@@ -20,6 +20,7 @@ import transformers
 from rich.console import Console
 
 import attnlab
+from attnlab.console import make_console
 from attnlab.errors import (
     AttnLabError,
     CheckpointError,
@@ -196,7 +197,7 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path, console: Console | None = N
 
     run.json says "preparing", then "running", then finished / failed (with the error) / diverged / interrupted:
     whatever goes wrong after the run directory exists, run.json never stays at "preparing" or "running"."""
-    console = console or Console()
+    console = console or make_console()
     transformers.utils.logging.disable_progress_bar()
     resume_from = check_resume(cfg, run_dir) if resume else None
     run_dir.mkdir(parents=True, exist_ok=True)

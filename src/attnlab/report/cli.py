@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from attnlab.console import make_console
 from attnlab.errors import AttnLabError
 
 
@@ -22,8 +22,8 @@ def report(
     from .load import load_runs
     from .render import write_report
 
-    console = Console()
-    err_console = Console(stderr=True)
+    console = make_console()
+    err_console = make_console(stderr=True)
     runs = load_runs(run_dirs)
     bad = [r for r in runs if r.error is not None]
     if len(bad) == len(runs):

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from attnlab.console import make_console
 from attnlab.errors import ConfigError
 from attnlab.outputs import replace_file
 
@@ -78,7 +78,7 @@ def sweep(
     cleanly (each stays resumable)."""
     from .runner import SweepRunner, decide, make_slots, summary, train_command
 
-    console = Console()
+    console = make_console()
     path = resolve_suite_path(suite_file)
     suite = load_suite(path)
     name = suite.name or path.stem

@@ -27,6 +27,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 import attnlab
 from attnlab.config import RunConfig, config_to_yaml, save_config
 from attnlab.config.preflight import PreflightReport
+from attnlab.console import make_console
 from attnlab.data.blocks import DATA_STATE
 from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
 from attnlab.launch import rank, world_size
@@ -514,7 +515,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     from .build import build_model
 
     is_main = rank() == 0
-    console = console or Console(quiet=not is_main)
+    console = console or make_console(quiet=not is_main)
     resume_from = report.resume_from
     start_step = int(resume_from.name.split("-")[1]) if resume_from else 0
     transformers.utils.logging.disable_progress_bar()  # our own progress bar is the only one
