@@ -98,6 +98,16 @@ def replace_file(path: str | Path, data: str | bytes, fsync: bool = False) -> Pa
                 os.fsync(fd)
         finally:
             os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return _rename_into_place(tmp, path)
+
+
+def _rename_into_place(tmp: Path, path: Path) -> Path:
+    """`tmp` renamed over `path`; on failure `tmp` is removed, never left behind."""
+    try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -113,14 +123,20 @@ def temporary_name(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
 
 
-def _new_temporary_file(path: Path) -> tuple[int, Path]:
+def _at_fresh_name(path: Path, create):
+    """`create(tmp)` at fresh random names beside `path` until one does not exist yet (`create` must fail
+    with FileExistsError on an existing path, never reuse it); returns (its result, tmp)."""
     for _ in range(100):
         tmp = temporary_name(path)
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666), tmp
+            return create(tmp), tmp
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
+def _new_temporary_file(path: Path) -> tuple[int, Path]:
+    return _at_fresh_name(path, lambda tmp: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666))
 
 
 def open_for_append(path: str | Path, newline: str | None = None):
@@ -140,22 +156,8 @@ def open_for_append(path: str | Path, newline: str | None = None):
 def replace_symlink(link: str | Path, target: str) -> Path:
     """Point the symlink `link` at `target` atomically: a new link under a fresh random name, renamed over `link`."""
     link = Path(link)
-    for _ in range(100):
-        tmp = temporary_name(link)
-        try:
-            os.symlink(target, tmp)  # fails on any existing path: never reuses a planted one
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(errno.EEXIST, "no free temporary name", str(link))
-    try:
-        os.replace(tmp, link)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return link
+    _, tmp = _at_fresh_name(link, lambda tmp: os.symlink(target, tmp))  # fails on any existing path: never reuses a planted one
+    return _rename_into_place(tmp, link)
 
 
 def remove_path(path: str | Path) -> None:

@@ -165,9 +165,9 @@ class CapturedLoss:
                 and input_ids.device == self.static_ids.device and weights_fingerprint(self.model) == self.fingerprint)
 
     def replay_forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # The forward's scratch memory overlaps the gradient buffers (both live in the graphs' pool):
-        # a gradient still held in a buffer (an earlier micro-batch, or gradients zeroed in place)
-        # is copied out before the replay.
+        # A gradient still held in a graph's buffer (an earlier micro-batch, or gradients zeroed in place) is
+        # copied out before the replay: the forward's scratch memory overlaps the pool's gradient buffers, and
+        # the next backward rewrites the flat ones.
         if self.flats is not None and self._grads_are(self.flat_grads):  # summed across micro-batches, still flat
             if self.sums is None:
                 self.sums = flat_views(self.params)
