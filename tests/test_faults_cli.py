@@ -219,6 +219,44 @@ def test_help_shows_the_defaults_written_in_brackets(verb, shown, capsys, monkey
     assert "at most ." not in out and "temperature ." not in out
 
 
+def _every_command(typer_app=None, prefix=()):
+    import attnlab.cli
+
+    typer_app = typer_app or attnlab.cli.app
+    yield prefix
+    for command in typer_app.registered_commands:
+        yield (*prefix, command.name or command.callback.__name__)
+    for group in typer_app.registered_groups:
+        yield from _every_command(group.typer_instance, (*prefix, group.name))
+
+
+def test_every_help_shows_an_example_and_whole_option_names_in_an_80_column_log(capsys, monkeypatch):
+    """At 80 columns (a log file, a narrow terminal) rich cut option names short with '…'; no --help had an example."""
+    import typer.rich_utils
+
+    import attnlab.cli
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", None)
+    attnlab.cli._help_width()
+    commands = list(_every_command())
+    assert len(commands) >= 18
+    for command in commands:
+        assert run_cli(*command, "--help") == 0, command
+        out = capsys.readouterr().out
+        assert "Example: attnlab " in out, command
+        assert "…" not in out, (command, out)
+
+
+def test_flags_show_no_value_type_in_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert run_cli("eval", "--help") == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ --")}
+    for flag in ("--chat", "--do-sample", "--trust-remote-code", "--help"):
+        assert "<bool>" not in rows[flag], rows[flag]
+    assert "<int>" in rows["--seed"] and "<float>" in rows["--temperature"]
+
+
 # --- report -----------------------------------------------------------------------------------------------
 
 

@@ -760,6 +760,77 @@ def _literal_help(typer_app: typer.Typer, seen: set[int] | None = None) -> None:
 _literal_help(app)
 
 
+# One example on every --help (shown under the options); keyed by the command's path below `attnlab`.
+EXAMPLES = {
+    "": "attnlab train --set train.max_steps=200 --run-dir runs/first",
+    "train": "attnlab train my_run.yaml --set train.lr=1e-3 --run-dir runs/lr1e-3   (continue: attnlab train --resume --run-dir runs/lr1e-3)",
+    "preflight": "attnlab preflight my_run.yaml --set train.batch_size=64",
+    "convert": "attnlab convert checkpoints/gla-340M models/gla-340m   (an fla or HF checkpoint directory; --to fla for the way back)",
+    "generate": "attnlab generate runs/first --prompt \"ROMEO:\" --max-new-tokens 200 --do-sample --top-p 0.9",
+    "eval": "attnlab eval runs/first --task perplexity --limit 50   (text-to-SQL: --task spider --data spider/)",
+    "score": "attnlab score --task spider --data spider/ --predictions predictions.jsonl",
+    "sweep": "attnlab sweep mixers-shakespeare --dry-run   (then without --dry-run to run it)",
+    "report": "attnlab report runs/softmax runs/gla --out report.html",
+    "finetune": "attnlab finetune --set train.max_steps=20 --run-dir runs/style   (the built-in style fine-tune of SmolLM2 on CPU)",
+    "merge": "attnlab merge runs/finetune/final models/merged",
+    "data": "attnlab data prepare plays.txt --out corpus/plays",
+    "data prepare": "attnlab data prepare plays.txt --out corpus/plays --workers 4   (then --set data.source=corpus/plays)",
+    "bench": "attnlab bench decode runs/first --batch-size 1 --batch-size 8",
+    "bench decode": "attnlab bench decode runs/first --batch-size 1 --batch-size 8 --beams 4",
+    "bench train": "attnlab bench train --shape 8x2048 --profile",
+    "bench zoo": "attnlab bench zoo --model gla --model softmax --shape 8x1024 --out zoo.json",
+    "bench scale": "attnlab bench scale --model 2mamba --gpus 1 --gpus 2 --out scale.json",
+    "bench data": "attnlab bench data --size 1GB --workers 4 --tokenizer byte",
+}
+
+
+def _add_examples(typer_app: typer.Typer, prefix: str = "") -> None:
+    """Put `EXAMPLES[<command>]` under every command's --help (a command without one is a test failure)."""
+    typer_app.info.epilog = typer_app.info.epilog or _example(prefix)
+    for command in typer_app.registered_commands:
+        name = f"{prefix} {command.name or command.callback.__name__}".strip()
+        command.epilog = command.epilog or _example(name)
+    for group in typer_app.registered_groups:
+        _add_examples(group.typer_instance, f"{prefix} {group.name}".strip())
+
+
+def _example(name: str) -> str | None:
+    return f"Example: {escape(EXAMPLES[name])}" if name in EXAMPLES else None
+
+
+def _flags_take_no_value() -> None:
+    """Boolean flags (--chat, --do-sample/--greedy, --help) show no `<bool>` type in --help: they take no value.
+    Typer prints every option's type, a flag's included; its types column is given nothing for flags."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "attnlab_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and not self.count else shown(self, ctx)
+
+    display_type_rich.attnlab_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+HELP_MIN_WIDTH = 100  # the widest option names and their types fit whole beside a readable description
+
+
+def _help_width() -> None:
+    """--help as wide as the terminal (off one: the log width), never narrower than HELP_MIN_WIDTH: narrower,
+    rich cuts option names short with '…'."""
+    import typer.rich_utils
+
+    if typer.rich_utils.MAX_WIDTH is None:  # TERMINAL_WIDTH, Typer's own setting, wins
+        typer.rich_utils.MAX_WIDTH = max(make_console().width, HELP_MIN_WIDTH)
+
+
+_add_examples(app)
+_flags_take_no_value()
+_help_width()
+
+
 def main() -> None:
     import contextlib
 
