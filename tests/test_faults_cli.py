@@ -35,6 +35,27 @@ def one_error(capsys, *words: str) -> str:
 # --- generate ---------------------------------------------------------------------------------------------
 
 
+REFUSED_BEFORE_IMPORTS = """
+import sys
+from attnlab.cli import main
+sys.argv = ["attnlab", "generate", sys.argv[1], "--prompt", "hi", "--min-new-tokens", "50", "--max-new-tokens", "10"]
+try:
+    main()
+except SystemExit as e:
+    print("exit", e.code, "torch imported:", "torch" in sys.modules, "transformers imported:", "transformers" in sys.modules)
+"""
+
+
+def test_generate_refuses_impossible_settings_before_importing_torch_or_transformers(model_dir):
+    """The refusal took 15-20 s of imports: min above max is known from the arguments alone."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REFUSED_BEFORE_IMPORTS, str(model_dir)], capture_output=True, text=True, timeout=120)
+    assert "exit 1 torch imported: False transformers imported: False" in done.stdout, done.stdout + done.stderr
+    assert done.stderr.count("error:") == 1 and "min_new_tokens" in done.stderr, done.stderr
+
+
 def test_generate_refuses_a_prompt_file_that_is_not_utf8(model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes("café\n".encode("latin-1"))

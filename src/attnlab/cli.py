@@ -251,9 +251,9 @@ def generate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow a model directory's own Python code to run."),
 ):
     """Generate text from a model: greedy, sampling or beam search."""
-    from attnlab.generation import generate as run_generate
-    from attnlab.generation.engine import resolve_config
-    from attnlab.loading import describe, load
+    # Everything that can be refused is checked before torch and transformers are imported (seconds of imports).
+    from attnlab.config import GenerateConfig
+    from attnlab.config.loader import validate_section
     from attnlab.outputs import prepare_output_file, write_text_atomic
 
     if not prompt and input_file is None:
@@ -265,12 +265,15 @@ def generate(
     ).items() if v is not None}
     if stop:
         settings["stop"] = list(stop)
-    cfg = resolve_config(settings)  # impossible settings fail here, before the model loads
+    cfg = validate_section(GenerateConfig, settings, "generation settings")  # impossible settings fail here, before any import
     for n, p in enumerate(prompt, start=1):
         _check_text(p, f"--prompt {n}")
     rows = [{"prompt": p} for p in prompt] + (_read_prompts(input_file) if input_file else [])
     if output is not None:
         prepare_output_file(output)  # before the model loads: no compute spent on results that cannot be written
+    from attnlab.generation import generate as run_generate
+    from attnlab.loading import describe, load
+
     err_console.print(f"loading {describe(model)}", highlight=False)
     lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
     presets = getattr(lm, "attnlab_generation_presets", None) or {}  # per-control-token settings of a fine-tuned adapter
