@@ -623,3 +623,90 @@ def test_train_refuses_an_init_from_model_with_a_truncated_safetensors_file(tmp_
     overrides = [o for o in tiny if not o.startswith("model.")] + [f"train.init_from={hf}"]
     assert run_cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")) == 1
     assert_one_error(capsys, "model.safetensors", "truncated")
+
+
+# --- finetune's base, adapters and resumed checkpoints: checked before anything is allocated ----------------
+
+FT_ROWS = [{"prompt": f"<T> what is {w}?\n", "completion": f"{w}."} for w in ("red", "sky")] + \
+          [{"prompt": f"<V> what is {w}?\n", "completion": f"{w} is a thing we know."} for w in ("red", "sky")]
+FT_QUICK = ["train.max_steps=1", "train.warmup_steps=0", "train.batch_size=4", "train.log_every=1", "train.device=cpu",
+            "finetune.r=4", "finetune.dropout=0.0", "data.max_len=48", "finetune.eval_prompts=null"]
+
+
+def _finetune_args(tmp_path: Path, base: Path, run: Path) -> list[str]:
+    data = tmp_path / "ft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in FT_ROWS))
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("finetune:\n  control_tokens: ['<T>', '<V>']\n")
+    return ["finetune", str(cfg), *sets([f"base.path={base}", f"data.train={data}", *FT_QUICK]), "--run-dir", str(run)]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, attnlab_dir) -> Path:
+    tmp = tmp_path_factory.mktemp("adapter")
+    assert run_cli(*_finetune_args(tmp, attnlab_dir, tmp / "run")) == 0
+    return tmp / "run" / "final"
+
+
+@pytest.mark.parametrize("field, value, words", [("num_layers", 10_000_000, ["layers"]), ("vocab_size", -5, ["positive"])])
+def test_finetune_refuses_a_base_config_with_impossible_sizes_before_building_it(attnlab_dir, tmp_path, capsys, monkeypatch,
+                                                                                 field, value, words):
+    base = _copy_model(attnlab_dir, tmp_path / "base", **{field: value})
+    _never_build(monkeypatch)
+    assert run_cli(*_finetune_args(tmp_path, base, tmp_path / "run")) == 1
+    assert_one_error(capsys, "config.json", field, *words)
+
+
+def test_finetune_refuses_a_base_with_a_damaged_safetensors_file_before_loading_it(attnlab_dir, tmp_path, capsys, monkeypatch):
+    base = _copy_model(attnlab_dir, tmp_path / "base")
+    header_length_2_62(base / "model.safetensors")
+    _never_build(monkeypatch)
+    assert run_cli(*_finetune_args(tmp_path, base, tmp_path / "run")) == 1
+    assert_one_error(capsys, "model.safetensors", "header length")
+
+
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "control_tokens.safetensors"])
+@pytest.mark.parametrize("damage, words", [(truncate, ["lie outside"]), (header_length_2_62, ["header length"])])
+def test_an_adapter_with_a_damaged_safetensors_file_is_refused_before_its_base_loads(adapter_dir, tmp_path, capsys, monkeypatch,
+                                                                                      name, damage, words):
+    broken = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, broken)
+    damage(broken / name)
+    _never_build(monkeypatch)
+    assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, name, *words)
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{", b"[1]"], ids=["not_utf8", "a_list"])
+def test_an_adapter_whose_adapter_config_is_not_a_json_object_is_refused_naming_it(adapter_dir, tmp_path, capsys, content):
+    broken = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, broken)
+    (broken / "adapter_config.json").write_bytes(content)
+    assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, "adapter_config.json")
+
+
+def test_an_adapter_whose_metadata_gives_an_absurd_vocabulary_is_refused_naming_the_field(adapter_dir, tmp_path, capsys):
+    broken = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, broken)
+    meta = json.loads((broken / "attnlab_adapter.json").read_text())
+    (broken / "attnlab_adapter.json").write_text(json.dumps({**meta, "embedding_rows": 10**12}))
+    assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, "attnlab_adapter.json", "embedding_rows")
+
+
+@pytest.mark.parametrize("damage, words", [(header_length_2_62, ["header length"]), (absurd_offsets, ["lie outside"])])
+def test_resuming_from_a_checkpoint_whose_safetensors_header_is_damaged_is_refused_before_loading(attnlab_dir, tmp_path,
+                                                                                                  damage, words):
+    """The manifest's checksums catch a damaged checkpoint first; the loader itself also refuses the header
+    (a checkpoint written with a matching manifest, or loaded without one)."""
+    from attnlab.errors import CheckpointError
+    from attnlab.models import AttnLabForCausalLM
+    from attnlab.train.checkpoint import load_model_state
+
+    checkpoint = _copy_model(attnlab_dir, tmp_path / "checkpoint-4")
+    model = AttnLabForCausalLM.from_pretrained(checkpoint)
+    damage(checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError) as refused:
+        load_model_state(model, checkpoint)
+    assert "model.safetensors" in str(refused.value) and all(w in str(refused.value) for w in words)

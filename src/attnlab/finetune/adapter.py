@@ -149,9 +149,18 @@ def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", tru
 
     from .model import load_base
 
+    from attnlab.models.files import check_safetensors, read_json_object
+
     path = Path(path)
     meta = read_meta(path)
     base_ref = base_reference(path, meta)
+    for name in ("embedding_rows", "tokenizer_size"):
+        if isinstance(meta.get(name), bool) or not isinstance(meta.get(name), int) or not 0 < meta[name] <= 2**31:
+            raise CheckpointError(f"{path / META}: {name} is {meta.get(name)!r}, not a positive integer; the adapter directory is "
+                                  "damaged: fine-tune again, or restore it from a copy")
+    read_json_object(path / "adapter_config.json", what="peft adapter config")
+    for weights in sorted(path.glob("*.safetensors")):  # the adapter's and the control tokens' tensors, before any is read
+        check_safetensors(weights)
     quant = None
     if meta.get("method") == "qlora" and not merged:  # the adapter was trained on the 4-bit base: rebuild that base
         from .config import FinetuneConfig

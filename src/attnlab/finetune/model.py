@@ -164,7 +164,10 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
     extra = {"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}
     try:
         if where.suffix == ".gguf" and _complete(_gguf_hf_target(where.resolve())):
+            from attnlab.models.files import check_model_files
+
             where = _gguf_hf_target(where.resolve())  # dequantised earlier (reading the GGUF's tokenizer alone takes seconds)
+            check_model_files(where)  # a cached copy cut short by a full disk is refused, not half-loaded
             model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
             tokenizer = load_tokenizer(str(where))
         elif where.suffix == ".gguf":
@@ -177,7 +180,10 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
             model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
             tokenizer = load_tokenizer(str(where))
         else:
-            config = json.loads((where / "config.json").read_text())
+            from attnlab.models.files import check_model_files, read_json_object
+
+            config = read_json_object(where / "config.json")
+            check_model_files(where)  # sizes and safetensors headers, before anything is built from them
             if config.get("model_type") == "gla":
                 from attnlab.models.convert import load_fla_gla
 

@@ -237,6 +237,9 @@ def load_model_state(model, checkpoint: Path) -> None:
     path = Path(checkpoint) / MODEL_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint} has no {MODEL_FILE}. Resume from a checkpoint written by attnlab train.")
+    from attnlab.models.files import check_safetensors
+
+    check_safetensors(path)  # the header fits the file, before safetensors maps or allocates anything
     try:
         saved = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -321,6 +324,9 @@ def load_full_model_state(model, checkpoint: Path) -> None:
     path = Path(checkpoint) / MODEL_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint} has no {MODEL_FILE}. Resume from a checkpoint written by attnlab train.")
+    from attnlab.models.files import check_safetensors
+
+    check_safetensors(path)  # the header fits the file, before safetensors maps or allocates anything
     full = load_file(path)
     local = model.state_dict(keep_vars=True)
     for key, tensor in local.items():
