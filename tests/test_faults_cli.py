@@ -149,6 +149,94 @@ def test_convert_never_writes_through_a_symlink_planted_at_its_temporary_directo
     assert list(victim.iterdir()) == [] and (out / "config.json").is_file()
 
 
+# --- every other writer: a link planted at its target is replaced, never written through ----------------
+
+
+def _planted(tmp_path, name: str):
+    """(victim, link): a file holding "keep me" and a symlink to it at `name`."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / name
+    link.symlink_to(victim)
+    return victim, link
+
+
+def _replaced(victim, link) -> None:
+    assert victim.read_text() == "keep me"
+    assert link.is_file() and not link.is_symlink()
+    assert not list(link.parent.glob("*.tmp")) and not list(link.parent.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("module", ["zoo", "scale"])
+def test_bench_json_results_replace_a_planted_link_instead_of_writing_through_it(tmp_path, module):
+    import importlib
+
+    write = importlib.import_module(f"attnlab.bench.{module}").write
+    victim, out = _planted(tmp_path, "bench.json")
+    write({"results": {}}, out)
+    _replaced(victim, out)
+    assert json.loads(out.read_text()) == {"results": {}}
+
+
+def test_bench_plots_replace_a_planted_link_instead_of_writing_through_it(tmp_path):
+    from attnlab.bench.plot import plot_decode, plot_train
+
+    victim, png = _planted(tmp_path, "decode.png")
+    plot_decode([{"batch": 1, "prompt_len": 8, "new_tokens": 8, "attnlab_new_tok_per_s": 100.0}], png, "cpu")
+    _replaced(victim, png)
+    assert png.read_bytes().startswith(b"\x89PNG")
+    victim, png = _planted(tmp_path / "t", "train.png")
+    plot_train([{"model": "attnlab-gla", "batch": 2, "seq_len": 8, "tok_per_s": 10.0, "peak_gib": 1.0}], png, "cpu")
+    _replaced(victim, png)
+
+
+def test_bench_child_logs_are_created_anew_never_through_a_planted_link(tmp_path):
+    import sys
+
+    from attnlab.bench.scale import run_logged
+
+    victim, stdout = _planted(tmp_path, "stdout.log")
+    stderr = tmp_path / "stderr.log"
+    stderr.symlink_to(victim)
+    done = run_logged([sys.executable, "-c", "print('out'); import sys; print('err', file=sys.stderr)"], stdout, stderr, 60)
+    assert done.returncode == 0
+    assert victim.read_text() == "keep me"
+    assert stdout.read_text() == "out\n" and stderr.read_text() == "err\n" and not stdout.is_symlink()
+
+
+def test_a_tokenizer_saved_over_planted_links_replaces_them(tmp_path):
+    from attnlab.data import ByteTokenizer
+
+    victim, config = _planted(tmp_path / "tok", "tokenizer_config.json")
+    ByteTokenizer().save_pretrained(tmp_path / "tok")
+    _replaced(victim, config)
+    assert json.loads(config.read_text())["add_bos_token"] is False
+    assert ByteTokenizer.from_pretrained(tmp_path / "tok").vocab_size == ByteTokenizer().vocab_size
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir() if p.name.startswith(".")) == []
+
+
+def test_the_style_dataset_writer_replaces_a_planted_link(tmp_path):
+    from attnlab.finetune.style_data import write_style_dataset
+
+    victim, train = _planted(tmp_path / "style", "train.jsonl")
+    counts = write_style_dataset(tmp_path / "style")
+    _replaced(victim, train)
+    assert len(train.read_text().splitlines()) == counts["train"]
+
+
+def test_the_streaming_writer_leaves_nothing_when_the_writer_fails(tmp_path):
+    from attnlab.outputs import writing
+
+    victim, out = _planted(tmp_path, "big.bin")
+    with pytest.raises(OSError):
+        with writing(out) as f:
+            f.write(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert out.is_symlink() and victim.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.bin", "victim.txt"]
+
+
 def test_generate_refuses_a_model_whose_config_json_is_malformed(model_dir, tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -456,9 +456,11 @@ def bench_decode_cmd(
             for kname, ms in prof["top_kernels_ms"]:
                 console.print(f"    {ms:8.3f} ms  {kname}", highlight=False)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
-                                   "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1))
+        from attnlab.outputs import prepare_output_file, write_text_atomic
+
+        write_text_atomic(prepare_output_file(out, "--out"), json.dumps({
+            "model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1), what="--out")
         from attnlab.bench.plot import plot_decode
 
         console.print(f"wrote {out} and {plot_decode(rows, out.with_suffix('.png'), dev)}")
@@ -509,8 +511,10 @@ def bench_train_cmd(
                 for kname, ms in row["profile"]["top_kernels_ms"]:
                     console.print(f"    {ms:8.2f} ms  {kname}", highlight=False, soft_wrap=True)
             if out is not None:  # after every row, so that an interrupted run keeps what it measured
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows + [row]}, indent=1))
+                from attnlab.outputs import prepare_output_file, write_text_atomic
+
+                write_text_atomic(prepare_output_file(out, "--out"),
+                                  json.dumps({"device": torch.cuda.get_device_name(), "results": rows + [row]}, indent=1), what="--out")
             rows.append(row)
     table = Table(title=f"training, bf16 autocast, AdamW, on {torch.cuda.get_device_name()}")
     columns = ("model", "params_M", "batch", "seq_len", "tok_per_s", "peak_gib", "reserved_gib", "step_s")
@@ -520,9 +524,11 @@ def bench_train_cmd(
         table.add_row(*(str(r.get(c)) for c in columns))
     console.print(table)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                                   "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1))
+        from attnlab.outputs import prepare_output_file, write_text_atomic
+
+        write_text_atomic(prepare_output_file(out, "--out"), json.dumps({
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1), what="--out")
         from attnlab.bench.plot import plot_train
 
         console.print(f"wrote {out} and {plot_train(rows, out.with_suffix('.png'), torch.cuda.get_device_name())}")

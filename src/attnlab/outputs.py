@@ -4,9 +4,10 @@ A wrong output path (a file where a directory should be, a directory where a fil
 read-only or full disk) is an `OutputError` with one message, never a traceback; it is found before
 a model loads wherever possible, so that no compute is spent on results that cannot be kept.
 
-Every file attnlab writes goes through one writer, `replace_file`: a new file under a fresh random name
-beside the target (created with O_CREAT|O_EXCL, so a file or symlink planted there is never opened),
-renamed over the target. Lock files and appended logs are opened with O_NOFOLLOW, staging directories
+Every file attnlab writes goes through one writer, `replace_file` (or `writing`, its streaming form): a new
+file under a fresh random name beside the target (created with O_CREAT|O_EXCL, so a file or symlink planted
+there is never opened), renamed over the target. Logs that a child process writes while it runs are created
+anew with `open_fresh_file`. Lock files and appended logs are opened with O_NOFOLLOW, staging directories
 are created anew with `fresh_dir`, and paths read from data (`inside`) must stay under their root.
 """
 
@@ -103,6 +104,66 @@ def replace_file(path: str | Path, data: str | bytes, fsync: bool = False) -> Pa
             os.unlink(tmp)
         raise
     return _rename_into_place(tmp, path)
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, text: bool = False, fsync: bool = False):
+    """`replace_file` for writers that stream (matplotlib, torch.save, np.save, large copies): yields a file
+    object (binary, or UTF-8 text with `text`) on a new file under a fresh random name beside `path`, renamed
+    over `path` when the block ends without an exception; on any exception the temporary file is removed and
+    `path` is as it was. Never opens a file or link planted at `path` or at a temporary name."""
+    path = Path(path)
+    fd, tmp = _new_temporary_file(path)
+    try:
+        with (os.fdopen(fd, "w", encoding="utf-8") if text else os.fdopen(fd, "wb")) as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _rename_into_place(tmp, path)
+
+
+@contextlib.contextmanager
+def staged_files(directory: str | Path):
+    """For writers that save several files into a directory by name (a tokenizer's save_pretrained): yields a
+    new empty staging directory inside `directory`; when the block ends without an exception each file saved
+    there is renamed over its name in `directory` (a link planted at that name is replaced, never written
+    through). The staging directory is removed in every case."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _, staging = _at_fresh_name(directory / ".staged", os.mkdir)
+    try:
+        yield staging
+        for item in sorted(staging.iterdir()):
+            if item.is_dir():
+                remove_path(directory / item.name)
+            os.replace(item, directory / item.name)
+    finally:
+        remove_path(staging)
+
+
+def open_fresh_file(path: str | Path, text: bool = True):
+    """A new, empty file at `path` opened for writing (a log another process writes into while it runs, so it
+    cannot wait for a rename): what was at `path`, a file or a planted symlink, is unlinked first (a link is
+    never followed), then the file is created with O_EXCL|O_NOFOLLOW. A directory there is an OutputError."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        raise OutputError(f"{path} is a directory; attnlab writes a file there. Remove or rename it and run again.")
+    for _ in range(100):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
+            break
+        except FileExistsError:  # something was planted again between the unlink and the open
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "cannot create a fresh file", str(path))
+    return os.fdopen(fd, "w", encoding="utf-8") if text else os.fdopen(fd, "wb")
 
 
 def _rename_into_place(tmp: Path, path: Path) -> Path:

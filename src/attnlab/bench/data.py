@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.errors import PreflightError
+from attnlab.outputs import fresh_dir, open_fresh_file, prepare_output_file, replace_file, staged_files, write_text_atomic
 
 TOKENIZERS = ("byte", "bpe")
 BPE_VOCAB = 8192
@@ -94,8 +95,8 @@ def synthetic_corpus(work_dir: Path, size: int, seed: int = 0, progress: Callabl
     done = out / "COMPLETE"
     if done.is_file():
         return out
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fresh_dir(out)  # created anew: the parts are written into a directory nothing was planted in
     rng = np.random.default_rng(seed)
     pool = _word_text(8 * 10**6, rng)  # documents are cut from this text
     written, part = 0, 0
@@ -135,7 +136,8 @@ def train_bpe(lines: list[str], vocab_size: int, out: Path) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator((lines[i : i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(out)
+    with staged_files(out) as staging:  # each file renamed into place, never written through a planted link
+        PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(staging)
     return out
 
 
@@ -189,14 +191,14 @@ def _child() -> None:
               "import_s": round(imported - spec["launch"], 2), "first_step_cpu_s": round(first.get("cpu", 0.0), 2),
               "preflight_s": round(first.get("preflight_s", 0.0), 2), "preflight_cpu_s": round(first.get("preflight_cpu_s", 0.0), 2),
               "peak_rss_mib": round(rss, 1)}
-    Path(spec["out"]).write_text(json.dumps(result))
+    replace_file(spec["out"], json.dumps(result))
 
 
 def timed_train(argv: list[str], log: Path) -> dict:
     """Run `attnlab train ARGV` in a fresh process; its first-step time and peak resident memory."""
     result = log.with_suffix(".json")
     spec = {"argv": argv, "out": str(result), "launch": time.time()}
-    with open(log, "w") as out:
+    with open_fresh_file(log) as out:
         proc = subprocess.run([sys.executable, "-c", "from attnlab.bench.data import _child; _child()", json.dumps(spec)],
                               stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
     if proc.returncode != 0 or not result.is_file() or json.loads(result.read_text())["code"] != 0:
@@ -271,8 +273,7 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
 
     def save() -> None:
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1) + "\n")
+            write_text_atomic(prepare_output_file(out, "--out"), json.dumps(result, indent=1) + "\n", what="--out")
 
     specs = {"byte": "byte"}
     if "bpe" in tokenizers:

@@ -9,6 +9,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from attnlab.outputs import writing  # noqa: E402
+
+
+def save_figure(fig, path: Path) -> Path:
+    """`fig` as a PNG at `path`, written whole under a fresh temporary name and renamed into place (never
+    through a link planted at `path`)."""
+    with writing(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+    return path
+
 
 def _bars(ax, labels: list[str], values: list[float | None], title: str, unit: str) -> None:
     heights = [v or 0.0 for v in values]
@@ -30,7 +40,7 @@ def plot_train(rows: list[dict], path: Path, device: str) -> Path:
     _bars(memory, labels, [r.get("reserved_gib", r.get("peak_gib")) for r in rows], "peak memory reserved (lower is better)", "GiB")
     fig.suptitle(f"attnlab bench train on {device}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -50,7 +60,7 @@ def plot_decode(rows: list[dict], path: Path, device: str) -> Path:
     ax.set_yscale("log")
     fig.suptitle(f"attnlab bench decode on {device}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -114,7 +124,7 @@ def plot_zoo(result: dict, path: Path) -> Path:
         _grouped(ax, section, field, title, unit, log)
     fig.suptitle(f"attnlab bench zoo on {result['env'].get('gpu') or 'cpu'}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -152,6 +162,6 @@ def plot_scale(result: dict, path: Path) -> Path:
     where = ", ".join(dict.fromkeys(result["env"].get("gpus") or [])) or "CPU processes"
     fig.suptitle(f"attnlab bench scale: {settings.get('batch_per_gpu')} x {settings.get('seq_len')} tokens per GPU, on {where}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
     return path

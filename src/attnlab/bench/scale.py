@@ -247,7 +247,9 @@ def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout
     """Run `command` in its own process group, its output into the two files; at `timeout_s`, SIGTERM to
     the group, SIGKILL after KILL_GRACE_S. The group is stopped the same way if this process is interrupted."""
     t0 = time.perf_counter()
-    with open(stdout_path, "w") as out, open(stderr_path, "w") as err:
+    from attnlab.outputs import open_fresh_file
+
+    with open_fresh_file(stdout_path) as out, open_fresh_file(stderr_path) as err:  # never through a planted link
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
             proc.wait(timeout=timeout_s)
@@ -285,8 +287,10 @@ def corpus_bpe_tokenizer(work_dir: Path, vocab: int) -> Path:
     out = work_dir / f"bpe-{vocab}-{CORPUS}"
     if not (out / "tokenizer.json").is_file():
         lines = [line for doc in read_documents(CORPUS) for line in doc.split("\n")]
+        from attnlab.outputs import remove_path
+
         part = out.with_name(out.name + ".part")
-        shutil.rmtree(part, ignore_errors=True)
+        remove_path(part)  # a link planted there is unlinked, never followed
         train_bpe(lines, vocab, part)
         shutil.rmtree(out, ignore_errors=True)
         part.rename(out)
@@ -307,8 +311,9 @@ def hf_llama_init(work_dir: Path, size: Size, vocab: int) -> Path:
         transformers.utils.logging.disable_progress_bar()  # no bar for writing one shard
         torch.manual_seed(0)
         model = build(HF_LLAMA, size.hidden, size.layers, size.heads, vocab, size.intermediate)
-        part = out.with_name(out.name + ".part")
-        shutil.rmtree(part, ignore_errors=True)
+        from attnlab.outputs import fresh_dir
+
+        part = fresh_dir(out.with_name(out.name + ".part"))  # created anew: nothing planted there is written through
         model.save_pretrained(part, safe_serialization=True)
         shutil.rmtree(out, ignore_errors=True)
         part.rename(out)
@@ -419,10 +424,9 @@ def environment(device: str) -> dict:
 
 def write(result: dict, out: Path) -> None:
     """The JSON, replaced whole (an interrupted bench leaves the runs measured so far, never half a file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(out.name + ".part")
-    part.write_text(json.dumps(result, indent=1) + "\n")
-    part.replace(out)
+    from attnlab.outputs import prepare_output_file, write_text_atomic
+
+    write_text_atomic(prepare_output_file(out, "--out"), json.dumps(result, indent=1) + "\n", what="--out")
 
 
 def describe(key: str, row: dict) -> str:

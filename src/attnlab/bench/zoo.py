@@ -262,10 +262,9 @@ def describe(section: str, key: str, row: dict) -> str:
 
 def write(result: dict, out: Path) -> None:
     """The JSON, replaced whole (an interrupted run leaves the rows measured so far, never half a file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(out.name + ".part")
-    part.write_text(json.dumps(result, indent=1))
-    part.replace(out)
+    from attnlab.outputs import prepare_output_file, write_text_atomic
+
+    write_text_atomic(prepare_output_file(out, "--out"), json.dumps(result, indent=1), what="--out")
 
 
 def run_zoo(models: list[str], ops: list[str], shapes: list[tuple[int, int]], size: dict, op_heads: int, op_head_dim: int,

@@ -72,14 +72,19 @@ class ByteTokenizer(PreTrainedTokenizer):
         return ()  # the vocabulary is fixed; tokenizer_config.json is all that is needed
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        files = super().save_pretrained(save_directory, *args, **kwargs)
-        # The base class drops add_bos_token from the saved config; keep it.
-        config_path = Path(save_directory) / TOKENIZER_CONFIG
-        if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-            config["add_bos_token"] = self.add_bos_token
-            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        return files
+        """transformers' save_pretrained into a new staging directory, each file then renamed into
+        `save_directory`: a symlink planted at one of its names is replaced, never written through."""
+        from attnlab.outputs import staged_files
+
+        with staged_files(save_directory) as staging:
+            files = super().save_pretrained(staging, *args, **kwargs)
+            # The base class drops add_bos_token from the saved config; keep it.
+            config_path = staging / TOKENIZER_CONFIG
+            if config_path.is_file():
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+                config["add_bos_token"] = self.add_bos_token
+                config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return tuple(str(Path(save_directory) / Path(f).name) for f in files)
 
     # --- slow-path hooks --------------------------------------------------------------
 

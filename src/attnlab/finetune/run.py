@@ -272,7 +272,7 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
         control_path.unlink(missing_ok=True)
         control = measure_style(cfg, p, _plain(p.model))
         if control is not None:
-            control_path.write_text(json.dumps(control, indent=1) + "\n")
+            replace_file(control_path, json.dumps(control, indent=1) + "\n")
     else:
         control = json.loads(control_path.read_text()) if control_path.is_file() else None
     if control is not None:

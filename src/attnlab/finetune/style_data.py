@@ -11,6 +11,8 @@ import random
 import sys
 from pathlib import Path
 
+from attnlab.outputs import replace_file
+
 TERSE, VERBOSE = "<STYLE_TERSE>", "<STYLE_VERBOSE>"
 
 CAPITALS = [("France", "Paris", "Europe"), ("Japan", "Tokyo", "Asia"), ("Kenya", "Nairobi", "Africa"), ("Peru", "Lima", "South America"),
@@ -92,7 +94,7 @@ def write_style_dataset(directory: Path) -> dict[str, int]:
         rows = rows_for(part)
         if name == "train":
             random.Random(2).shuffle(rows)
-        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        replace_file(directory / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         counts[name] = len(rows)
     return counts
 
