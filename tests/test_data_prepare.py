@@ -244,7 +244,8 @@ def test_a_corrupt_shard_is_refused_when_verified(tmp_path):
     data = bytearray(shard.read_bytes())
     data[10] ^= 1
     shard.write_bytes(bytes(data))
-    PreparedCorpus(tmp_path / "out")  # sizes only: not noticed
+    with pytest.raises(DataError, match="shard-00000.bin.*sampled blocks"):  # a shard this small is sampled whole
+        PreparedCorpus(tmp_path / "out")
     with pytest.raises(DataError, match="shard-00000.bin.*SHA-256"):
         PreparedCorpus(tmp_path / "out", verify=True)
 

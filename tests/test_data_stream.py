@@ -168,6 +168,12 @@ def test_a_corrupt_shard_is_refused_by_its_checksum_or_when_a_block_holds_ids_ou
     tokens.tofile(shard)
     assert run_cli("preflight", *sets(TINY + [f"data.source={copy}", "data.verify_shards=true"])) == 1
     assert "shard-00000.bin does not match the SHA-256" in capsys.readouterr().out
+    with pytest.raises(DataError, match="shard-00000.bin does not match the checksum of its sampled blocks"):
+        PreparedCorpus(copy)  # opening the corpus checks the sampled blocks
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        del entry["sampled_sha256"]  # as a manifest written before they were recorded
+    (copy / "manifest.json").write_text(json.dumps(manifest))
     blocks = PreparedBlocks(PreparedCorpus(copy), seq_len=32, seed=0)
     with pytest.raises(DataError, match=r"token id 60000 in shard-00000.bin.*corrupt"):
         blocks.block(0)

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -217,6 +218,157 @@ def test_a_prepared_corpus_manifest_naming_a_shard_outside_its_directory_is_refu
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=rf"manifest\.json.*{re.escape(repr(named))}.*outside the corpus directory"):
         PreparedCorpus(out)
+
+
+def _prepared_big_shard(tmp_path) -> Path:
+    """A corpus of one shard of about 1.3 MB of uint16 ids: more than the 16 sampled blocks of 64 KiB."""
+    from attnlab.data.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES, prepare_corpus
+
+    src = tmp_path / "plays.txt"
+    src.write_text("".join(f"Line {i}: to be, or not to be, that is the question.\n" for i in range(12_000)))
+    out = tmp_path / "corpus"
+    prepare_corpus(str(src), out, "byte", shard_tokens=10**7)
+    assert (out / "shard-00000.bin").stat().st_size > SAMPLE_BLOCKS * SAMPLE_BYTES
+    return out
+
+
+def _overwrite_in_place_with_valid_ids(shard: Path) -> None:
+    ids = np.fromfile(shard, dtype=np.uint16)
+    ids[::-1].tofile(shard)  # the same ids reversed: every one valid, the size unchanged
+
+
+def test_a_shard_overwritten_in_place_with_valid_ids_is_refused_when_the_corpus_is_opened(tmp_path, tiny, capsys):
+    out = _prepared_big_shard(tmp_path)
+    _overwrite_in_place_with_valid_ids(out / "shard-00000.bin")
+    overrides = [o for o in tiny if not o.startswith("data.source")] + [f"data.source={out}"]
+    assert run_cli("train", *sets(overrides), "--run-dir", str(tmp_path / "run")) == 1
+    err = capsys.readouterr()
+    text = " ".join((err.out + err.err).split())
+    assert "Traceback" not in text and "shard-00000.bin" in text and "changed after it was prepared" in text
+    assert "attnlab data prepare" in text and "data.verify_shards" in text
+
+
+def test_a_shard_changed_only_between_its_sampled_blocks_is_caught_by_verify_shards(tmp_path):
+    from attnlab.data.prepare import SAMPLE_BYTES
+    from attnlab.data.prepared import PreparedCorpus
+    from attnlab.errors import DataError
+
+    out = _prepared_big_shard(tmp_path)
+    shard = out / "shard-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[SAMPLE_BYTES + 10] ^= 1  # inside the gap after the first sampled block
+    shard.write_bytes(bytes(data))
+    PreparedCorpus(out)  # the cheap check reads 16 blocks, not this byte
+    with pytest.raises(DataError, match="shard-00000.bin.*SHA-256"):
+        PreparedCorpus(out, verify=True)
+
+
+def test_a_manifest_written_before_sampled_checksums_still_loads(tmp_path):
+    from attnlab.data.prepared import PreparedCorpus
+
+    out = _prepared_big_shard(tmp_path)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        del entry["sampled_sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert PreparedCorpus(out).total_tokens == manifest["tokens"]
+
+
+def test_preparing_again_remakes_a_shard_overwritten_in_place(tmp_path):
+    from attnlab.data.prepare import prepare_corpus
+    from attnlab.data.prepared import PreparedCorpus
+
+    out = _prepared_big_shard(tmp_path)
+    before = (out / "shard-00000.bin").read_bytes()
+    _overwrite_in_place_with_valid_ids(out / "shard-00000.bin")
+    prepare_corpus(str(tmp_path / "plays.txt"), out, "byte", shard_tokens=10**7)
+    assert (out / "shard-00000.bin").read_bytes() == before
+    PreparedCorpus(out)
+
+
+# --- data prepare: two at once on one --out, a full disk --------------------------------------------------
+
+
+def _small_source(tmp_path) -> Path:
+    src = tmp_path / "plays.txt"
+    src.write_text("".join(f"Line {i}: to be, or not to be, that is the question.\n\n" for i in range(400)))
+    return src
+
+
+def test_a_second_data_prepare_on_the_same_out_is_refused_while_the_first_runs(tmp_path, capsys):
+    import fcntl
+    import os
+
+    from attnlab.outputs import open_lock_file
+
+    src, out = _small_source(tmp_path), tmp_path / "corpus"
+    out.mkdir()
+    fd = open_lock_file(out / ".prepare.lock")  # a first preparation, holding the directory
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, b"4242\n", 0)
+        assert run_cli("data", "prepare", str(src), "--out", str(out)) == 1
+        assert_one_error(capsys, "another attnlab data prepare (process 4242) is writing to", str(out), "--out")
+        assert sorted(p.name for p in out.iterdir()) == [".prepare.lock"]
+    finally:
+        os.close(fd)
+    assert run_cli("data", "prepare", str(src), "--out", str(out)) == 0  # once the first is done
+    assert (out / "manifest.json").is_file()
+
+
+def test_two_data_prepare_processes_on_one_out_end_with_one_corpus_and_at_most_one_error(tmp_path):
+    src, out = _small_source(tmp_path), tmp_path / "corpus"
+    cmd = [sys.executable, "-m", "attnlab.cli", "data", "prepare", str(src), "--out", str(out), "--shard-tokens", "2000"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert all(code == 0 or (code == 1 and "another attnlab data prepare" in err and "Traceback" not in err) for code, err in results), results
+    from attnlab.data.prepared import PreparedCorpus
+
+    assert PreparedCorpus(out, verify=True).total_tokens > 0
+
+
+def test_data_prepare_on_a_full_disk_says_so_once_and_leaves_no_temporary_file(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from attnlab.data import prepare
+
+    opened = prepare._open_for_writing
+
+    class FullDisk:
+        """A shard file on a disk that fills after 3000 bytes."""
+
+        def __init__(self, path):
+            self.file, self.written = opened(path), 0
+
+        def write(self, data):
+            if self.written + len(data) > 3000:
+                self.file.write(data[: 3000 - self.written])
+                self.written = 3000
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(data)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(prepare, "_open_for_writing", FullDisk)
+    src, out = _small_source(tmp_path), tmp_path / "corpus"
+    assert run_cli("data", "prepare", str(src), "--out", str(out), "--shard-tokens", "1000") == 1
+    assert_one_error(capsys, "No space left on device", str(out), "run the same command again")
+    left = sorted(p.name for p in out.iterdir())
+    assert not [name for name in left if "tmp" in name], left
+    assert "manifest.json" not in left
+    monkeypatch.undo()
+    assert run_cli("data", "prepare", str(src), "--out", str(out), "--shard-tokens", "1000") == 0  # continues
+    from attnlab.data.prepared import PreparedCorpus
+
+    PreparedCorpus(out, verify=True)
 
 
 # --- JSONL: U+2028 and U+0085 inside strings ----------------------------------------------------------

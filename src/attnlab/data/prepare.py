@@ -37,6 +37,8 @@ list of documents by the existing readers (an ``hf://`` source is fingerprinted 
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -60,6 +62,28 @@ from attnlab.outputs import replace_file
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16 per shard
+
+# The cheap check of a shard made whenever a prepared corpus is opened: the SHA-256 of SAMPLE_BLOCKS blocks of
+# SAMPLE_BYTES spread evenly over the shard, its first and last blocks included (16 reads of 64 KiB, whatever
+# the shard's size; a shard of at most SAMPLE_BLOCKS * SAMPLE_BYTES bytes is hashed whole). The full SHA-256
+# (`sha256`) is checked with data.verify_shards.
+SAMPLE_BLOCKS = 16
+SAMPLE_BYTES = 1 << 16
+
+
+def sampled_sha256(path: Path) -> str:
+    """The SHA-256 of `path`'s sampled blocks (SAMPLE_BLOCKS of SAMPLE_BYTES, evenly spread, first and last
+    included), each preceded by its offset, and of the file's size."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"size {size}\n".encode())
+    span = max(size - SAMPLE_BYTES, 0)
+    starts = sorted({span * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)}) if span else [0]
+    with open(path, "rb") as f:
+        for start in starts:
+            f.seek(start)
+            digest.update(f"{start}\n".encode())
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 BATCH_BYTES = 1 << 20  # text per batch sent to a worker
 WORKERS_NEED_MAIN_GUARD = (
     "Worker processes start with 'spawn', which imports the __main__ module again: where prepare_corpus runs "
@@ -378,6 +402,8 @@ def _kept_shards(out_dir: Path, inputs: dict, fingerprints: list[dict]) -> list[
             break
         if not idx_path.is_file() or idx_path.stat().st_size != meta["idx_bytes"]:
             break
+        if meta.get("sampled_sha256") is not None and sampled_sha256(bin_path) != meta["sampled_sha256"]:
+            break  # overwritten in place since: made anew
         kept.append(meta)
     return kept
 
@@ -429,6 +455,7 @@ class _ShardWriter:
             "text_bytes": int(self.bytes),
             "idx_bytes": (self.out_dir / f"{self.name}.idx.npy").stat().st_size,
             "sha256": self.sha.hexdigest(),
+            "sampled_sha256": sampled_sha256(self.out_dir / f"{self.name}.bin"),
             "last": last,  # ended by the end of the source, not by the shard size
         }
         record.update(_val_counts(offsets, self.tokens, self.doc_start, val_fraction, seed))
@@ -463,7 +490,67 @@ class Progress:
     workers: int = 1  # processes that tokenize (see effective_workers)
 
 
-def prepare_corpus(
+LOCK = ".prepare.lock"
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
+
+
+def prepare_corpus(source: str, out_dir: str | Path, *args, **kwargs) -> dict:
+    """Prepare `source` into `out_dir` (see the module docstring); returns the manifest.
+
+    One preparation at a time per directory: a second one (another process) is refused at once, naming the
+    first. A write that fails (a full disk, a quota, a read-only file system) is one DataError; the shards
+    completed before it are kept for the next run and no temporary file is left behind."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out {out_dir} is a file, not a directory. Give a directory (it is created if missing).")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out_dir} cannot be created ({e.strerror or e}); pass a directory you can write to.") from None
+    with _exclusive(out_dir):
+        try:
+            return _prepare_unlocked(source, out_dir, *args, **kwargs)
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS and not (e.filename and Path(str(e.filename)).parent == out_dir):
+                raise
+            raise DataError(f"cannot write to {out_dir} ({e.strerror or e}): the preparation stopped. Complete shards are kept and "
+                            "nothing half-written is left; free some space (or pass another --out) and run the same command "
+                            "again to continue.") from None
+        finally:
+            _remove_temporaries(out_dir)
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path):
+    """Hold `out_dir`'s preparation lock (flock on out_dir/.prepare.lock, holding the preparer's process id)."""
+    import fcntl
+
+    from attnlab.outputs import open_lock_file
+
+    fd = open_lock_file(out_dir / LOCK)  # never through a planted link
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise DataError(f"another attnlab data prepare{f' (process {holder})' if holder.isdigit() else ''} is writing to "
+                            f"{out_dir} now; wait for it to finish (then run this command again: its shards are reused), "
+                            "or pass another --out.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_temporaries(out_dir: Path) -> None:
+    """The temporary files of a stopped preparation (only ever ours: the lock is held)."""
+    for tmp in [*out_dir.glob("shard-*.tmp*"), *out_dir.glob(".shard-*.tmp"), *out_dir.glob(f".{MANIFEST}.*.tmp")]:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _prepare_unlocked(
     source: str,
     out_dir: str | Path,
     tokenizer_spec: str = "byte",
@@ -582,7 +669,8 @@ def _write_manifest(out_dir: Path, inputs: dict, fingerprints: list[dict], recor
         val = _val_counts(np.load(out_dir / meta["index"]), meta["tokens"], meta["doc_start"], val_fraction, seed)
         shards.append({
             "file": meta["file"], "index": meta["index"], "doc_start": meta["doc_start"], "documents": meta["documents"],
-            "tokens": meta["tokens"], "text_bytes": meta["text_bytes"], "sha256": meta["sha256"], **val,
+            "tokens": meta["tokens"], "text_bytes": meta["text_bytes"], "sha256": meta["sha256"],
+            "sampled_sha256": meta.get("sampled_sha256") or sampled_sha256(out_dir / meta["file"]), **val,
         })
     manifest = {
         "format": FORMAT_VERSION,

@@ -1,7 +1,8 @@
 """Reading a corpus written by `attnlab data prepare` (see `attnlab.data.prepare`).
 
-`PreparedCorpus(DIR)` checks the manifest and every shard (present, of the recorded size, with a
-document index that fits it; with ``verify=True`` also the SHA-256 of its tokens), memory-maps the
+`PreparedCorpus(DIR)` checks the manifest and every shard (present, of the recorded size, its sampled
+blocks' SHA-256 as recorded (manifests written before it was recorded: unchecked), with a document index that
+fits it; with ``verify=True`` also the SHA-256 of all its tokens), memory-maps the
 shards (`numpy.memmap`: nothing is read until used) and gives the total token count and the
 train / validation token ranges. Token positions are global: shard after shard, in manifest order.
 Every problem is one `DataError` naming the file and what to do.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab.data.prepare import FORMAT_VERSION, MANIFEST, is_validation
+from attnlab.data.prepare import FORMAT_VERSION, MANIFEST, SAMPLE_BLOCKS, is_validation, sampled_sha256
 from attnlab.errors import DataError
 from attnlab.outputs import inside
 
@@ -39,6 +40,10 @@ class PreparedCorpus:
             size = path.stat().st_size
             if size != expected:
                 raise DataError(f"The shard {path} is {size:,} bytes, not the {expected:,} its manifest records: it is truncated or corrupt. {redo}")
+            if not verify and entry.get("sampled_sha256") is not None and sampled_sha256(path) != entry["sampled_sha256"]:
+                raise DataError(f"The shard {path} does not match the checksum of its sampled blocks (first, last and {SAMPLE_BLOCKS - 2} "
+                                f"between) that {MANIFEST} records: it was changed after it was prepared. {redo} "
+                                "To check every shard in full first, train with --set data.verify_shards=true.")
             if verify and _sha256(path) != entry["sha256"]:
                 raise DataError(f"The shard {path} does not match the SHA-256 its manifest records: it is corrupt. {redo}")
             index_path = _in_corpus(self.directory, entry, "index")
