@@ -6,6 +6,7 @@
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
+# eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # fsdp (2 GPUs), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`). Logs go to $OUT (or ./gpu-out) as they are written;
@@ -44,6 +45,8 @@ for stage in "$@"; do case $stage in
     --shape 4x4096 --steps 4 --warmup 2 --profile --out "$OUT/prof-mamba2.json" ;;
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
+  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" \
+    $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
   scale|scale2) name=$stage; [ $stage = scale2 ] && { SCALE_MODELS=${SCALE2_MODELS:-$SCALE_MODELS}; SCALE_ARGS=${SCALE2_ARGS:-$SCALE_ARGS}; }
     run $name "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \

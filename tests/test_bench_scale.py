@@ -36,6 +36,23 @@ def test_the_plan_runs_one_gpu_once_under_the_first_strategy_each_model_from_its
     assert [v.key for v in scale.variants(["hf-llama"], [1], ["fsdp"], 2, 32, ckpt=False, eager=False)] == ["hf-llama@1x2x32:fsdp"]
 
 
+def test_side_by_side_runs_the_one_gpu_runs_in_groups_of_the_gpu_count_before_the_runs_over_several():
+    plan = scale.variants(["attnlab-2mamba", "attnlab-gla", "hf-llama"], [1, 4], ["ddp"], 9, 1024, ckpt=True, eager=False)
+    assert [[v.key for v in wave] for wave in scale.waves(plan, 1)] == [[v.key] for v in plan]
+    waves = scale.waves(plan, 4)
+    assert [len(w) for w in waves] == [4, 2, 1, 1, 1, 1, 1, 1]
+    assert all(v.gpus == 1 for w in waves[:2] for v in w) and all(w[0].gpus == 4 for w in waves[2:])
+    assert sorted(v.key for w in waves for v in w) == sorted(v.key for v in plan)
+
+
+def test_a_run_side_by_side_sees_only_its_own_gpu_of_those_visible(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert scale.run_environment(1, 2)["CUDA_VISIBLE_DEVICES"] == "2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert scale.run_environment(1, 1)["CUDA_VISIBLE_DEVICES"] == "5"
+    assert scale.run_environment(4)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
 @pytest.mark.parametrize("visible, counts", [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
 def test_default_gpu_counts_double_up_to_every_visible_gpu(visible, counts):
     assert scale.default_gpu_counts(visible) == counts

@@ -233,13 +233,18 @@ class Finished:
     wall_s: float
 
 
-def run_environment(gpus: int) -> dict[str, str]:
+def run_environment(gpus: int, device_index: int | None = None) -> dict[str, str]:
     """The environment of a run: whole lines in its logs, written as they come; one process gets the one
     OpenMP thread that torchrun gives each of its processes (unless the caller set a count), so that one
-    GPU and several differ only in their count."""
+    GPU and several differ only in their count. `device_index`: the one GPU a one-process run sees (runs
+    side by side), of those this process sees."""
     env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
     if gpus == 1:
         env.setdefault("OMP_NUM_THREADS", "1")
+    if device_index is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(device_index + 1)]
+        env["CUDA_VISIBLE_DEVICES"] = ids[device_index]
     return env
 
 
@@ -374,12 +379,13 @@ class Bench:
         return [*launcher(v.gpus), "train", *sets, "--run-dir", str(run_dir)]
 
 
-def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s: float) -> dict:
-    """Run one variant and read its row from its run directory (the weights it wrote are deleted)."""
+def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s: float, device_index: int | None = None) -> dict:
+    """Run one variant and read its row from its run directory (the weights it wrote are deleted);
+    `device_index`: the GPU a one-process run is pinned to."""
     run_dir = runs_dir / v.name
     shutil.rmtree(run_dir, ignore_errors=True)
     stdout_path, stderr_path = logs_dir / f"{v.name}.log", logs_dir / f"{v.name}.stderr.log"
-    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s, run_environment(v.gpus))
+    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s, run_environment(v.gpus, device_index))
     stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
     for heavy in ("final", "checkpoints"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
@@ -441,30 +447,58 @@ def describe(key: str, row: dict) -> str:
             f"{row['wall_s']} s{note}")
 
 
+def waves(plan: list[Variant], side_by_side: int) -> list[list[Variant]]:
+    """The plan in the order it runs: with `side_by_side` > 1, the one-GPU runs in groups of up to that many
+    (each on a GPU of its own, at the same time), before the runs over several GPUs, one at a time."""
+    if side_by_side <= 1:
+        return [[v] for v in plan]
+    singles = [v for v in plan if v.gpus == 1]
+    return ([singles[i:i + side_by_side] for i in range(0, len(singles), side_by_side)]
+            + [[v] for v in plan if v.gpus > 1])
+
+
 def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: Path, out: Path, timeout_s: float,
-              log: Callable[[str], None] = print) -> tuple[dict, bool]:
-    """Run every variant of `plan` in turn; a line to `log` as each starts and ends, the JSON rewritten
-    after each. Returns (result, finished): finished is False when the bench was interrupted."""
+              log: Callable[[str], None] = print, side_by_side: int = 1) -> tuple[dict, bool]:
+    """Run every variant of `plan`; a line to `log` as each starts and ends, the JSON rewritten after each.
+    `side_by_side` > 1: the one-GPU runs go that many at a time, each pinned to its own GPU (a process per
+    GPU shares nothing with the others but the host). Returns (result, finished): finished is False when
+    the bench was interrupted."""
+    from concurrent.futures import ThreadPoolExecutor
+
     plan = list(plan)
     runs_dir = work_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     logs_dir.mkdir(parents=True, exist_ok=True)
     result = {"env": environment(bench.device), "settings": bench.settings(plan), "runs": {}}
+    if side_by_side > 1:
+        result["settings"]["one_gpu_runs_side_by_side"] = side_by_side
     write(result, out)
-    for n, v in enumerate(plan, 1):
-        where = "1 process" if v.gpus == 1 else f"torchrun, {v.gpus} processes"
-        log(f"[{n}/{len(plan)}] {v.key}: started ({where}; log {logs_dir / v.name}.log)")
+    n = 0
+    for wave in waves(plan, side_by_side):
+        numbers = {v.key: n + i for i, v in enumerate(wave, 1)}
+        n += len(wave)
+        for i, v in enumerate(wave):
+            where = "1 process" if v.gpus == 1 else f"torchrun, {v.gpus} processes"
+            where += f" on GPU {i}" if len(wave) > 1 else ""
+            log(f"[{numbers[v.key]}/{len(plan)}] {v.key}: started ({where}; log {logs_dir / v.name}.log)")
         try:
-            row = measure(bench, v, runs_dir, logs_dir, timeout_s)
+            if len(wave) == 1:
+                rows = [measure(bench, wave[0], runs_dir, logs_dir, timeout_s)]
+            else:
+                with ThreadPoolExecutor(len(wave)) as pool:
+                    rows = list(pool.map(lambda iv: measure(bench, iv[1], runs_dir, logs_dir, timeout_s, iv[0]), enumerate(wave)))
         except KeyboardInterrupt:
-            log(f"[{n}/{len(plan)}] {v.key}: interrupted; {out} holds the {len(result['runs'])} runs measured before it")
+            log(f"[{numbers[wave[0].key]}/{len(plan)}] {wave[0].key}: interrupted; {out} holds the {len(result['runs'])} runs "
+                "measured before it")
             return result, False
-        result["runs"][v.key] = row
+        for v, row in zip(wave, rows):
+            result["runs"][v.key] = row
         for key, value in efficiencies(result["runs"]).items():
             if "error" not in result["runs"][key]:
                 result["runs"][key]["efficiency"] = value
         write(result, out)
-        log(f"[{n}/{len(plan)}] {v.key}: {describe(v.key, row)}")
+        for v in wave:
+            log(f"[{numbers[v.key]}/{len(plan)}] {v.key}: {describe(v.key, result['runs'][v.key])}")
     return result, True
 
 

@@ -78,12 +78,32 @@ def host_ms(step, repeats: int = 3) -> float:
     return round(statistics.median(times) * 1000, 1)
 
 
+def host_python_calls(step, top: int = 25) -> list:
+    """The Python functions the host spends one step in (the GPU drained first), by their own time:
+    [[function (file:line), calls, own ms, cumulative ms], ...]. cProfile slows every call down by
+    about the same factor, so read the shares, not the sums."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    short = lambda f, line, name: f"{name} ({'/'.join(f.split('/')[-2:])}:{line})"  # noqa: E731
+    return [[short(*key)[:90], calls, round(own * 1000, 2), round(cum * 1000, 2)] for key, (_, calls, own, cum, _) in rows]
+
+
 def profile_step(step) -> dict:
     """One training step under the profiler: GPU time per kernel category, the top kernels, the
     host's time to issue the step, and the host-side calls that take most of it."""
     from torch.profiler import ProfilerActivity, profile
 
     issue_ms = host_ms(step)
+    python_calls = host_python_calls(step)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -103,5 +123,6 @@ def profile_step(step) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
     return {"gpu_ms": round(total, 3), "kernels": launches, "host_issue_ms": issue_ms,
             "host_self_ms": [[e.key[:60], e.count, round(e.self_cpu_time_total / 1000, 2)] for e in host_calls],
+            "host_python_ms": python_calls,
             "by_category_ms": {k: round(v, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}

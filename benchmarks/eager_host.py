@@ -1,0 +1,183 @@
+"""Where an eager training step's host time goes, per mixer: `python benchmarks/eager_host.py --model 2mamba ...`.
+
+For each model (bench names of `attnlab bench train`), at one shape: the eager step's time (CUDA events), the
+GPU's kernel time, the host's time to issue the forward, the backward and the optimizer step separately
+(the GPU drained before each part), the number of kernels each part launches, and the Python functions
+the forward and the backward spend their host time in (cProfile, own time). Prints a table last; --out
+writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+
+import torch
+
+from attnlab.bench.timing import median_time, release
+from attnlab.bench.train import build, train_step
+
+
+def _host(fn, repeats=3):
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return round(statistics.median(times) * 1000, 2)
+
+
+def _python_top(fn, top=18):
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{name} ({'/'.join(f.split('/')[-2:])}:{line})"[:90], calls, round(own * 1000, 2)]
+            for (f, line, name), (_, calls, own, _, _) in rows]
+
+
+def _kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(events), round(sum(e.device_time for e in events) / 1000, 2)
+
+
+def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
+    """The same step captured as CUDA graphs, as `attnlab train` runs it (a model of its own: a captured backward
+    needs gradient accumulators made on the capture stream, which an eager step before it would have made)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    release(device)
+    model = build(name, hidden, layers, heads, vocab, intermediate).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    step, captured = train_step(model, opt, x, capture=True)
+    if captured is None:
+        return None
+    for _ in range(3):
+        step()
+    step_s, _ = median_time(step, 6, device)
+    del model, opt, step, captured
+    return round(step_s * 1000, 2)
+
+
+def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
+    device = torch.device("cuda")
+    captured = captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len) if name.startswith("attnlab-") else None
+    torch.manual_seed(0)
+    release(device)
+    model = build(name, hidden, layers, heads, vocab, intermediate).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    state = {}
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            state["loss"] = model(input_ids=x, labels=x).loss
+
+    def backward():
+        state["loss"].backward()
+
+    def optimizer():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step():
+        forward()
+        backward()
+        optimizer()
+
+    for _ in range(3):
+        step()
+    step_s, _ = median_time(step, 6, device)
+    row = {"model": name, "batch": batch, "seq_len": seq_len, "step_ms": round(step_s * 1000, 2),
+           "tok_per_s": round(batch * seq_len / step_s)}
+    parts = {}
+    for part, fn, before, after in (("forward", forward, None, lambda: (backward(), optimizer())),
+                                    ("backward", backward, forward, optimizer),
+                                    ("optimizer", optimizer, lambda: (forward(), backward()), None)):
+        def timed(fn=fn, before=before, after=after):
+            if before:
+                before()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            state.setdefault(part, []).append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            if after:
+                after()
+        state[part] = []
+        for _ in range(3):
+            timed()
+        host_ms = round(statistics.median(state[part]) * 1000, 2)
+        if before:
+            before()
+        kernels, gpu_ms = _kernels(fn)
+        if after:
+            after()
+        if before:
+            before()
+        top = _python_top(fn) if part != "optimizer" else []
+        if after:
+            after()
+        parts[part] = {"host_ms": host_ms, "gpu_ms": gpu_ms, "kernels": kernels, "python_top": top}
+    row["parts"] = parts
+    if captured:
+        row.update(captured_ms=captured, eager_over_captured=round(captured / row["step_ms"], 3))
+    del model, opt
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", required=True, help="bench name or mixer (repeatable)")
+    ap.add_argument("--shape", default="9x1024")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    batch, seq_len = (int(v) for v in args.shape.split("x"))
+    rows = []
+    for name in args.model:
+        name = name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}"
+        try:
+            row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len)
+        except Exception as err:  # one model's failure is a row, not the end of the run
+            row = {"model": name, "error": f"{type(err).__name__}: {err}"[:300]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"shape": args.shape, "rows": rows}, f, indent=1)
+    print(f"\n{'model':32s} {'step ms':>8s} {'tok/s':>8s} | {'fwd host':>8s} {'gpu':>6s} {'kern':>5s} | "
+          f"{'bwd host':>8s} {'gpu':>6s} {'kern':>5s} | {'opt host':>8s} {'gpu':>6s} | {'captured':>8s} {'eager/capt':>10s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:32s} {r['error'][:100]}")
+            continue
+        p = r["parts"]
+        print(f"{r['model']:32s} {r['step_ms']:>8.1f} {r['tok_per_s']:>8,d} | {p['forward']['host_ms']:>8.1f} {p['forward']['gpu_ms']:>6.1f} "
+              f"{p['forward']['kernels']:>5d} | {p['backward']['host_ms']:>8.1f} {p['backward']['gpu_ms']:>6.1f} {p['backward']['kernels']:>5d} | "
+              f"{p['optimizer']['host_ms']:>8.1f} {p['optimizer']['gpu_ms']:>6.1f} | {r.get('captured_ms', float('nan')):>8.1f} "
+              f"{r.get('eager_over_captured', float('nan')):>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
