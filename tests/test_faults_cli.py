@@ -612,6 +612,52 @@ def test_attnlab_runs_print_neither_the_bitsandbytes_kernel_message_nor_the_grad
     assert "is_gradient_checkpointing" not in done.stderr
 
 
+NOISY_STREAM = """
+import logging, sys, warnings
+import attnlab.generation
+from attnlab.generation import Candidate, GenerationResult
+
+def noisy_generate(model, tokenizer, prompts, config, stream=None, **kwargs):
+    stream(" The capital")
+    warnings.warn("`some_argument` is deprecated and will be removed in v6", FutureWarning)  # as transformers does mid-stream
+    logging.getLogger("transformers.generation").warning("Setting `pad_token_id` to `eos_token_id`")
+    warnings.warn("`some_argument` is deprecated and will be removed in v6", FutureWarning)
+    stream(" of France is Paris.")
+    return [GenerationResult(prompts[0], [Candidate(" The capital of France is Paris.", [1, 2, 3], "eos")])]
+
+attnlab.generation.generate = noisy_generate
+from attnlab.cli import main
+sys.argv = ["attnlab", "generate", sys.argv[1], "--prompt", "Q:", "--device", "cpu"]
+main()
+"""
+
+
+def test_a_streamed_generation_holds_library_warnings_until_the_answer_has_ended(model_dir):
+    """transformers' FutureWarning landed between the first and second words of a streamed answer (stdout and
+    stderr on one terminal): warnings and library log lines raised while streaming come after it, once each."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "default", "-c", NOISY_STREAM, str(model_dir)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout
+    out = done.stdout
+    assert "Q: The capital of France is Paris.\n" in out, out
+    answer_end = out.index("Paris.")
+    assert out.count("is deprecated and will be removed in v6") == 1 and out.index("FutureWarning") > answer_end, out
+    assert out.count("pad_token_id") == 1 and out.index("pad_token_id") > answer_end, out
+
+
+def test_a_streamed_generations_stdout_holds_no_warning_text(model_dir, capfd):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert run_cli("generate", str(model_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--device", "cpu") == 0
+    out = capfd.readouterr().out
+    assert "Warning" not in out and "warning" not in out and "deprecated" not in out, out
+
+
 def test_gguf_conversion_bars_are_off_inside_quiet_gguf_conversion(capsys):
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 

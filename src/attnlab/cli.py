@@ -285,9 +285,12 @@ def generate(
     prompts = [_chat_ids(tokenizer, r["prompt"]) if chat else r["prompt"] for r in rows]
     single = len(rows) == 1 and cfg.num_beams == 1 and cfg.num_return_sequences == 1 and output is None
     if single:
+        from attnlab.noise import held_until_done
+
         console.print(rows[0]["prompt"], style="dim", end="" if not chat else "\n", highlight=False, soft_wrap=True)
-        result = run_generate(lm, tokenizer, prompts, cfg, stream=lambda piece: console.print(piece, end="", highlight=False, markup=False, soft_wrap=True))
-        console.print()
+        with held_until_done():  # library warnings after the answer, never between its words
+            result = run_generate(lm, tokenizer, prompts, cfg, stream=lambda piece: console.print(piece, end="", highlight=False, markup=False, soft_wrap=True))
+            console.print()
         err_console.print(f"[dim]finish: {result[0].finish_reason}, {len(result[0].token_ids)} tokens[/dim]")
         return
     from rich.progress import Progress
