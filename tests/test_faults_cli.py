@@ -366,6 +366,65 @@ def test_flags_show_no_value_type_in_help(capsys, monkeypatch):
     assert "<int>" in rows["--seed"] and "<float>" in rows["--temperature"]
 
 
+# --- progress in a log file: generation-based eval and finetune's style metric ----------------------------
+
+
+def _slow_batches(monkeypatch, seconds: float) -> None:
+    """Every generation batch takes `seconds` longer, and progress lines come every 0.05 s."""
+    import time
+
+    import attnlab.console
+    import attnlab.generation
+    import attnlab.generation.engine
+
+    monkeypatch.setattr(attnlab.console, "PROGRESS_EVERY_S", 0.05)
+    generate = attnlab.generation.engine.generate
+
+    def slow(*args, progress=None, **kwargs):
+        def advance(n):
+            time.sleep(seconds)
+            if progress is not None:
+                progress(n)
+        return generate(*args, progress=advance, **kwargs)
+
+    monkeypatch.setattr(attnlab.generation, "generate", slow)
+    monkeypatch.setattr(attnlab.generation.engine, "generate", slow)
+
+
+def test_eval_spider_prints_progress_lines_while_it_generates_into_a_log(model_dir, tmp_path, capsys, monkeypatch):
+    """`attnlab eval --task spider` was silent for minutes off a terminal (the rich bar draws nothing there)."""
+    _slow_batches(monkeypatch, 0.3)
+    assert run_cli("eval", str(model_dir), "--task", "spider", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "4",
+                   "--device", "cpu", "-o", str(tmp_path / "ev")) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("spider: ")]
+    assert lines[0] == "spider: started, 4 examples generated", err
+    assert any(line.startswith("spider: 2/4 examples generated running") for line in lines), err
+    assert lines[-1].startswith("spider: 4/4 examples generated done"), err
+
+
+def test_finetune_prints_the_number_of_style_prompts_and_progress_while_measuring(attnlab_dir, tmp_path, capsys, monkeypatch):
+    import json
+
+    from conftest import sets
+
+    _slow_batches(monkeypatch, 0.2)
+    rows = [{"prompt": f"<T> what is {w}?\n", "completion": f"{w}."} for w in ("red", "sky", "sea")] + \
+           [{"prompt": f"<V> what is {w}?\n", "completion": f"{w} is a thing we know."} for w in ("red", "sky", "sea")]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("finetune:\n  control_tokens: ['<T>', '<V>']\n")
+    quick = ["train.max_steps=1", "train.warmup_steps=0", "train.batch_size=4", "train.device=cpu", "finetune.r=4", "data.max_len=48",
+             f"base.path={attnlab_dir}", f"data.train={data}", f"finetune.eval_prompts={data}", "finetune.eval_max_prompts=2",
+             "finetune.eval_max_new_tokens=4"]
+    assert run_cli("finetune", str(cfg), *sets(quick), "--run-dir", str(tmp_path / "run")) == 0
+    out = capsys.readouterr().out
+    assert "style metric of the untuned base: 4 held-out prompts (at most 2 per control token)" in out, out
+    assert "style metric of the tuned model: 4 held-out prompts" in out, out
+    assert out.count("style metric: 4/4 prompts done") == 2, out
+
+
 # --- report -----------------------------------------------------------------------------------------------
 
 

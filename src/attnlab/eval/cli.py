@@ -78,8 +78,7 @@ def eval_command(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow a model directory's own Python code to run."),
 ):
     """Evaluate a model on text-to-SQL, data-to-text, summarisation or perplexity; write metrics.json and predictions.jsonl."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
+    from attnlab.console import progress
     from attnlab.loading import describe, load
     from attnlab.outputs import prepare_output_dir
 
@@ -116,10 +115,8 @@ def eval_command(
         total = len(examples)
     err_console.print(f"loading {describe(model)}", highlight=False)
     lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
-    columns = (TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err_console, transient=True) as bar:
-        progress_task = bar.add_task(name, total=total)
-        advance = lambda n: bar.advance(progress_task, n)  # noqa: E731
+    # a bar on a terminal; in a log file a line at the start, every few seconds and at the end
+    with progress(err_console, name, total, "windows scored" if task_obj is None else "examples generated") as advance:
         if task_obj is None:
             result = evaluate_perplexity(lm, tokenizer, where, split, limit, seq_len=seq_len, batch_size=batch_size or 8, progress=advance)
         else:

@@ -55,19 +55,20 @@ def generate_with_presets(model, tokenizer, prompts: list[str], presets: dict[st
 
 
 def style_separation(model, tokenizer, prompts: list[str], control_tokens: list[str], max_new_tokens: int,
-                     chat: bool = False, batch_size: int = 32) -> dict[str, Any]:
+                     chat: bool = False, batch_size: int = 32, progress=None) -> dict[str, Any]:
     """Mean generated length (tokens) per control token on held-out prompts, every prompt decoded under the
     same settings: greedy, one `max_new_tokens` budget (well above the longest answer expected), stopping
     at EOS. The separation is the mean under the last control token over the mean under the first (list the
     terse style first). Per-style presets play no part: what differs between the styles is the model's own
-    choice of when to stop. `hit_budget` counts the outputs that ran into the budget instead of stopping."""
+    choice of when to stop. `hit_budget` counts the outputs that ran into the budget instead of stopping.
+    `progress`: called with the number of prompts finished after each batch."""
     from attnlab.generation import generate
 
     from .data import chat_prompt_ids
 
     settings = GenerateConfig(max_new_tokens=max_new_tokens, do_sample=False, batch_size=batch_size)
     batch = [chat_prompt_ids(tokenizer, p) if chat else p for p in prompts]
-    results = generate(model, tokenizer, batch, settings)
+    results = generate(model, tokenizer, batch, settings, progress=progress)
     lengths: dict[str, list[int]] = {t: [] for t in control_tokens}
     capped: dict[str, int] = {t: 0 for t in control_tokens}
     samples: dict[str, str] = {}

@@ -138,20 +138,27 @@ def metric_prompts(cfg: FinetuneConfig, rows: list[dict]) -> list[str]:
     return out
 
 
-def measure_style(cfg: FinetuneConfig, p, model) -> dict[str, Any] | None:
-    """The style metric (presets.style_separation) of `model` on the held-out prompts, or None without them."""
+def measure_style(cfg: FinetuneConfig, p, model, console: Console | None = None, which: str = "") -> dict[str, Any] | None:
+    """The style metric (presets.style_separation) of `model` on the held-out prompts, or None without them;
+    `console`: a line saying how many prompts, and progress while they are generated."""
+    from attnlab.console import progress
+
     from .presets import metric_budget, style_separation
 
     if not p.eval_rows or len(cfg.finetune.control_tokens) < 2:
         return None
     budget = cfg.finetune.eval_max_new_tokens or metric_budget(p.tokenizer, p.eval_rows, cfg.data.chat_template)
+    prompts = metric_prompts(cfg, p.eval_rows)
+    console = console or make_console()
+    console.print(f"style metric{f' of {which}' if which else ''}: {len(prompts)} held-out prompts "
+                  f"(at most {cfg.finetune.eval_max_prompts} per control token), greedy, {budget} new tokens at most", highlight=False)
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
-            out = style_separation(model, p.tokenizer, metric_prompts(cfg, p.eval_rows), cfg.finetune.control_tokens, budget,
-                                   cfg.data.chat_template)
+        with torch.no_grad(), progress(console, "style metric", len(prompts), "prompts") as advance:
+            out = style_separation(model, p.tokenizer, prompts, cfg.finetune.control_tokens, budget, cfg.data.chat_template,
+                                   progress=advance)
     finally:
         if was_training:
             model.train()
@@ -270,7 +277,7 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     control_path = run_dir / CONTROL_FILE
     if resume_from is None:
         control_path.unlink(missing_ok=True)
-        control = measure_style(cfg, p, _plain(p.model))
+        control = measure_style(cfg, p, _plain(p.model), console, "the untuned base")
         if control is not None:
             replace_file(control_path, json.dumps(control, indent=1) + "\n")
     else:
@@ -351,7 +358,7 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
         save_full_model(p.model, p.tokenizer, adapter_dir, meta, finetune_config_to_yaml(cfg))
     else:
         save_adapter(p.model, p.tokenizer, adapter_dir, meta, finetune_config_to_yaml(cfg))
-    style = measure_style(cfg, p, _plain(p.model))
+    style = measure_style(cfg, p, _plain(p.model), console, "the tuned model")
     if style is not None:
         report["style"] = style
         if "style_separation" in style:
