@@ -76,6 +76,27 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
     return fused
 
 
+# Sequence lengths from which a linearizable attention-family layer (power1, power2 without a clamp) trains and
+# prefills chunked, in linear time (`kernels/attention_family_chunk.py`), instead of on the tiled quadratic kernels.
+# PLACEHOLDERS, not yet measured on a GPU; reasoned from flops per token and head at head dim 64: the tiled form
+# costs about T (d + Dv) = 128 T, the chunked one 4 F (Dv + 8) + 128 C: for power2 (F = 2080, C = 256) 632K, equal
+# at T ~ 5K, and its PyTorch products move the features through memory, so 8192; for power1 (F = 64, C = 64) 27K,
+# equal at T ~ 200, where a few dozen small launches per layer dominate, so 2048.
+CHUNKED_MIN_TOKENS = {"power1": 2048, "power2": 8192}
+
+
+def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):
+    """attnlab's chunked, linear-time form of a linearizable attention-family layer (`chunk_attention` of
+    `kernels/attention_family_chunk.py`) for a call of `seq_len` tokens on this tensor, or None: the
+    quadratic form runs (the tiled kernels on CUDA, the reference elsewhere). Chosen on CUDA (as attnlab's
+    other kernels) from `CHUNKED_MIN_TOKENS` tokens on, for every option of those layers."""
+    if similarity not in CHUNKED_MIN_TOKENS or seq_len < CHUNKED_MIN_TOKENS[similarity] or not use_triton(choice, x):
+        return None
+    from attnlab.models.kernels.attention_family_chunk import chunk_attention
+
+    return chunk_attention
+
+
 def attention_family_step_fn(choice: str, x: torch.Tensor):
     """attnlab's fused decoding step for linearizable attention-family layers (power1, power2
     without a clamp; `kernels/attention_family_step.py`: the state advanced in place) for this CUDA

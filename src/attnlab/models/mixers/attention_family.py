@@ -11,9 +11,11 @@ of the study are presets (see `attention_presets.py`). A layer computes, per hea
     o_i     = sum_{j<=i} sim(scale q_i.k_j) exp(A_{j+1} + ... + A_i) v_j / den_i
     y       = norm(sigma(W_out x) * silu(W_z x) * (o + D v)), then sigma(W_out x) * y if gated after the norm
 
-The parallel form is the quadratic one (training, prefill). Decoding keeps, per layer,
-a recurrent state of fixed size where the variant is linearizable (power1 or power2 without a clamp)
-and a KV cache otherwise; the input convolution keeps its last inputs.
+The parallel form is the quadratic one (training, prefill); a linearizable variant (power1 or power2
+without a clamp) runs a chunked, linear-time form instead on long sequences on CUDA
+(`kernels.attention_family_chunked`: the quadratic form inside chunks, a fixed-size state across them).
+Decoding keeps, per layer, a recurrent state of fixed size where the variant is linearizable and a KV
+cache otherwise; the input convolution keeps its last inputs.
 """
 
 from __future__ import annotations
@@ -398,6 +400,11 @@ class AttentionFamily(Mixer):
         `decay_fn`: log_decay holds the decay projection's output, which the step kernel turns into the log-decay."""
         kwargs = self._attention_kwargs()
         state, normalizer = cache.get("state"), cache.get("normalizer")
+        # the one choice between the quadratic form and the chunked, linear-time one (CUDA, long sequences)
+        chunked = kernels.attention_family_chunked(self.kernels, q, q.shape[1], self.options["similarity"])
+        if "state" not in cache and not use_cache and chunked is not None:  # training, chunked
+            o, _, _ = chunked(q, k, v, log_decay, key_mask=token_mask, intra_terms=terms, out_dtype=v.dtype, **kwargs)
+            return o, None
         if "state" not in cache and not use_cache:  # training: quadratic form only
             c = log_decay_cumsum(log_decay)
             o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms,
@@ -434,10 +441,14 @@ class AttentionFamily(Mixer):
         if recent is not None:  # more tokens after steps: the window's go into the state first
             state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=kwargs["similarity"],
                                                     scale=self.scale, packed=packed)
-        o, state, normalizer = chunk_linear_attention(
-            q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
-            state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
-        )
+        if chunked is not None:  # a long prompt: chunked, its state handed on in the decoding layout
+            o, state, normalizer = chunked(q, k, v, log_decay, key_mask=token_mask, state=state, normalizer=normalizer,
+                                           count_before=tokens_before, packed=packed, intra_terms=terms, **kwargs)
+        else:
+            o, state, normalizer = chunk_linear_attention(
+                q, k, v, log_decay, state, normalizer, tokens_before, token_mask=token_mask, terms=terms, packed=packed,
+                state_update=None if needs_grad else kernels.attention_family_state_update_fn(self.kernels, q), **kwargs
+            )
         if not needs_grad:  # the state the steps carry on, in its decoding dtype
             if recent is None and step is not None and self.options["similarity"] == "power2":
                 recent = new_recent(k, v)
@@ -578,12 +589,18 @@ class AttentionFamily(Mixer):
             if denominator != options["denominator"]:  # the count power on the values
                 v = count_power_values(v, torch.arange(1, v.shape[1] + 1, device=v.device).expand(v.shape[0], -1), count_power)
                 count_power = None
+            terms = kernels.attention_family_terms(kernel_choice, q, covered=not kernels.attention_family_gap(head_dim))
+            chunked = None
+            if is_linearizable(options):  # the layer's own choice (`_mix_recurrent`)
+                chunked = kernels.attention_family_chunked(kernel_choice, q, q.shape[1], options["similarity"])
+            if chunked is not None:
+                return chunked(q, k, v, log_decay, similarity=options["similarity"], scale=scale, denominator=denominator,
+                               count_power=count_power, intra_terms=terms, out_dtype=v.dtype)[0]
             c = log_decay_cumsum(log_decay)
             return parallel_attention(
                 q, k, v, similarity=options["similarity"], scale=scale, clamp=options["clamp_scores"],
                 taylor_terms=options["taylor_terms"], denominator=denominator, count_power=count_power,
-                query_log_decay=c, key_log_decay=c, out_dtype=v.dtype,
-                terms=kernels.attention_family_terms(kernel_choice, q, covered=not kernels.attention_family_gap(head_dim)),
+                query_log_decay=c, key_log_decay=c, out_dtype=v.dtype, terms=terms,
             )
 
         return mix

@@ -229,7 +229,12 @@ def parallel_attention(
         num, _ = terms(q, k, v, denominator=denominator, out_dtype=out_dtype or torch.float32, **kwargs)
         return num.transpose(1, 2)
     num, den = terms(q, k, v, denominator=denominator, **kwargs)
-    divide = getattr(terms, "divide", None)
+    return finish_output(num, den, denominator, count_power, getattr(terms, "divide", None), out_dtype)
+
+
+def finish_output(num, den, denominator, count_power, divide=None, out_dtype=None) -> torch.Tensor:
+    """o [B, Tq, H, Dv] = num / the finished denominator, from num [B, H, Tq, Dv] and den [B, H, Tq, 1]
+    (row sums or counts) or None; `divide`: a kernel's fused division (`attention_terms.divide`), or None."""
     if divide is not None:
         o = divide(num, den, denominator, out_dtype or torch.float32)
         if o is not None:

@@ -1,0 +1,334 @@
+"""The attention family's linearizable variants (power1, power2 without a clamp) in linear time:
+chunked, state-passing training and prefill.
+
+Time is cut into chunks of C tokens. Inside a chunk the quadratic form runs (`intra_terms`: the tiled
+kernels of `kernels/attention_family.py` on CUDA, the reference on CPU), on the chunks side by side as
+rows of a batch, with each chunk's log-decays summed from its start. Across chunks a fixed-size state
+carries the earlier tokens, one state per head:
+
+    S_{n+1} = exp(G_n) S_n + sum_{t in n} exp(G_n - g_t) scale^p phi(k_t)^T [v_t, 1]     [F, Dv + 1]
+    o_t     = intra_t + exp(g_t) phi(q_t) S_n                                           (t in chunk n)
+
+g_t: the log-decays of chunk n summed from its start through t; G_n: their total. phi is k (power1,
+F = d) or power2's packed symmetric features (F = d (d + 1) / 2: x_a x_b for a <= b, doubled off the
+diagonal on the query side; the layout the decoding step keeps, `ops/attention_family.py`). The sum
+denominators' normaliser z = sum phi(k) is the state's column Dv (a value column of ones), so
+numerator and denominator come from the same products; the count denominators need no weights.
+
+The states of a group of chunks follow from one product with the [chunks, chunks] matrix of decays
+between chunk starts (no sequential loop over chunks); groups run one after the other, the state
+carried between them in fp32. `_ChunkStates` keeps for its backward only its inputs and the state at
+each group's start: the backward recomputes a group's features and states and differentiates them,
+the last group first. Memory is linear in T: a group's features (bounded by `GROUP_ELEMENTS`) exist
+only while it runs.
+
+Products run on cuBLAS in the inputs' dtype (bf16 under autocast), accumulating in fp32; a group's
+chunk states are summed in fp32 and rounded to the inputs' dtype only as the operand of phi(q) S, as
+the SSD kernels do. The reference is `attnlab.models.ops.attention_family.parallel_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Tokens per chunk. power2: the chunk's quadratic part costs about C * (d + Dv) flops per token and head,
+# against 4 F (Dv + 1) (540K at d = 64) for its state part, and the chunk states hold F (Dv + 1) / C numbers
+# per token; C = 256 keeps the first under a tenth of the second and the states below the features. power1
+# (F = d): the state part is as cheap as a chunk of 64 tokens, as in Mamba-2's and GLA's chunked kernels.
+CHUNK_SIZES = {"power1": 64, "power2": 256}
+GROUP_ELEMENTS = 2**28  # a group of chunks: its features [B, chunks, H, C, F] stay under this many elements (512 MB in bf16)
+MAX_GROUP_CHUNKS = 64  # ... and it spans at most this many chunks (the matrix of decays between chunk starts is chunks^2)
+VALUE_ALIGN = 8  # the value columns with the normaliser's padded to a multiple of this: cuBLAS's bf16 tensor-core kernels want it
+
+
+@functools.cache
+def _power2_indices(head_dim: int, device: torch.device):
+    """(a, b) of the packed rows (a <= b, `torch.triu_indices`' order), the query's doubling (2 off the
+    diagonal), and for each full row (c, e) of the d x d features the packed row of (min, max)."""
+    a, b = torch.triu_indices(head_dim, head_dim, device=device)
+    double = torch.where(a == b, 1.0, 2.0)
+    full = torch.empty(head_dim, head_dim, dtype=torch.long, device=device)
+    rows = torch.arange(a.numel(), device=device)
+    full[a, b] = rows
+    full[b, a] = rows
+    return a, b, double, full.flatten()
+
+
+class _Power2Features(torch.autograd.Function):
+    """x [..., d] -> x_a x_b for a <= b ([..., d (d + 1) / 2]), doubled off the diagonal with `query`.
+    The backward gathers the gradient into the symmetric d x d matrix M (M_ce: the gradient of the packed
+    row (min(c, e), max(c, e)) times its doubling) and returns M x + diag(M) x: no scatter, no atomics."""
+
+    @staticmethod
+    def forward(ctx, x, query):
+        a, b, double, _ = _power2_indices(x.shape[-1], x.device)
+        features = x[..., a]
+        features.mul_(x[..., b])
+        if query:
+            features.mul_(double.to(features.dtype))
+        ctx.save_for_backward(x)
+        ctx.query = query
+        return features
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        d = x.shape[-1]
+        _, _, double, full = _power2_indices(d, x.device)
+        if ctx.query:
+            grad = grad * double.to(grad.dtype)
+        m = grad.index_select(-1, full).view(*grad.shape[:-1], d, d)
+        dx = (m @ x[..., None])[..., 0] + torch.diagonal(m, dim1=-2, dim2=-1) * x
+        return dx, None
+
+
+def linear_features(x: torch.Tensor, similarity: str, query: bool = False) -> torch.Tensor:
+    """phi(x): x itself (power1) or power2's packed features (the query's doubled off the diagonal)."""
+    return x if similarity == "power1" else _Power2Features.apply(x, query)
+
+
+def feature_count(head_dim: int, similarity: str) -> int:
+    return head_dim if similarity == "power1" else head_dim * (head_dim + 1) // 2
+
+
+def pack_power2_rows(state: torch.Tensor, head_dim: int, dim: int = -2) -> torch.Tensor:
+    """power2's full state (d * d rows along `dim`) in its packed layout (the rows a <= b)."""
+    a, b, _, _ = _power2_indices(head_dim, state.device)
+    return state.index_select(dim % state.dim(), a * head_dim + b)
+
+
+def _segment_sums(chunk_totals: torch.Tensor) -> torch.Tensor:
+    """chunk_totals [..., n] (G_0..G_{n-1}) -> [..., n + 1, n + 1]: entry (i, j) is G_j + ... + G_{i-1}
+    (0 on the diagonal, -inf above it), summed along the rows (no difference of large running sums)."""
+    n = chunk_totals.shape[-1]
+    x = torch.nn.functional.pad(chunk_totals, (1, 0))  # [..., n + 1]: x_i = G_{i-1}
+    x = x[..., None].expand(*x.shape, n + 1)  # [..., i, j] = x_i
+    strict = torch.ones(n + 1, n + 1, dtype=torch.bool, device=x.device).tril(-1)
+    sums = x.masked_fill(~strict, 0).cumsum(-2)
+    return sums.masked_fill(~strict.logical_or(torch.eye(n + 1, dtype=torch.bool, device=x.device)), float("-inf"))
+
+
+def _group_forward(q, k, v, g, state, *, similarity, scale):
+    """One group of chunks. q, k [B, n, C, H, D]; v [B, n, C, H, Dv'] (with the normaliser's column);
+    g [B, n, H, C] fp32 (log-decays summed from each chunk's start) or None; state [B, H, F, Dv'] fp32
+    (the state at the group's start) or None. Returns (y [B, H, n, C, Dv'] fp32: exp(g_t) phi(q_t) S_n,
+    the state at the group's end [B, H, F, Dv'] fp32). Heads lead, so that every product reads its
+    operands as they lie."""
+    batch, chunks, _, heads, _ = q.shape
+    dtype = v.dtype
+    power = 1 if similarity == "power1" else 2
+    qh, kh, vh = (t.permute(0, 3, 1, 2, 4) for t in (q, k, v))  # [B, H, n, C, *]
+    gh = None if g is None else g.transpose(1, 2)  # [B, H, n, C]
+    phi_k = linear_features(kh, similarity)  # [B, H, n, C, F]
+    if gh is None:
+        totals = torch.zeros(batch, heads, chunks, device=v.device)
+        vw = vh * float(scale) ** power
+    else:
+        totals = gh[..., -1]  # [B, H, n]: each chunk's total log-decay
+        weight = torch.exp(gh[..., -1:] - gh) * float(scale) ** power  # [B, H, n, C]: scale^p, decayed to the chunk's end
+        vw = (vh.float() * weight[..., None]).to(dtype)
+    chunk_states = (phi_k.transpose(-1, -2) @ vw).float()  # [B, H, n, F, Dv']: each chunk's own tokens
+    del phi_k, vw
+    features, width = chunk_states.shape[-2:]
+    # the state at each chunk start (rows 0..n-1) and at the group's end (row n): one product with the decays between them
+    decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]: exp(G_j + .. + G_{i-1}), 0 for j > i
+    states = decays[..., 1:] @ chunk_states.flatten(-2)  # [B, H, n + 1, F * Dv']
+    if state is not None:
+        states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
+    states = states.view(batch, heads, chunks + 1, features, width)
+    del chunk_states
+    phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
+    y = (phi_q @ states[:, :, :chunks].to(dtype)).float()  # [B, H, n, C, Dv']
+    if gh is not None:
+        y = y * torch.exp(gh)[..., None]
+    return y, states[:, :, chunks]
+
+
+class _ChunkStates(torch.autograd.Function):
+    """What the state carries into each chunk, y [B, H, L, C, Dv'] fp32, and the final state, over
+    groups of `group` chunks; see the module's doc. Saves the inputs and each group's starting state."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, state, similarity, scale, group):
+        chunks = q.shape[1]
+        starts = []
+        ys = []
+        carry = state
+        for first in range(0, chunks, group):
+            part = slice(first, first + group)
+            starts.append(carry)
+            y, carry = _group_forward(q[:, part], k[:, part], v[:, part], None if g is None else g[:, part], carry,
+                                      similarity=similarity, scale=scale)
+            ys.append(y)
+        ctx.save_for_backward(q, k, v, g, *[s for s in starts if s is not None])
+        ctx.first_is_none = state is None
+        ctx.opts = (similarity, scale, group)
+        return torch.cat(ys, dim=2) if len(ys) > 1 else ys[0], carry
+
+    @staticmethod
+    def backward(ctx, dy, dstate):
+        q, k, v, g, *starts = ctx.saved_tensors
+        if ctx.first_is_none:
+            starts = [None, *starts]
+        similarity, scale, group = ctx.opts
+        chunks = q.shape[1]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dg = None if g is None else torch.empty_like(g)
+        carry = dstate  # the gradient of the state at the current group's end
+        firsts = list(range(0, chunks, group))
+        for index in reversed(range(len(firsts))):
+            part = slice(firsts[index], firsts[index] + group)
+            start = starts[index]
+            with torch.enable_grad():
+                leaves = [t[:, part].detach().requires_grad_() for t in (q, k, v)]
+                g_leaf = None if g is None else g[:, part].detach().requires_grad_()
+                s_leaf = None if start is None else start.detach().requires_grad_()
+                y, end = _group_forward(*leaves, g_leaf, s_leaf, similarity=similarity, scale=scale)
+                outputs, grads = [y], [dy[:, :, part]]
+                if carry is not None:
+                    outputs.append(end)
+                    grads.append(carry)
+                inputs = leaves + [t for t in (g_leaf, s_leaf) if t is not None]
+                found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+            found = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, found)]
+            dq[:, part], dk[:, part], dv[:, part] = found[:3]
+            rest = found[3:]
+            if g_leaf is not None:
+                dg[:, part] = rest.pop(0)
+            carry = rest.pop(0) if s_leaf is not None else None
+        return dq, dk, dv, dg, carry, None, None, None
+
+
+def _chunk_log_decays(log_decay: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
+    """log_decay [B, L * C, H] -> [B, L, H, C] fp32, summed from each chunk's start (a last-dim scan)."""
+    batch, _, heads = log_decay.shape
+    return log_decay.float().view(batch, chunks, chunk, heads).transpose(2, 3).cumsum(-1)
+
+
+def chunk_attention(
+    q, k, v, log_decay=None, *, similarity, scale, denominator="sum", count_power=None, key_mask=None,
+    state=None, normalizer=None, count_before=None, packed=True, chunk_size=None, group_chunks=None,
+    intra_terms=None, out_dtype=None,
+):
+    """The linearizable variants' output in linear time, continuing from a recurrent state.
+
+    q, k [B, T, H, D]; v [B, T, H, Dv]; log_decay [B, T, H] (per token, 0 at padding) or None; key_mask
+    [B, T] (False: padding) or None; state [B, H, F, Dv] (power2: packed, d (d + 1) / 2 rows, or full, d^2)
+    and normalizer [B, H, F] (sum denominators) from earlier tokens, or None; count_before [B]: tokens
+    before (count denominators). Returns (o [B, T, H, Dv] in `out_dtype` (fp32 by default), state,
+    normalizer): the state after these tokens in the decoding layout (power2: packed when `packed`, else
+    full; fp32), the normaliser for the sum denominators, else None.
+
+    As `ops.attention_family.chunk_linear_attention` (and, without a state, `parallel_attention` with
+    the log-decays' running sums) computes; `intra_terms` (an `attention_terms`) runs the chunks'
+    quadratic part, the reference by default. chunk_size (`CHUNK_SIZES`) and group_chunks (from
+    `GROUP_ELEMENTS`) change the work's split, not the result."""
+    from attnlab.models.ops.attention_family import (
+        SUM_DENOMINATORS,
+        finish_output,
+    )
+    from attnlab.models.ops.attention_family import attention_terms as reference_terms
+
+    if similarity not in CHUNK_SIZES:
+        raise ValueError(f"chunked attention covers similarities {list(CHUNK_SIZES)} (without a clamp), not {similarity!r}")
+    intra_terms = intra_terms or reference_terms
+    batch, seq_len, heads, head_dim = q.shape
+    value_dim = v.shape[-1]
+    features = feature_count(head_dim, similarity)
+    want_sum = denominator in SUM_DENOMINATORS
+    chunk = chunk_size or CHUNK_SIZES[similarity]
+    chunk = min(chunk, max(16, 1 << (seq_len - 1).bit_length()))  # a short prompt: one chunk of its own size
+    chunks = -(-seq_len // chunk)
+    padded = chunks * chunk
+    if group_chunks is None:
+        group_chunks = max(1, min(MAX_GROUP_CHUNKS, GROUP_ELEMENTS // (batch * heads * chunk * features)))
+
+    dtypes = {q.dtype, k.dtype, v.dtype}
+    if len(dtypes) > 1:  # autocast may leave a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
+        dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64) if d in dtypes)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if key_mask is not None:  # padding adds nothing to the state
+        k = k * key_mask[..., None, None].to(k.dtype)
+    if padded != seq_len:  # zeros after the last token: no weight, no decay, outputs dropped
+        pad = padded - seq_len
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        if log_decay is not None:
+            log_decay = torch.nn.functional.pad(log_decay, (0, 0, 0, pad))
+        if key_mask is not None:
+            key_mask = torch.nn.functional.pad(key_mask, (0, pad))
+    g = None if log_decay is None else _chunk_log_decays(log_decay, chunks, chunk)  # [B, L, H, C]
+
+    # inside each chunk: the quadratic form, the chunks side by side as rows of a batch
+    g_rows = None if g is None else g.transpose(2, 3).reshape(batch * chunks, chunk, heads)
+    num, den = intra_terms(
+        q.reshape(batch * chunks, chunk, heads, head_dim), k.reshape(batch * chunks, chunk, heads, head_dim),
+        v.reshape(batch * chunks, chunk, heads, value_dim), similarity=similarity, scale=scale,
+        denominator="sum" if want_sum else "none", query_log_decay=g_rows, key_log_decay=g_rows,
+        key_mask=None if key_mask is None else key_mask.reshape(batch * chunks, chunk),
+    )
+    num = num.view(batch, chunks, heads, chunk, value_dim)
+
+    # across chunks: the state, with the normaliser as one more value column
+    width = value_dim + 1 if want_sum else value_dim
+    width = -(-width // VALUE_ALIGN) * VALUE_ALIGN
+    start = _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, v.device)
+    v_ext = v
+    if width != value_dim:  # [v, 1 (the sum denominators), 0...]
+        extra = v.new_zeros(*v.shape[:3], width - value_dim)
+        if want_sum:
+            extra[..., 0] = 1
+        v_ext = torch.cat((v, extra), dim=-1)
+    view5 = lambda t: t.view(batch, chunks, chunk, heads, t.shape[-1])  # noqa: E731
+    y, end = _ChunkStates.apply(view5(q), view5(k), view5(v_ext), g, start, similarity, float(scale), group_chunks)
+    y = y.transpose(1, 2)  # [B, L, H, C, Dv']
+    num = num + y[..., :value_dim]  # [B, L, H, C, Dv]
+    num = num.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, value_dim)[:, :seq_len].transpose(1, 2)  # [B, H, T, Dv]
+    if want_sum:
+        den = den.view(batch, chunks, heads, chunk, 1) + y[..., value_dim:value_dim + 1]
+        den = den.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, 1)[:, :seq_len].transpose(1, 2)  # [B, H, T, 1]
+    elif denominator in ("count", "count_power"):
+        counts = _counts(key_mask, batch, seq_len, count_before, q.device)  # [B, T]
+        den = counts[:, None, :, None].expand(batch, heads, seq_len, 1)
+    else:
+        den = None
+    o = finish_output(num, den, denominator, count_power, getattr(intra_terms, "divide", None), out_dtype)
+
+    new_state = end[..., :value_dim]
+    new_normalizer = end[..., value_dim] if want_sum else None
+    if similarity == "power2" and not packed:
+        from attnlab.models.ops.attention_family import unpack_power2_state
+
+        new_state = unpack_power2_state(new_state, head_dim)
+        new_normalizer = None if new_normalizer is None else unpack_power2_state(new_normalizer, head_dim, dim=-1)
+    return o, new_state, new_normalizer
+
+
+def _counts(key_mask, batch, seq_len, count_before, device) -> torch.Tensor:
+    """Tokens through each position, those before included: [B, T] fp32."""
+    if key_mask is None:
+        counts = torch.arange(1, seq_len + 1, device=device, dtype=torch.float32).expand(batch, -1)
+    else:
+        counts = key_mask[:, :seq_len].float().cumsum(-1)
+    if count_before is not None:
+        counts = counts + count_before.float()[:, None]
+    return counts
+
+
+def _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, device):
+    """The earlier tokens' state and normaliser as one packed fp32 [B, H, F, width] (None: no earlier tokens)."""
+    if state is None and (normalizer is None or not want_sum):
+        return None
+    start = torch.zeros(batch, heads, features, width, device=device)
+    if state is not None:
+        state = state.float()
+        if similarity == "power2" and state.shape[-2] == head_dim * head_dim:
+            state = pack_power2_rows(state, head_dim)
+        start[..., :value_dim] = state
+    if want_sum and normalizer is not None:
+        normalizer = normalizer.float()
+        if similarity == "power2" and normalizer.shape[-1] == head_dim * head_dim:
+            normalizer = pack_power2_rows(normalizer, head_dim, dim=-1)
+        start[..., value_dim] = normalizer
+    return start
