@@ -17,9 +17,10 @@ from attnlab.errors import ConfigError
 console = make_console()
 err_console = make_console(stderr=True)
 
-TASK_HELP = "spider (text-to-SQL), dart (data-to-text), samsum (summarisation) or perplexity."
+TASK_HELP = "spider (text-to-SQL), dart (data-to-text), samsum (summarisation), perplexity or niah (needle in a haystack)."
 DATA_HELP = ("The task's data in its official layout: a Spider directory; a DART or SAMSum JSON file or directory; "
-             "for perplexity a text file or a training config .yaml (its validation split). Omit for the bundled fixture.")
+             "for perplexity a text file or a training config .yaml (its validation split); for niah the haystack text "
+             "(any data.source, or a training config .yaml). Omit for the bundled fixture (niah: the built-in plays).")
 
 
 def _template(value: Optional[str]) -> Optional[str]:
@@ -74,10 +75,14 @@ def eval_command(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Perplexity: tokens per window [default: the config's seq_len, else min(1024, the model's limit)]."),
     lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run lm-evaluation-harness tasks (comma-separated) on the model instead; needs the lmeval extra.", show_default=False),
     lm_eval_include: Optional[Path] = typer.Option(None, "--lm-eval-include", help="Directory of local lm-eval task YAMLs.", show_default=False),
+    lengths: str = typer.Option("1k,2k,4k", "--lengths", help="niah: prompt lengths in tokens of the model's tokenizer (k = 1024)."),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="niah: needle depths, 0 = the haystack's start, 1 = its end."),
+    samples: int = typer.Option(10, "--samples", min=1, help="niah: prompts per length and depth."),
+    needle: str = typer.Option("magic", "--needle", help="niah: 'magic' (the special magic number for a key) or 'passkey'."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow a model directory's own Python code to run."),
 ):
-    """Evaluate a model on text-to-SQL, data-to-text, summarisation or perplexity; write metrics.json and predictions.jsonl."""
+    """Evaluate a model on text-to-SQL, data-to-text, summarisation, perplexity or needle in a haystack; write metrics.json and predictions.jsonl (niah: and heatmap.png)."""
     from attnlab.console import progress
     from attnlab.loading import describe, load
     from attnlab.outputs import prepare_output_dir
@@ -90,7 +95,14 @@ def eval_command(
     if lm_eval is not None:
         return _lm_eval(model, lm_eval, lm_eval_include, limit, output_dir, batch_size or 8, device, trust_remote_code)
     if task is None:
-        raise ConfigError("give --task (spider, dart, samsum or perplexity), or --lm-eval TASKS")
+        raise ConfigError("give --task (spider, dart, samsum, perplexity or niah), or --lm-eval TASKS")
+    from .niah_cli import is_niah, niah_command
+
+    if is_niah(task):
+        if do_sample or (num_beams or 1) > 1:
+            raise ConfigError("niah answers by greedy decoding, as the published results do: drop --do-sample and --num-beams")
+        return niah_command(model, data, lengths, depths, samples, seed or 0, needle, batch_size or 8, max_new_tokens,
+                            output_dir, device, trust_remote_code, console, err_console)
     name = task_name(task)
     settings = {k: v for k, v in dict(
         max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams, length_penalty=length_penalty,

@@ -18,20 +18,23 @@ def report(
     title: Optional[str] = typer.Option(None, "--title", help="Page title. Default: 'attnlab report: N runs'."),
 ):
     """Compare runs: loss and bits per byte against steps, tokens and wall time, tokens/s, peak memory,
-    eval metrics, config differences and samples, in one HTML page that needs no network."""
+    eval metrics, config differences and samples, in one HTML page that needs no network. Needle-in-a-haystack
+    evaluations (attnlab eval --task niah) show as heatmaps side by side; MQAR runs as accuracy against length."""
     from .load import load_runs
+    from .recall import find_niah
     from .render import write_report
 
     console = make_console()
     err_console = make_console(stderr=True)
     runs = load_runs(run_dirs)
+    niah = find_niah(run_dirs)
     bad = [r for r in runs if r.error is not None]
-    if len(bad) == len(runs):
+    if len(bad) == len(runs) and not niah:
         raise AttnLabError("no run could be read: " + "; ".join(f"{r.path}: {r.error}" for r in bad))
     for r in bad:
         err_console.print(f"[yellow]warning:[/yellow] left out {escape(str(r.path))}: {escape(r.error)}", highlight=False, soft_wrap=True)
     readable = len(runs) - len(bad)
-    paths = write_report(runs, out, title or f"attnlab report: {readable} runs")
+    paths = write_report(runs, out, title or f"attnlab report: {readable} runs" + (f", {len(niah)} niah evaluations" if niah else ""), niah=niah)
     console.print((paths["md"]).read_text(), highlight=False, markup=False)
     for kind, p in paths.items():
         console.print(f"{kind}: {escape(str(p))}", highlight=False)

@@ -196,7 +196,10 @@ def unreadable(path: Path, name: str, reason: str) -> RunRecord:
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
-    """Run directories among `paths`; a directory that holds runs (a sweep's output) stands for all of them."""
+    """Run directories among `paths`; a directory that holds runs (a sweep's output) stands for all of them.
+    Needle-in-a-haystack eval directories are not runs: report/recall.py finds them."""
+    from .recall import niah_dirs_in
+
     found: list[Path] = []
     for p in paths:
         p = Path(p)
@@ -204,8 +207,8 @@ def find_runs(paths: list[Path]) -> list[Path]:
             found.append(p)
         elif p.is_dir():
             children = sorted(c for c in p.iterdir() if c.is_dir() and (c / "config.yaml").is_file())
-            if not children:
-                raise AttnLabError(f"{p} holds no runs (no config.yaml in it or in its subdirectories)")
+            if not children and not niah_dirs_in(p):
+                raise AttnLabError(f"{p} holds no runs (no config.yaml in it or in its subdirectories) and no niah evaluations")
             found.extend(children)
         else:
             raise AttnLabError(f"run directory not found: {p}")

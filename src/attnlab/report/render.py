@@ -199,15 +199,48 @@ pre{white-space:pre-wrap;margin:0;font-size:0.85em} h2{border-bottom:1px solid #
 """
 
 
-def render_html(runs: list[RunRecord], main_png: bytes, title: str) -> str:
+def recall_sections(runs: list[RunRecord], niah: list, pngs: dict[str, bytes]) -> list[str]:
+    """HTML of the recall sections: NIAH heatmaps side by side (pngs["niah"]), MQAR accuracy against length (pngs["mqar"])."""
+    from . import recall
+
+    parts = []
+    if "niah" in pngs:
+        header, rows = recall.niah_rows(niah)
+        parts += ["<h2>Needle in a haystack</h2>", "<p>Proportion of needles retrieved exactly (greedy decoding), per context length "
+                  "and needle depth.</p>", _img(pngs["niah"], "needle-in-a-haystack heatmaps"), _table(header, rows)]
+    series = recall.mqar_series(runs)
+    if "mqar" in pngs:
+        header, rows = recall.mqar_rows(series)
+        parts += ["<h2>Associative recall (MQAR)</h2>", "<p>Per-query accuracy of the newest evaluation, against the training "
+                  "sequence length.</p>", _img(pngs["mqar"], "MQAR accuracy against sequence length"), _table(header, rows)]
+    return parts
+
+
+def recall_pngs(runs: list[RunRecord], niah: list) -> dict[str, bytes]:
+    from . import recall
+
+    pngs = {}
+    if niah:
+        pngs["niah"] = _fig_png(recall.niah_figure(niah))
+    series = recall.mqar_series([r for r in runs if r.error is None])
+    if series:
+        pngs["mqar"] = _fig_png(recall.mqar_figure(series))
+    return pngs
+
+
+def render_html(runs: list[RunRecord], main_png: bytes, title: str, niah: list | None = None, pngs: dict[str, bytes] | None = None) -> str:
     bad = [r for r in runs if r.error is not None]
     runs = [r for r in runs if r.error is None]
     header, rows = summary_rows(runs)
     counted = f"{len(runs)} runs" + (f" ({len(bad)} more could not be read)" if bad else "")
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
-             f"<p>{counted}, generated {html.escape(time.strftime('%Y-%m-%d %H:%M'))}.</p>",
-             "<h2>Summary</h2>", _table(header, rows)]
+             f"<p>{counted}, generated {html.escape(time.strftime('%Y-%m-%d %H:%M'))}.</p>"]
+    parts += recall_sections(runs, niah or [], pngs if pngs is not None else recall_pngs(runs, niah or []))
+    if not runs:
+        parts.append("</body></html>\n")
+        return "\n".join(parts)
+    parts += ["<h2>Summary</h2>", _table(header, rows)]
     if bad:
         parts += ["<h2>Unreadable runs</h2>", "<p>Left out of the tables and plots; fix or remove the file named.</p>",
                   _table(["run", "directory", "reason"], [[r.name, str(r.path), r.error] for r in bad])]
@@ -241,14 +274,30 @@ def render_html(runs: list[RunRecord], main_png: bytes, title: str) -> str:
     return "\n".join(parts)
 
 
-def write_report(runs: list[RunRecord], out: Path, title: str) -> dict[str, Path]:
-    """Write OUT.html, OUT.png (the main loss plot) and OUT.md (the summary table)."""
+def write_report(runs: list[RunRecord], out: Path, title: str, niah: list | None = None) -> dict[str, Path]:
+    """Write OUT.html, OUT.png (the main loss plot) and OUT.md (the summary table); with needle-in-a-haystack
+    evaluations or MQAR runs, also OUT-niah.png (the heatmaps) and OUT-mqar.png (accuracy against length)."""
     from attnlab.outputs import prepare_output_file, write_bytes_atomic, write_text_atomic
 
+    from . import recall
+
     out = prepare_output_file(Path(out), what="--out")
-    main_png = loss_plot([r for r in runs if r.error is None])
-    paths = {"html": out, "png": out.with_suffix(".png"), "md": out.with_suffix(".md")}
-    write_bytes_atomic(paths["png"], main_png, what="the report's plot")
-    write_text_atomic(paths["md"], markdown_table(runs), what="the report's table")
-    write_text_atomic(out, render_html(runs, main_png, title), what="the report")
+    readable = [r for r in runs if r.error is None]
+    main_png = loss_plot(readable) if readable else b""
+    pngs = recall_pngs(runs, niah or [])
+    paths = {"html": out, "md": out.with_suffix(".md")}
+    if readable:
+        paths["png"] = out.with_suffix(".png")
+        write_bytes_atomic(paths["png"], main_png, what="the report's plot")
+    for kind, png in pngs.items():
+        paths[f"{kind} png"] = out.with_name(f"{out.stem}-{kind}.png")
+        write_bytes_atomic(paths[f"{kind} png"], png, what="the report's plot")
+    md = markdown_table(runs) if readable else ""
+    if niah:
+        md += "\nNeedle in a haystack (proportion correct):\n\n" + recall.markdown(*recall.niah_rows(niah))
+    series = recall.mqar_series(readable)
+    if series:
+        md += "\nMQAR accuracy by sequence length:\n\n" + recall.markdown(*recall.mqar_rows(series))
+    write_text_atomic(paths["md"], md, what="the report's table")
+    write_text_atomic(out, render_html(runs, main_png, title, niah or [], pngs), what="the report")
     return paths
