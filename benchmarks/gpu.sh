@@ -8,6 +8,9 @@
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
 # eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
+# zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 4x4096 and 1x16384-65536 beside
+# mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked),
+# chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536),
 # fsdp (2 GPUs), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
@@ -35,6 +38,15 @@ for stage in "$@"; do case $stage in
   zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"
     # the plot of the rows measured, also when the limit stopped the run before its end
     [ -f "$OUT/zoo.json" ] && python -c "import json,sys; from pathlib import Path; from attnlab.bench.plot import plot_zoo; p=Path(sys.argv[1]); print('wrote', plot_zoo(json.loads(p.read_text()), p.with_suffix('.png')))" "$OUT/zoo.json" ;;
+  zoo-long) LONG_ZOO="$AL bench zoo --skip-ops --steps 3 --warmup 1"
+    run zoo-long-family "${ZOO_LONG_LIMIT:-330}" $LONG_ZOO --model 2mamba --model linear__output_norm --model linear_elu \
+      --shape 4x4096 --shape 1x16384 --shape 1x32768 --shape 1x65536 --out "$OUT/zoo-long-family.json"
+    run zoo-long-peers "${ZOO_PEERS_LIMIT:-120}" $LONG_ZOO --model mamba2 --model hf-llama --shape 1x16384 --shape 1x32768 --out "$OUT/zoo-long-peers.json"
+    run zoo-long-mamba2 60 $LONG_ZOO --model mamba2 --shape 1x65536 --out "$OUT/zoo-long-mamba2.json"
+    run zoo-long-medium "${ZOO_MEDIUM_LIMIT:-100}" $LONG_ZOO --hidden 1536 --layers 27 --heads 24 --intermediate 3072 \
+      --model 2mamba --model hf-llama --shape 2x8192 --out "$OUT/zoo-long-medium.json"
+    python benchmarks/long_context_targets.py "$OUT"/zoo-long-*.json | tee -a "$OUT/summary.txt" ;;
+  chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-450}" python benchmarks/attention_family_chunk.py ;;
   zoo-nsa) run zoo-nsa "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model fla-nsa --model hf-llama \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
     $(printf -- '--shape %s ' ${NSA_SHAPES:-2x2048 1x8192}) --out "$OUT/zoo-nsa.json" ;;

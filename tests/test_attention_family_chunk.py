@@ -133,6 +133,41 @@ def test_a_prefill_after_cached_tokens_continues_the_state_in_the_decoding_layou
             assert rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
 
 
+@pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "sum", False), ("power2", "none", False)], ids=str)
+def test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(case):
+    """A loss on the outputs and on the state and normaliser handed on: the gradients of q, k, v, the
+    log-decays and the earlier state and normaliser, as the differentiable reference prefill gives them."""
+    similarity, denominator, _ = case
+    q, k, v, log_decay, _ = case_inputs(case, 2, 27, 2, 8)
+    features = 8 if similarity == "power1" else 36
+    g = torch.Generator().manual_seed(4)
+    state = torch.randn(2, 2, features, 8, generator=g)
+    normalizer = torch.rand(2, 2, features, generator=g) if denominator == "sum" else None
+    if similarity == "power1":
+        state = state.abs()
+    weights = [torch.randn(2, 27, 2, 8, generator=g), torch.randn(2, 2, features, 8, generator=g),
+               torch.randn(2, 2, features, generator=g)]
+    kwargs = dict(similarity=similarity, scale=8**-0.5, denominator=denominator, packed=True)
+    inputs = [t for t in (q, k, v, log_decay, state, normalizer) if t is not None]
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        named = dict(zip([n for n, t in zip("q k v log_decay state normalizer".split(), (q, k, v, log_decay, state, normalizer))
+                          if t is not None], leaves))
+        o, s, z = fn(named)
+        loss = (o * weights[0]).sum() + (s * weights[1]).sum() + (0 if z is None else (z * weights[2]).sum())
+        return torch.autograd.grad(loss, leaves)
+
+    before = torch.full((2,), 5)
+    ref = grads(lambda t: chunk_linear_attention(t["q"], t["k"], t["v"], t.get("log_decay"), t["state"], t.get("normalizer"),
+                                                 before, chunk_size=27, **kwargs))
+    got = grads(lambda t: chunk_attention(t["q"], t["k"], t["v"], t.get("log_decay"), state=t["state"],
+                                          normalizer=t.get("normalizer"), count_before=before, chunk_size=8, group_chunks=2,
+                                          **kwargs))
+    for fast, slow in zip(got, ref):
+        assert rel_err(fast, slow) <= 1e-5
+
+
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "count", False)], ids=str)
 def test_chunked_outputs_are_causal(case):
     """Changing the tokens after position t, across chunk and group boundaries, leaves outputs through t."""

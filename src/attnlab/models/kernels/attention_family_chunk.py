@@ -75,18 +75,27 @@ class _Power2Features(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        d = x.shape[-1]
-        _, _, double, full = _power2_indices(d, x.device)
-        if ctx.query:
-            grad = grad * double.to(grad.dtype)
-        m = grad.index_select(-1, full).view(*grad.shape[:-1], d, d)
-        dx = (m @ x[..., None])[..., 0] + torch.diagonal(m, dim1=-2, dim2=-1) * x
-        return dx, None
+        return _power2_features_backward(x, grad, ctx.query), None
+
+
+def _power2_features_backward(x: torch.Tensor, grad: torch.Tensor, query: bool) -> torch.Tensor:
+    """The gradient of x from that of its packed features (see `_Power2Features`), in x's dtype."""
+    d = x.shape[-1]
+    _, _, double, full = _power2_indices(d, x.device)
+    grad = grad.to(x.dtype)
+    if query:
+        grad = grad * double.to(grad.dtype)
+    m = grad.index_select(-1, full).view(*grad.shape[:-1], d, d)
+    return (m @ x[..., None])[..., 0] + torch.diagonal(m, dim1=-2, dim2=-1) * x
 
 
 def linear_features(x: torch.Tensor, similarity: str, query: bool = False) -> torch.Tensor:
     """phi(x): x itself (power1) or power2's packed features (the query's doubled off the diagonal)."""
     return x if similarity == "power1" else _Power2Features.apply(x, query)
+
+
+def _features_backward(x: torch.Tensor, grad: torch.Tensor, similarity: str, query: bool = False) -> torch.Tensor:
+    return grad.to(x.dtype) if similarity == "power1" else _power2_features_backward(x, grad, query)
 
 
 def feature_count(head_dim: int, similarity: str) -> int:
@@ -146,6 +155,92 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
     return y, states[:, :, chunks]
 
 
+def _segment_sums_backward(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of the chunk totals G [..., n] from that of `_segment_sums` [..., n + 1, n + 1]: entry
+    (i, j) sums G_l for j <= l < i, so G_l gets the entries with j <= l < i."""
+    n = grad.shape[-1] - 1
+    lower = torch.ones(n + 1, n + 1, dtype=torch.bool, device=grad.device).tril(-1)
+    grad = grad.masked_fill(~lower, 0)
+    below = grad.flip(-2).cumsum(-2).flip(-2)  # [i', j]: the sum over rows i >= i'
+    return below[..., 1:, :].cumsum(-1).diagonal(dim1=-2, dim2=-1)  # l: rows i > l, columns j <= l
+
+
+def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
+    """The gradients of `_group_forward`'s inputs (dq, dk, dv, dg or None, the starting state's or None) from
+    those of its outputs: dy [B, H, n, C, Dv'] and dstate [B, H, F, Dv'] or None. Recomputes the group's
+    features and states; written out rather than left to autograd, so that a captured backward (CUDA
+    graphs) holds no nested autograd call and every intermediate is freed as soon as it is used."""
+    batch, chunks, _, heads, _ = q.shape
+    dtype = v.dtype
+    power = 1 if similarity == "power1" else 2
+    qh, kh, vh = (t.permute(0, 3, 1, 2, 4) for t in (q, k, v))  # [B, H, n, C, *]
+    gh = None if g is None else g.transpose(1, 2)  # [B, H, n, C]
+    scale_p = float(scale) ** power
+    # the forward again: features, chunk states, states at chunk starts
+    phi_k = linear_features(kh, similarity)
+    if gh is None:
+        totals = torch.zeros(batch, heads, chunks, device=v.device)
+        weight = torch.full(vh.shape[:-1], scale_p, device=v.device)
+    else:
+        totals = gh[..., -1]
+        weight = torch.exp(gh[..., -1:] - gh) * scale_p  # [B, H, n, C]
+    vw = (vh.float() * weight[..., None]).to(dtype)
+    chunk_states = (phi_k.transpose(-1, -2) @ vw).float().flatten(-2)  # [B, H, n, F * Dv']
+    features, width = phi_k.shape[-1], v.shape[-1]
+    decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]
+    states = decays[..., 1:] @ chunk_states  # [B, H, n + 1, F * Dv']
+    if state is not None:
+        states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
+    starts = states[:, :, :chunks].view(batch, heads, chunks, features, width).to(dtype)
+    del states
+
+    # y = exp(g) phi(q) S: through the chunk-start states and the query features
+    phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
+    dy = dy.float()
+    if gh is not None:
+        dy = dy * torch.exp(gh)[..., None]  # now the gradient of phi(q) S
+    dy_low = dy.to(dtype)
+    dg = None
+    if gh is not None:  # d y / d g = y
+        dg = ((phi_q @ starts).float() * dy).sum(-1)  # [B, H, n, C]
+    dphi_q = dy_low @ starts.transpose(-1, -2)  # [B, H, n, C, F]
+    d_starts = (phi_q.transpose(-1, -2) @ dy_low).float()  # [B, H, n, F, Dv']
+    del starts, phi_q, dy, dy_low
+    dq = _features_backward(qh, dphi_q, similarity, query=True)
+    del dphi_q
+
+    # the states at chunk starts and the group's end, from the chunk states, the decays and the starting state
+    d_states = d_starts.flatten(-2)
+    end = dstate.float().flatten(-2)[:, :, None] if dstate is not None else d_states.new_zeros(batch, heads, 1, d_states.shape[-1])
+    d_states = torch.cat((d_states, end), dim=2)  # [B, H, n + 1, F * Dv']
+    del d_starts
+    d_chunk_states = decays[..., 1:].transpose(-1, -2) @ d_states  # [B, H, n, F * Dv']
+    d_decays = torch.zeros_like(decays)
+    d_decays[..., 1:] = d_states @ chunk_states.transpose(-1, -2)
+    d_state = None
+    if state is not None:
+        flat_state = state.float().flatten(-2)
+        d_decays[..., 0] = (d_states @ flat_state[..., None])[..., 0]
+        d_state = (decays[..., 0, None] * d_states).sum(2).view_as(state)
+    d_totals = _segment_sums_backward(d_decays * decays)  # [B, H, n]
+    del d_states, chunk_states, decays, d_decays
+
+    # the chunk states from the key features and the weighted values
+    d_chunk_states = d_chunk_states.view(batch, heads, chunks, features, width).to(dtype)
+    dphi_k = vw @ d_chunk_states.transpose(-1, -2)  # [B, H, n, C, F]
+    dvw = (phi_k @ d_chunk_states).float()  # [B, H, n, C, Dv']
+    del d_chunk_states, phi_k
+    dk = _features_backward(kh, dphi_k, similarity)
+    del dphi_k
+    dv = (dvw * weight[..., None]).to(dtype)
+    if gh is not None:  # weight = scale^p exp(G - g), G the chunk's total: g's last entry
+        dlog_weight = (dvw * vh.float()).sum(-1) * weight  # [B, H, n, C]
+        dg = dg - dlog_weight
+        dg[..., -1] += dlog_weight.sum(-1) + d_totals
+    back = lambda t: None if t is None else t.permute(0, 2, 3, 1, 4)  # noqa: E731  [B, H, n, C, *] -> [B, n, C, H, *]
+    return back(dq), back(dk), back(dv), None if dg is None else dg.transpose(1, 2), d_state
+
+
 class _ChunkStates(torch.autograd.Function):
     """What the state carries into each chunk, y [B, H, L, C, Dv'] fp32, and the final state, over
     groups of `group` chunks; see the module's doc. Saves the inputs and each group's starting state."""
@@ -181,23 +276,12 @@ class _ChunkStates(torch.autograd.Function):
         for index in reversed(range(len(firsts))):
             part = slice(firsts[index], firsts[index] + group)
             start = starts[index]
-            with torch.enable_grad():
-                leaves = [t[:, part].detach().requires_grad_() for t in (q, k, v)]
-                g_leaf = None if g is None else g[:, part].detach().requires_grad_()
-                s_leaf = None if start is None else start.detach().requires_grad_()
-                y, end = _group_forward(*leaves, g_leaf, s_leaf, similarity=similarity, scale=scale)
-                outputs, grads = [y], [dy[:, :, part]]
-                if carry is not None:
-                    outputs.append(end)
-                    grads.append(carry)
-                inputs = leaves + [t for t in (g_leaf, s_leaf) if t is not None]
-                found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-            found = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, found)]
-            dq[:, part], dk[:, part], dv[:, part] = found[:3]
-            rest = found[3:]
-            if g_leaf is not None:
-                dg[:, part] = rest.pop(0)
-            carry = rest.pop(0) if s_leaf is not None else None
+            grads = _group_backward(q[:, part], k[:, part], v[:, part], None if g is None else g[:, part], start,
+                                    dy[:, :, part], carry, similarity=similarity, scale=scale)
+            dq[:, part], dk[:, part], dv[:, part] = grads[:3]
+            if g is not None:
+                dg[:, part] = grads[3]
+            carry = grads[4]
         return dq, dk, dv, dg, carry, None, None, None
 
 

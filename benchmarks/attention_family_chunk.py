@@ -1,0 +1,110 @@
+"""The crossover between the attention family's tiled quadratic kernels and its chunked, linear-time form
+(`attnlab.models.kernels.attention_family_chunk`), on CUDA: forward and backward of one layer's token mixing
+at the zoo's shapes, for the three linearizable presets the issue tables (their options as `mixing_function`
+sees them), and the chunked form under several chunk sizes.
+
+    python benchmarks/attention_family_chunk.py [--shape 4x4096 ...] [--heads 16] [--head-dim 64]
+
+Prints, per preset and shape, the median ms of forward + backward (gradients of q, k, v and the log-decays)
+and the peak memory beyond the inputs, tiled and chunked, and the ratio; `CHUNKED_MIN_TOKENS`
+(`attnlab.models.kernels`) is the shortest T where chunked wins, `CHUNK_SIZES` the fastest chunk size.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.bench.timing import median_time, release
+from attnlab.models.kernels import attention_family_chunk as chunk_module
+from attnlab.models.kernels.attention_family import attention_terms as tiled_terms
+from attnlab.models.mixers import MIXERS
+from attnlab.models.mixers.attention_family import mixing_denominator
+from attnlab.models.ops.attention_family import apply_feature_map, log_decay_cumsum, parallel_attention
+
+PRESETS = ("2mamba", "linear__output_norm", "linear_elu")
+SHAPES = ("16x1024", "8x2048", "4x4096", "2x8192", "1x16384", "1x32768", "1x65536")
+CHUNKS = {"power1": (64, 128), "power2": (128, 256, 512)}
+
+
+def inputs(options, batch, seq_len, heads, head_dim):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, seq_len, heads, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    q, k = apply_feature_map(q, options["feature_map"]), apply_feature_map(k, options["feature_map"])
+    log_decay = None
+    if options["decay"] != "none":
+        log_decay = -F.softplus(torch.randn(batch, seq_len, heads, device="cuda", generator=gen))
+    return [t.requires_grad_() for t in (q, k, v, log_decay) if t is not None]
+
+
+def timed(fn, leaves, repeats):
+    """(median ms of forward + backward, peak GiB beyond the inputs), or (None, reason)."""
+    release(torch.device("cuda"))
+    try:
+        with torch.no_grad():
+            grad_out = torch.randn_like(fn(*leaves))
+        step = lambda: torch.autograd.grad(fn(*leaves), leaves, grad_out)  # noqa: E731
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        seconds, _ = median_time(step, repeats, torch.device("cuda"))
+        return seconds * 1000, (torch.cuda.max_memory_allocated() - before) / 2**30
+    except torch.cuda.OutOfMemoryError:
+        return None, "out of memory"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", help="BATCHxSEQ_LEN (repeatable)")
+    parser.add_argument("--preset", action="append", help="a linearizable attention-family preset (repeatable)")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
+    args = parser.parse_args()
+    print(f"{'preset':22s} {'shape':>8s} {'tiled ms':>9s} {'GiB':>6s} " + " ".join(f"{'chunk ' + str(c):>14s}" for c in (64, 128, 256, 512))
+          + f" {'best/tiled':>10s}")
+    for preset in args.preset or PRESETS:
+        options = MIXERS[preset].resolve_options(None)
+        similarity = options["similarity"]
+        denominator = mixing_denominator(options)
+        scale = args.head_dim**-0.5
+        count_power = None
+        if denominator == "count_power":
+            count_power = torch.sigmoid(torch.full((args.heads,), 0.5, device="cuda"))
+
+        def tiled(q, k, v, log_decay=None):
+            c = log_decay_cumsum(log_decay)
+            return parallel_attention(q, k, v, similarity=similarity, scale=scale, denominator=denominator, count_power=count_power,
+                                      query_log_decay=c, key_log_decay=c, terms=tiled_terms, out_dtype=v.dtype)
+
+        for spec in args.shape or SHAPES:
+            batch, seq_len = (int(x) for x in spec.split("x"))
+            leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
+            tiled_ms, tiled_gib = timed(tiled, leaves, args.repeats) if seq_len <= args.tiled_up_to else (None, "skipped")
+            cells, best = [], None
+            for size in (64, 128, 256, 512):
+                if size not in CHUNKS[similarity]:
+                    cells.append(f"{'':>14s}")
+                    continue
+
+                def chunked(q, k, v, log_decay=None, size=size):
+                    return chunk_module.chunk_attention(q, k, v, log_decay, similarity=similarity, scale=scale, denominator=denominator,
+                                                        count_power=count_power, intra_terms=tiled_terms, out_dtype=v.dtype,
+                                                        chunk_size=size)[0]
+
+                ms, gib = timed(chunked, leaves, args.repeats)
+                cells.append(f"{ms:8.2f} {gib:5.2f}" if ms is not None else f"{gib:>14s}")
+                if ms is not None and (best is None or ms < best):
+                    best = ms
+            tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
+            ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
+            print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}", flush=True)
+            del leaves
+
+
+if __name__ == "__main__":
+    main()
