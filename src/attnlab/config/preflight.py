@@ -265,7 +265,15 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
         report.error("model.max_position_embeddings", f"model.max_position_embeddings ({cfg.model.max_position_embeddings}) is below "
                      f"data.seq_len ({cfg.data.seq_len}): training blocks would run past the positions the model is configured for. "
                      f"Set model.max_position_embeddings >= {cfg.data.seq_len}, or lower data.seq_len.")
+    if cfg.data.source == "mqar" and cfg.model.vocab_size is None and not cfg.train.init_from and len(tokenizer) < cfg.data.mqar.vocab_size:
+        report.error("data.mqar.vocab_size", f"data.mqar.vocab_size ({cfg.data.mqar.vocab_size}) is larger than the vocabulary of the "
+                     f"tokenizer ({len(tokenizer)} tokens), which sizes the model: set model.vocab_size={cfg.data.mqar.vocab_size}")
     if not load_data:
+        return
+    if cfg.data.source == "mqar":  # synthetic: generated on the fly, accuracy measured by the mqar eval task
+        from attnlab.data.mqar import build_mqar
+
+        report.data = build_mqar(cfg.data, cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum)
         return
     try:
         report.data = _load_data(cfg, tokenizer, report, console)

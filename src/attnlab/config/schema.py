@@ -32,10 +32,19 @@ class ModelSection(Section):
     kernels: Literal["auto", "torch", "fla"] = Field("auto", description="auto = Triton kernels on CUDA (fla's, and attnlab's for the attention family) when installed, else the PyTorch reference; torch = always the reference")
 
 
+class MqarSection(Section):
+    """Multi-query associative recall (Zoology's MQAR), generated on the fly: key-value pairs, then some keys again."""
+
+    vocab_size: int = Field(256, ge=3, description="token ids of the task: keys from the lower half of 1..vocab_size-1, values from the upper half (at most the model's vocabulary)")
+    num_pairs: int = Field(8, gt=0, description="key-value pairs at the start of every sequence")
+    num_queries: int = Field(8, gt=0, description="keys asked again later in the sequence, each followed by its value (distinct keys, at most num_pairs); the loss and the accuracy are on these values only")
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds the examples (the training and evaluation streams differ)")
+
+
 class DataSection(Section):
     """Where the text comes from, how it is tokenised and cut into blocks."""
 
-    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, hf://NAME from the local cache, or a directory written by attnlab data prepare (read lazily)")
+    source: str = Field("shakespeare", description="'shakespeare', a file, directory or glob (txt/jsonl/parquet), a saved HF dataset, hf://NAME from the local cache, a directory written by attnlab data prepare (read lazily), or 'mqar' (synthetic associative recall, data.mqar; its accuracy is evaluated as eval task mqar)")
     text_field: str = Field("text", description="field holding the text in JSONL/parquet/HF data")
     val_source: str | None = Field(None, description="separate validation data; null = hold out val_fraction of source")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of the corpus held out for validation")
@@ -44,6 +53,27 @@ class DataSection(Section):
     prepare_above_mb: float | None = Field(64.0, ge=0, description="raw text sources larger than this (MB) are prepared once into data.cache_dir and read lazily from memory maps; 0 = always, null = never (a prepared directory as data.source is always read lazily)")
     cache_dir: str | None = Field(None, description="where data.prepare_above_mb prepares raw sources; null = $XDG_CACHE_HOME/attnlab/prepared (else ~/.cache/attnlab/prepared)")
     verify_shards: bool = Field(False, description="check the SHA-256 of every shard of a prepared corpus before training (reads the whole corpus once); sizes are always checked")
+    mqar: MqarSection = Field(default_factory=MqarSection, description="data.source=mqar: the task's options")
+
+    @model_validator(mode="after")
+    def _mqar_fits(self) -> "DataSection":
+        if self.source != "mqar":
+            return self
+        m = self.mqar
+        if m.num_queries > m.num_pairs:
+            raise ValueError(f"mqar.num_queries ({m.num_queries}) is larger than data.mqar.num_pairs ({m.num_pairs}): every query asks "
+                             f"for a different key. Lower data.mqar.num_queries to at most {m.num_pairs}.")
+        need = 2 * m.num_pairs + 2 * m.num_queries
+        if need > self.seq_len:
+            raise ValueError(f"mqar.num_pairs ({m.num_pairs}) and data.mqar.num_queries ({m.num_queries}) take {need} tokens "
+                             f"(2 * num_pairs + 2 * num_queries), more than data.seq_len={self.seq_len}. Raise data.seq_len "
+                             f"to at least {need}, or lower data.mqar.num_pairs / data.mqar.num_queries.")
+        keys, values = (m.vocab_size - 1) // 2, m.vocab_size - 1 - (m.vocab_size - 1) // 2
+        if min(keys, values) < m.num_pairs:
+            raise ValueError(f"mqar.vocab_size ({m.vocab_size}) leaves {keys} key and {values} value ids (id 0 unused, the rest "
+                             f"halved), fewer than the {m.num_pairs} distinct keys and values of data.mqar.num_pairs. Raise "
+                             f"data.mqar.vocab_size to at least {2 * m.num_pairs + 1}.")
+        return self
 
 
 class TrainSection(Section):
@@ -102,6 +132,38 @@ class RunConfig(Section):
     data: DataSection = Field(default_factory=DataSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mqar_is_evaluated(cls, values: Any) -> Any:
+        """A run on data.source=mqar evaluates the task's accuracy: eval task mqar is added when not listed."""
+        if not isinstance(values, dict):
+            return values
+        data = values.get("data")
+        source = data.get("source") if isinstance(data, dict) else getattr(data, "source", None)
+        if source != "mqar":
+            return values
+        section = values.get("eval") or {}
+        section = section.model_dump() if isinstance(section, EvalSection) else section
+        if not isinstance(section, dict) or not isinstance(section.get("tasks", []), list):
+            return values
+        tasks = list(section.get("tasks") or [])
+        if not any((t.get("task") if isinstance(t, dict) else getattr(t, "task", None)) == "mqar" for t in tasks):
+            values = {**values, "eval": {**section, "tasks": tasks + [{"task": "mqar"}]}}
+        return values
+
+    @model_validator(mode="after")
+    def _mqar_consistent(self) -> "RunConfig":
+        if self.data.source != "mqar":
+            if any(t.task == "mqar" for t in self.eval.tasks):
+                raise ValueError("eval task mqar measures associative recall on the task a run trains on with data.source=mqar; "
+                                 "this run trains on text: remove mqar from eval.tasks, or set data.source=mqar")
+            return self
+        vocab = self.model.vocab_size
+        if vocab is not None and vocab < self.data.mqar.vocab_size:
+            raise ValueError(f"data.mqar.vocab_size ({self.data.mqar.vocab_size}) is larger than model.vocab_size ({vocab}): "
+                             f"task ids would fall outside the embedding. Set model.vocab_size to at least {self.data.mqar.vocab_size}.")
+        return self
 
 
 # Fields that change the model or the data it sees: a resume refuses to continue if any differs.

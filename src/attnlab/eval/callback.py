@@ -1,4 +1,5 @@
-"""Evaluation during training: a `TrainerCallback` that runs the `eval` section's tasks every N steps.
+"""Evaluation during training: a `TrainerCallback` that runs the `eval` section's tasks every N steps
+(generation tasks, perplexity, and the accuracy of a run on data.source=mqar on its evaluation stream).
 
 Metrics go to `logger.validation_metrics(step, {"task/metric": value})`, predictions to
 `run_dir/eval/step-NNNNNNN/<task>.jsonl`, every evaluation's metrics to `run_dir/eval/metrics.jsonl`,
@@ -19,12 +20,16 @@ from attnlab.generation import release_graphs
 from attnlab.outputs import open_for_append, replace_file
 
 from .config import EvalSection
-from .runner import evaluate, evaluate_perplexity, resolve_data
+from .runner import EvalResult, evaluate, evaluate_perplexity, resolve_data
 from .tasks import get_task
 
 
+MQAR_EXAMPLES = 256  # held-out examples of the mqar task when its limit is not given
+
+
 class EvalDuringTraining(TrainerCallback):
-    def __init__(self, section: EvalSection, tokenizer, logger, run_dir: str | Path | None = None, console=None):
+    def __init__(self, section: EvalSection, tokenizer, logger, run_dir: str | Path | None = None, console=None, data=None):
+        """`data`: the run's data section, which the mqar task takes its options from."""
         self.section, self.tokenizer, self.logger, self.console = section, tokenizer, logger, console
         self.run_dir = Path(run_dir if run_dir is not None else logger.run_dir)
         self.last_step: int | None = None
@@ -32,7 +37,14 @@ class EvalDuringTraining(TrainerCallback):
         # Load every task's data now, so that bad paths fail before training starts.
         self.jobs: list[tuple[Any, Any, Any]] = []
         for spec in section.tasks:
-            if spec.task == "perplexity":
+            if spec.task == "mqar":
+                from attnlab.data.mqar import EVAL, MqarDataset
+                from attnlab.errors import ConfigError
+
+                if data is None or data.source != "mqar":
+                    raise ConfigError("eval task mqar needs a run on data.source=mqar (its options are data.mqar)")
+                self.jobs.append((spec, "mqar", MqarDataset(data.mqar, data.seq_len, spec.limit or MQAR_EXAMPLES, EVAL)))
+            elif spec.task == "perplexity":
                 from .tasks.perplexity import load_texts
 
                 load_texts(resolve_data("perplexity", spec.data), spec.split)
@@ -71,7 +83,11 @@ class EvalDuringTraining(TrainerCallback):
         try:
             with torch.no_grad():
                 for spec, task, examples in self.jobs:
-                    if task is None:
+                    if task == "mqar":
+                        from attnlab.data.mqar import mqar_accuracy
+
+                        result = EvalResult("mqar", mqar_accuracy(model, examples, self.section.generation.get("batch_size", 32)))
+                    elif task is None:
                         result = evaluate_perplexity(model, self.tokenizer, resolve_data("perplexity", spec.data), spec.split, spec.limit,
                                                      batch_size=self.section.generation.get("batch_size", 8))
                     else:

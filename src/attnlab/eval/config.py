@@ -25,10 +25,10 @@ from attnlab.sections import Section
 class EvalTaskSpec(Section):
     """One task evaluated during training."""
 
-    task: str = Field(..., description="spider, dart, samsum or perplexity")
+    task: str = Field(..., description="spider, dart, samsum, perplexity, or mqar (runs on data.source=mqar)")
     data: str | None = Field(None, description="the task's data in its official layout; null = the bundled fixture")
     split: str = Field("dev", description="split to evaluate (dev, test, train)")
-    limit: int | None = Field(None, gt=0, description="first N examples (perplexity: windows); null = all")
+    limit: int | None = Field(None, gt=0, description="first N examples (perplexity: windows; mqar: held-out examples, null = 256); null = all")
     template: str | None = Field(None, description="prompt template; null = the task's default")
 
     @field_validator("task")

@@ -573,12 +573,12 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     if cfg.eval.tasks and is_main:
         from attnlab.eval.callback import EvalDuringTraining
 
-        callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console))
+        callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console, data=cfg.data))
     trainer = AttnLabTrainer(
         model=model,
         args=training_arguments(cfg, report, checkpoints.staging, has_val, stream=stream,
                                 block_classes=getattr(model, "_no_split_modules", None)),
-        train_dataset=data.train if stream else BlockDataset(data.train),
+        train_dataset=data.train if stream or not torch.is_tensor(data.train) else BlockDataset(data.train),  # blocks, or a dataset (MQAR)
         eval_dataset=BlockDataset(val_rows) if has_val else None,
         data_collator=default_data_collator,
         processing_class=tokenizer,

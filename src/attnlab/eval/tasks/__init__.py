@@ -14,7 +14,7 @@ from .spider import SpiderTask
 GENERATION_TASKS: dict[str, type[Task]] = {"spider": SpiderTask, "dart": DartTask, "samsum": SamsumTask}
 ALIASES = {"text-to-sql": "spider", "sql": "spider", "data-to-text": "dart", "summarization": "samsum",
            "summarisation": "samsum", "ppl": "perplexity", "bpb": "perplexity"}
-TASK_NAMES = (*GENERATION_TASKS, "perplexity")
+TASK_NAMES = (*GENERATION_TASKS, "perplexity", "mqar")  # mqar: during training on data.source=mqar only
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 BUNDLED = {"spider": FIXTURES / "spider", "dart": FIXTURES / "dart", "samsum": FIXTURES / "samsum",
            "perplexity": FIXTURES / "perplexity.txt"}
@@ -32,6 +32,9 @@ def get_task(name: str, template: str | None = None) -> Task:
     key = task_name(name)
     if key == "perplexity":
         raise ConfigError("perplexity is not a generation task")
+    if key == "mqar":
+        raise ConfigError("mqar is evaluated during training on data.source=mqar (its accuracy is in the run's eval metrics), "
+                          "not by attnlab eval; for recall of a trained model use --task niah")
     return GENERATION_TASKS[key](template=template)
 
 
