@@ -196,14 +196,34 @@ def test_power2_features_and_their_gradient_match_the_outer_product():
         assert torch.autograd.gradcheck(lambda t: _Power2Features.apply(t, query), (x,))
 
 
+@pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
+def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query):
+    """power2's feature kernels (CUDA's path) on a strided [B, H, n, C, d] view, through Triton's interpreter:
+    the features, and x's gradient from theirs."""
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels run in the tests below")
+    from attnlab.models.kernels import attention_family_chunk as chunked
+
+    x = torch.randn(2, 5, 37, 3, 8).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d], a view of [B, n, C, H, d]
+    features = chunked._features_triton(x, query)
+    assert torch.allclose(features, chunked.power2_features(x, query))
+    grad = torch.randn_like(features)
+    assert torch.allclose(chunked._features_backward_triton(x, grad, query), chunked.power2_features_backward(x, grad, query),
+                          rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "none", True), ("power2", "count", False)], ids=str)
-def test_chunks_on_the_triton_kernels_match_the_reference_through_the_interpreter(case):
-    """The chunks' quadratic part on attnlab's tiled kernels (Triton's interpreter on CPU): 45 tokens in
-    chunks of 16, padded, outputs and gradients."""
+def test_chunks_on_the_triton_kernels_match_the_reference_through_the_interpreter(case, monkeypatch):
+    """CUDA's path through Triton's interpreter on CPU: the chunks' quadratic part on attnlab's tiled kernels,
+    power2's features on theirs; 45 tokens in chunks of 16, padded, outputs and gradients."""
     pytest.importorskip("triton")
     if CUDA:
         pytest.skip("on a GPU the compiled kernels are tested below")
+    from attnlab.models.kernels import attention_family_chunk as chunked
     from attnlab.models.kernels.attention_family import attention_terms as fused
+
+    monkeypatch.setattr(chunked, "_use_feature_kernels", lambda x: x.dim() == 5 and x.stride(-1) == 1)
 
     q, k, v, log_decay, mask = case_inputs(case, 2, 45, 2, 16, masked=True)
     reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, chunk_size=16, group_chunks=2, intra_terms=fused)

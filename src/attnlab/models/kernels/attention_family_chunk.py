@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 # Tokens per chunk. power2: the chunk's quadratic part costs about C * (d + Dv) flops per token and head,
 # against 4 F (Dv + 1) (540K at d = 64) for its state part, and the chunk states hold F (Dv + 1) / C numbers
@@ -63,23 +65,37 @@ class _Power2Features(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, query):
-        a, b, double, _ = _power2_indices(x.shape[-1], x.device)
-        features = x[..., a]
-        features.mul_(x[..., b])
-        if query:
-            features.mul_(double.to(features.dtype))
         ctx.save_for_backward(x)
         ctx.query = query
-        return features
+        return power2_features(x, query)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return _power2_features_backward(x, grad, ctx.query), None
+        return power2_features_backward(x, grad, ctx.query), None
 
 
-def _power2_features_backward(x: torch.Tensor, grad: torch.Tensor, query: bool) -> torch.Tensor:
+def _use_feature_kernels(x: torch.Tensor) -> bool:
+    """The Triton kernels below for 5-dim CUDA tensors (the groups' [B, H, n, C, d] views), PyTorch elsewhere."""
+    return x.is_cuda and x.dim() == 5 and x.dtype != torch.float64 and x.stride(-1) == 1
+
+
+def power2_features(x: torch.Tensor, query: bool = False) -> torch.Tensor:
+    """power2's packed features of x [..., d]: [..., d (d + 1) / 2] in x's dtype (`_Power2Features`)."""
+    if _use_feature_kernels(x):
+        return _features_triton(x, query)
+    a, b, double, _ = _power2_indices(x.shape[-1], x.device)
+    features = x[..., a]
+    features.mul_(x[..., b])
+    if query:
+        features.mul_(double.to(features.dtype))
+    return features
+
+
+def power2_features_backward(x: torch.Tensor, grad: torch.Tensor, query: bool) -> torch.Tensor:
     """The gradient of x from that of its packed features (see `_Power2Features`), in x's dtype."""
+    if _use_feature_kernels(x) and grad.is_contiguous():
+        return _features_backward_triton(x, grad, query)
     d = x.shape[-1]
     _, _, double, full = _power2_indices(d, x.device)
     grad = grad.to(x.dtype)
@@ -91,11 +107,103 @@ def _power2_features_backward(x: torch.Tensor, grad: torch.Tensor, query: bool) 
 
 def linear_features(x: torch.Tensor, similarity: str, query: bool = False) -> torch.Tensor:
     """phi(x): x itself (power1) or power2's packed features (the query's doubled off the diagonal)."""
-    return x if similarity == "power1" else _Power2Features.apply(x, query)
+    return x if similarity == "power1" else power2_features(x, query)
 
 
 def _features_backward(x: torch.Tensor, grad: torch.Tensor, similarity: str, query: bool = False) -> torch.Tensor:
-    return grad.to(x.dtype) if similarity == "power1" else _power2_features_backward(x, grad, query)
+    return grad.to(x.dtype) if similarity == "power1" else power2_features_backward(x, grad, query)
+
+
+# ---------------------------------------------------------------- power2's features as Triton kernels
+# One pass each way: the features written once from the rows of x (PyTorch's gathers write them three
+# times), and x's gradient read from them without the d x d matrix in memory. x is a [B, H, n, C, d] view
+# (any strides, d contiguous); the features and their gradient are contiguous [B, H, n, C, F].
+
+FEATURE_ROWS = 32  # rows (tokens) per program
+FEATURE_BLOCK = 256  # features per step of the forward's loop
+
+
+@triton.jit
+def _features_kernel(X, OUT, ROW_A, ROW_B, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr,
+                     F: tl.constexpr, QUERY: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr):
+    i_c, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_c * BN + tl.arange(0, BN)
+    ok = rows < C
+    x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
+    out_rows = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * F
+    for f0 in range(0, F, BF):
+        f = f0 + tl.arange(0, BF)
+        f_ok = f < F
+        a = tl.load(ROW_A + f, mask=f_ok, other=0)
+        b = tl.load(ROW_B + f, mask=f_ok, other=0)
+        m = ok[:, None] & f_ok[None, :]
+        value = (tl.load(x_rows + a[None, :], mask=m, other=0.0).to(tl.float32)
+                 * tl.load(x_rows + b[None, :], mask=m, other=0.0).to(tl.float32))
+        if QUERY:
+            value = tl.where((a != b)[None, :], 2.0 * value, value)
+        tl.store(out_rows + f[None, :], value.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _features_backward_kernel(X, G, DX, FULL, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr,
+                              D: tl.constexpr, F: tl.constexpr, QUERY: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """dx_c = sum_e M_ce x_e + M_cc x_c, M_ce the gradient of packed row (min, max) of (c, e) (doubled off
+    the diagonal for the query), one column c of the rows' dx at a time."""
+    i_c, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_c * BN + tl.arange(0, BN)
+    ok = rows < C
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    m = ok[:, None] & d_ok[None, :]
+    x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
+    x = tl.load(x_rows + offs_d[None, :], mask=m, other=0.0).to(tl.float32)  # [BN, BD]
+    row_index = (i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]
+    g_rows = G + row_index * F
+    dx = tl.zeros([BN, BD], tl.float32)
+    for c in range(D):
+        index = tl.load(FULL + c * D + offs_d, mask=d_ok, other=0)  # packed row of (c, e) for each e
+        g = tl.load(g_rows + index[None, :], mask=m, other=0.0).to(tl.float32)  # [BN, BD]
+        if QUERY:
+            g = tl.where((offs_d != c)[None, :], 2.0 * g, g)
+        diagonal = (offs_d == c)[None, :]
+        x_c = tl.sum(tl.where(diagonal, x, 0.0), 1)
+        value = tl.sum(g * x, 1) + tl.sum(tl.where(diagonal, g, 0.0), 1) * x_c
+        dx = tl.where(diagonal, value[:, None], dx)
+    tl.store(DX + row_index * D + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=m)
+
+
+@functools.cache
+def _kernel_tables(head_dim: int, device: torch.device):
+    a, b, _, full = _power2_indices(head_dim, device)
+    return a.to(torch.int32).contiguous(), b.to(torch.int32).contiguous(), full.to(torch.int32).contiguous()
+
+
+def _grid_args(x: torch.Tensor):
+    batch, heads, chunks, chunk, _ = x.shape
+    return (triton.cdiv(chunk, FEATURE_ROWS), chunks, batch * heads), (chunk, x.stride(0), x.stride(1), x.stride(2), x.stride(3))
+
+
+def _features_triton(x: torch.Tensor, query: bool) -> torch.Tensor:
+    batch, heads, chunks, chunk, d = x.shape
+    features = d * (d + 1) // 2
+    row_a, row_b, _ = _kernel_tables(d, x.device)
+    out = torch.empty(batch, heads, chunks, chunk, features, dtype=x.dtype, device=x.device)
+    grid, args = _grid_args(x)
+    _features_kernel[grid](x, out, row_a, row_b, *args, H=heads, L=chunks, F=features, QUERY=bool(query),
+                           BN=FEATURE_ROWS, BF=FEATURE_BLOCK, num_warps=4)
+    return out
+
+
+def _features_backward_triton(x: torch.Tensor, grad: torch.Tensor, query: bool) -> torch.Tensor:
+    batch, heads, chunks, chunk, d = x.shape
+    _, _, full = _kernel_tables(d, x.device)
+    dx = torch.empty(batch, heads, chunks, chunk, d, dtype=x.dtype, device=x.device)
+    grid, args = _grid_args(x)
+    _features_backward_kernel[grid](x, grad, dx, full, *args, H=heads, L=chunks, D=d, F=grad.shape[-1], QUERY=bool(query),
+                                    BN=FEATURE_ROWS, BD=max(16, triton.next_power_of_2(d)), num_warps=4)
+    return dx
 
 
 def feature_count(head_dim: int, similarity: str) -> int:
