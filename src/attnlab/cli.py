@@ -819,8 +819,8 @@ def _flags_take_no_value() -> None:
     Typer prints every option's type, a flag's included; its types column is given nothing for flags."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "attnlab_flags", False):
+    shown = getattr(TyperOption, "display_type_rich", None)  # recent Typer releases; older ones show flags without a type already
+    if shown is None or getattr(shown, "attnlab_flags", False):
         return
 
     def display_type_rich(self, ctx):
