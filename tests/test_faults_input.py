@@ -862,3 +862,54 @@ def test_resuming_from_a_checkpoint_whose_safetensors_header_is_damaged_is_refus
     with pytest.raises(CheckpointError) as refused:
         load_model_state(model, checkpoint)
     assert "model.safetensors" in str(refused.value) and all(w in str(refused.value) for w in words)
+
+
+# --- adapters: a portable base reference ------------------------------------------------------------------
+
+
+def test_an_adapter_records_its_base_relative_to_itself_and_reloads_after_both_move_together(attnlab_dir, tmp_path, capsys):
+    """The adapter recorded its base as an absolute path in the user's cache: it did not move to another machine or user."""
+    home = tmp_path / "home"
+    shutil.copytree(attnlab_dir, home / "models" / "base")
+    assert run_cli(*_finetune_args(tmp_path, home / "models" / "base", home / "runs" / "ft")) == 0
+    meta = json.loads((home / "runs" / "ft" / "final" / "attnlab_adapter.json").read_text())
+    assert meta["base_model"] == "../../../models/base" and meta["base_model_hint"] == str((home / "models" / "base").resolve())
+    capsys.readouterr()
+    assert run_cli("generate", str(home / "runs" / "ft" / "final"), "--prompt", "<T> what is red?", "--max-new-tokens", "3",
+                   "--device", "cpu") == 0
+    before = capsys.readouterr().out
+    moved = tmp_path / "elsewhere" / "another-user"
+    moved.parent.mkdir()
+    home.rename(moved)  # the base and the adapter, together; the old absolute path is gone
+    assert run_cli("generate", str(moved / "runs" / "ft" / "final"), "--prompt", "<T> what is red?", "--max-new-tokens", "3",
+                   "--device", "cpu") == 0
+    captured = capsys.readouterr()
+    assert captured.out == before
+    assert str((moved / "models" / "base").resolve()) in captured.err  # "loading adapter ... on <the moved base>"
+
+
+def test_an_adapter_moved_alone_finds_its_base_by_the_recorded_absolute_path(adapter_dir, attnlab_dir, tmp_path, capsys):
+    moved = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, moved)
+    assert run_cli("generate", str(moved), "--prompt", "<T> what is red?", "--max-new-tokens", "3", "--device", "cpu") == 0
+    assert str(Path(attnlab_dir).resolve()) in capsys.readouterr().err
+
+
+def test_an_adapter_whose_base_is_in_neither_place_is_refused_naming_both(attnlab_dir, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(attnlab_dir, base)
+    assert run_cli(*_finetune_args(tmp_path, base, tmp_path / "run")) == 0
+    shutil.rmtree(base)
+    capsys.readouterr()
+    assert run_cli("generate", str(tmp_path / "run" / "final"), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, "is not where it records it", str(tmp_path / "run" / "final" / ".." / ".." / "base"), str(base.resolve()))
+
+
+def test_an_adapter_written_with_an_absolute_base_path_still_loads(adapter_dir, attnlab_dir, tmp_path):
+    old = tmp_path / "old-adapter"
+    shutil.copytree(adapter_dir, old)
+    meta = json.loads((old / "attnlab_adapter.json").read_text())
+    meta["base_model"] = str(Path(attnlab_dir).resolve())
+    del meta["base_model_hint"]
+    (old / "attnlab_adapter.json").write_text(json.dumps(meta))
+    assert run_cli("generate", str(old), "--prompt", "<T> what is red?", "--max-new-tokens", "3", "--device", "cpu") == 0

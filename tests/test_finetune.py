@@ -394,7 +394,7 @@ def test_style_metric_ratio_follows_where_the_model_stops(attnlab_dir, monkeypat
 
     seen = []
 
-    def fake_generate(model, tokenizer, prompts, settings):
+    def fake_generate(model, tokenizer, prompts, settings, progress=None):
         seen.append(settings)
         return [GenerationResult(p, [Candidate("x", [1] * (2 if "<T>" in p else 8), "eos")]) for p in prompts]
 

@@ -189,7 +189,10 @@ def describe(path: str | Path) -> str:
     if where.suffix == ".gguf":
         return f"GGUF {where.name}"
     if (where / "attnlab_adapter.json").is_file():
-        base = _read_json(where / "attnlab_adapter.json").get("base_model")
+        from attnlab.finetune.adapter import base_reference
+
+        meta = _read_json(where / "attnlab_adapter.json")
+        base = base_reference(where, meta) if isinstance(meta.get("base_model"), str) and meta["base_model"] else None
         return f"adapter {where} on {base}"
     cfg = _read_json(where / "config.json")
     return f"{cfg.get('model_type', '?')} model from {where}"

