@@ -40,7 +40,9 @@ def mqar_example(vocab_size: int, num_pairs: int, num_queries: int, seq_len: int
     context = 2 * num_pairs
     ids[0:context:2], ids[1:context:2] = keys, values
     filler = rng.integers(1, vocab_size, size=seq_len - context)
-    is_key = np.isin(filler, keys)
+    key_ids = np.zeros(vocab_size, dtype=bool)
+    key_ids[keys] = True
+    is_key = key_ids[filler]
     filler[is_key] = 1 + n_keys + rng.integers(n_values, size=int(is_key.sum()))  # a key occurs only in its pair and query
     ids[context:] = filler
     slots = rng.choice((seq_len - context) // 2, size=num_queries, replace=False)
