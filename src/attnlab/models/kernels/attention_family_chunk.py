@@ -355,6 +355,11 @@ class _ChunkStates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, state, similarity, scale, group):
+        with torch.autocast(q.device.type, enabled=False):  # the products' dtypes are chosen here, as in the backward
+            return _ChunkStates._forward(ctx, q, k, v, g, state, similarity, scale, group)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, g, state, similarity, scale, group):
         chunks = q.shape[1]
         starts = []
         ys = []
@@ -372,6 +377,11 @@ class _ChunkStates(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dstate):
+        with torch.autocast(dy.device.type, enabled=False):
+            return _ChunkStates._backward(ctx, dy, dstate)
+
+    @staticmethod
+    def _backward(ctx, dy, dstate):
         q, k, v, g, *starts = ctx.saved_tensors
         if ctx.first_is_none:
             starts = [None, *starts]
