@@ -211,6 +211,20 @@ def test_evaluation_during_training_reaches_heartbeat_tensorboard_and_best_json(
     assert best["step"] in (4, 8) and (run / best["checkpoint"]).is_dir()
 
 
+def test_the_loss_check_names_the_first_non_finite_step_and_waits_for_the_latest_only_when_asked():
+    from attnlab.train.loop import FiniteLossCheck
+
+    check = FiniteLossCheck()
+    for step, losses in ((1, [2.0, 2.1]), (2, [1.9, float("inf")]), (3, [float("nan")])):
+        for value in losses:
+            check.add(torch.tensor(value), step)
+    assert check.check(all_steps=False) == (2, float("inf"))  # step 3, the latest, is left for later
+    assert [step for step, *_ in check.pending] == [3]
+    step, value = check.check(all_steps=True)
+    assert step == 3 and value != value
+    assert check.pending == [] and check.check(all_steps=True) is None
+
+
 def test_weight_decay_applies_to_matrices_only():
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
     from attnlab.train.loop import AttnLabTrainer

@@ -80,7 +80,9 @@ class AttnLabTrainer(Trainer):
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
         self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
-        if cuda_graphs and world_size() > 1:
+        self.finite = FiniteLossCheck()
+        if cuda_graphs and world_size() > 1 and graph_blocker(self.model, sharded=self.is_fsdp_enabled) is None:
+            # only a step that will be captured: DDP on the capture stream makes an eager backward wait across streams
             self.accelerator.prepare_model = on_capture_stream(self.accelerator.prepare_model)
 
     def _get_train_sampler(self, train_dataset=None):
@@ -223,15 +225,73 @@ class AttnLabTrainer(Trainer):
         loss = super().training_step(model, inputs, *args, **kwargs)
         if self.replayed and world_size() > 1 and self.accelerator.sync_gradients:
             self.captured.all_reduce_grads()  # what DDP's hooks do in an eager backward
-        if not torch.isfinite(loss).all():
-            step = self.state.global_step + 1
+        self.finite.add(loss, self.state.global_step + 1)
+        return loss
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        # Before anything reads or writes the weights of this step (a log, a checkpoint, a validation, the end),
+        # its losses are checked now; otherwise a step's check waits until the next step has been issued, so the
+        # host never stops to wait for the GPU (one wait per step would leave the GPU idle while the host issues
+        # the optimizer and the next step).
+        c = self.control
+        due = c.should_log or c.should_save or c.should_evaluate or c.should_training_stop or self.state.global_step >= self.state.max_steps
+        failed = self.finite.check(all_steps=due)
+        if failed is not None:
+            step, value = failed
             last = self.checkpoints.newest()
             where = f"The last good checkpoint is {last}; resume from it with --resume after the change." if last else "No checkpoint was written."
             raise TrainingDivergedError(
-                f"the loss became {loss.item()} at step {step}; training stopped before the optimizer applied it. "
+                f"the loss became {value} at step {step}; training stopped before any checkpoint held its update. "
                 f"Lower train.lr (now {self.args.learning_rate:g}), raise train.warmup_steps, or keep train.grad_clip > 0. {where}"
             )
-        return loss
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+
+class FiniteLossCheck:
+    """Whether every micro-batch's loss was finite, step by step, without stopping the host to wait for the GPU:
+    each step's verdict is one flag on the device, copied to pinned host memory as the step's work finishes and
+    read when asked (`check`), by then usually already there."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []  # (step, losses, host copy, copied)
+        self.step: int | None = None
+        self.losses: list[torch.Tensor] = []
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        if self.step is not None and step != self.step:
+            self._close()
+        self.step = step
+        self.losses.append(loss.detach().reshape(-1)[:1])
+
+    def _close(self) -> None:
+        losses = torch.cat(self.losses)
+        # the first non-finite loss of the step, else its first loss: one value to name in the error
+        bad = ~torch.isfinite(losses)
+        first = losses[bad.int().argmax()].float().reshape(1)
+        verdict = torch.cat([bad.any().float().reshape(1), first])
+        if verdict.is_cuda:
+            host = torch.empty(2, dtype=verdict.dtype, pin_memory=True)
+            host.copy_(verdict, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = verdict, None
+        self.pending.append((self.step, losses, host, copied))
+        self.step, self.losses = None, []
+
+    def check(self, all_steps: bool) -> tuple[int, float] | None:
+        """(step, loss) of the first step whose loss was not finite, or None. `all_steps`: every step
+        added so far, waiting for the GPU if needed; else all but the latest."""
+        if self.losses:
+            self._close()
+        ready = self.pending if all_steps else self.pending[:-1]
+        self.pending = [] if all_steps else self.pending[-1:]
+        for step, _, host, copied in ready:
+            if copied is not None:
+                copied.synchronize()
+            if host[0].item():
+                return step, host[1].item()
+        return None
 
 
 def _all_ranks(ok: bool, device) -> bool:
@@ -243,11 +303,18 @@ def _all_ranks(ok: bool, device) -> bool:
     return bool(flag.item())
 
 
+class _Done:
+    """An event that has already happened (the reduction of CPU processes' flags is synchronous)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 class StopOnSignal(TrainerCallback):
     """SIGINT (Ctrl-C) and SIGTERM (Slurm preemption, `timeout`, `kill`): finish the step under way, save a
-    checkpoint and stop. The time this takes is bounded by one step and one checkpoint write; a second
+    checkpoint and stop. The time this takes is bounded by one step (two under several processes) and one checkpoint write; a second
     signal stops at once (the previous checkpoint stays the resume point). Under several processes the
-    ranks agree each step, so that all of them save the same step."""
+    ranks agree, one step after the signal, so that all of them save the same step."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -255,6 +322,7 @@ class StopOnSignal(TrainerCallback):
         self.signum: int | None = None
         self.stopped_at: int | None = None
         self._previous: dict = {}
+        self._reduced: tuple | None = None  # the ranks' flags reduced at the last step: (host copy, copied event)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -273,14 +341,32 @@ class StopOnSignal(TrainerCallback):
         self.signum = signum
 
     def _requested(self, args) -> bool:
+        """Whether to stop at this step. Under several processes, the ranks' flags are reduced each step without
+        the host waiting for it: the reduction launched at one step is read at the next (done by then), so every
+        rank stops at the same step, one step after the signal came."""
         import torch.distributed as dist
 
-        if world_size() > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([0 if self.signum is None else self.signum], device=args.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and self.signum is None:
-                self.signum = int(flag.item())
-        return self.signum is not None
+        if not (world_size() > 1 and dist.is_available() and dist.is_initialized()):
+            return self.signum is not None
+        agreed = None
+        if self._reduced is not None:
+            host, copied = self._reduced
+            copied.synchronize()
+            agreed = int(host.item())
+        flag = torch.tensor([0 if self.signum is None else self.signum], device=args.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.is_cuda:
+            host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = flag, _Done()
+        self._reduced = (host, copied)
+        if agreed:
+            self.signum = self.signum or agreed
+            return True
+        return False
 
     def on_step_end(self, args, state, control, **kw):
         if self._requested(args):
