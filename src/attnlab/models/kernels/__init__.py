@@ -78,10 +78,11 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 
 # Sequence lengths from which a linearizable attention-family layer (power1, power2 without a clamp) trains and
 # prefills chunked, in linear time (`kernels/attention_family_chunk.py`), instead of on the tiled quadratic kernels.
-# PLACEHOLDERS, not yet measured on a GPU; reasoned from flops per token and head at head dim 64: the tiled form
-# costs about T (d + Dv) = 128 T, the chunked one 4 F (Dv + 8) + 128 C: for power2 (F = 2080, C = 256) 632K, equal
-# at T ~ 5K, and its PyTorch products move the features through memory, so 8192; for power1 (F = 64, C = 64) 27K,
-# equal at T ~ 200, where a few dozen small launches per layer dominate, so 2048.
+# PLACEHOLDERS, not yet measured on a GPU (`benchmarks/attention_family_chunk.py`, gpu.sh stage chunk-crossover, times
+# both per shape); reasoned from flops per token and head at head dim 64: the tiled form costs about T (d + Dv) = 128 T,
+# the chunked one 4 F (Dv + 8) + 128 C: for power2 (F = 2080, C = 512) 660K, equal at T ~ 5K, and its products move
+# the features through memory, so 8192; for power1 (F = 64, C = 64) 27K, equal at T ~ 200, where a few dozen small
+# launches per layer dominate, so 2048.
 CHUNKED_MIN_TOKENS = {"power1": 2048, "power2": 8192}
 
 

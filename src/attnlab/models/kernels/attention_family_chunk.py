@@ -35,11 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Tokens per chunk. power2: the chunk's quadratic part costs about C * (d + Dv) flops per token and head,
-# against 4 F (Dv + 1) (540K at d = 64) for its state part, and the chunk states hold F (Dv + 1) / C numbers
-# per token; C = 256 keeps the first under a tenth of the second and the states below the features. power1
-# (F = d): the state part is as cheap as a chunk of 64 tokens, as in Mamba-2's and GLA's chunked kernels.
-CHUNK_SIZES = {"power1": 64, "power2": 256}
+# Tokens per chunk, reasoned, not yet measured (`benchmarks/attention_family_chunk.py` times 64 to 512). power2:
+# the chunk's quadratic part costs about C (d + Dv) flops per token and head forward, against 4 F (Dv + 8) (600K
+# at d = 64) for its state part, which moves the features (F per token) and the chunk states (F (Dv + 8) / C per
+# token, several passes in fp32) through memory; C = 512 keeps the first near a twentieth of the second and the
+# states' traffic under the features'. power1 (F = d): the state part is as cheap as a chunk of 64 tokens, as
+# in Mamba-2's and GLA's chunked kernels.
+CHUNK_SIZES = {"power1": 64, "power2": 512}
 GROUP_ELEMENTS = 2**28  # a group of chunks: its features [B, chunks, H, C, F] stay under this many elements (512 MB in bf16)
 MAX_GROUP_CHUNKS = 64  # ... and it spans at most this many chunks (the matrix of decays between chunk starts is chunks^2)
 VALUE_ALIGN = 8  # the value columns with the normaliser's padded to a multiple of this: cuBLAS's bf16 tensor-core kernels want it
