@@ -18,12 +18,12 @@ def is_niah(task: Optional[str]) -> bool:
     return task is not None and task.strip().lower() in NIAH_NAMES
 
 
-def cell_table(cells: list[dict], title: str) -> Table:
+def cell_table(cells: list[dict]) -> Table:
     """Proportion correct: one row per depth, one column per length (as the heatmap)."""
     from .niah import grid, length_label
 
     lengths, depths, acc = grid(cells)
-    table = Table(title=title, title_justify="left")
+    table = Table()
     table.add_column("depth")
     for n in lengths:
         table.add_column(length_label(n), justify="right")
@@ -70,7 +70,8 @@ def niah_command(model: str, data: Optional[Path], lengths: str, depths: str, sa
         "seed": seed, "batch_size": batch_size, "build_s": round(build_s, 2), "command": " ".join(sys.argv),
     }
     paths = write_niah_outputs(result, out, extra, title)
-    console.print(cell_table(result.metrics["cells"], "niah: proportion correct by depth and length"))
+    console.print("niah: proportion correct by needle depth (rows) and context length (columns)", highlight=False)
+    console.print(cell_table(result.metrics["cells"]))
     console.print(f"accuracy {result.metrics['accuracy']:.4f} over {result.metrics['examples']} prompts; "
                   f"generation {result.metrics['generation_s']:.1f} s", highlight=False)
     console.print("wrote " + ", ".join(f"[bold]{p}[/bold]" for p in paths.values()))
