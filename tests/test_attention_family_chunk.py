@@ -230,6 +230,27 @@ def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query):
                           rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_products_with_features_in_registers_match_pytorch_through_the_interpreter(query, dtype):
+    """phi(x) S and x's gradient from dphi = dy S^T with the features formed in registers (CUDA's path for power2),
+    through Triton's interpreter, against the features formed in memory (bf16: operands rounded, fp32 sums)."""
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels run in the tests below")
+    from attnlab.models.kernels import attention_family_chunk as chunked
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 37, 2, 8, generator=g).to(dtype).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d]
+    states = torch.randn(2, 2, 4, 36, 24, generator=g)[:, :, :3]  # [B, H, n, F, V], a strided view
+    dy = torch.randn(2, 2, 3, 37, 24, generator=g)
+    features = chunked.power2_features(x.float(), query)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(chunked.phi_product(x, states, query), features @ states) <= tol
+    expected = chunked.power2_features_backward(x.float(), dy @ states.transpose(-1, -2), query)
+    assert rel_err(chunked.phi_backward(x, dy, states, query), expected) <= tol
+
+
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "none", True), ("power2", "count", False)], ids=str)
 def test_chunks_on_the_triton_kernels_match_the_reference_through_the_interpreter(case, monkeypatch):
     """CUDA's path through Triton's interpreter on CPU: the chunks' quadratic part on attnlab's tiled kernels,

@@ -22,9 +22,14 @@ each group's start: the backward recomputes a group's features and states and di
 the last group first. Memory is linear in T: a group's features (bounded by `GROUP_ELEMENTS`) exist
 only while it runs.
 
-Products run on cuBLAS in the inputs' dtype (bf16 under autocast), accumulating in fp32; a group's
-chunk states are summed in fp32 and rounded to the inputs' dtype only as the operand of phi(q) S, as
-the SSD kernels do. The reference is `attnlab.models.ops.attention_family.parallel_attention`.
+Products run in the inputs' dtype (bf16 under autocast), accumulating in fp32; a group's chunk states
+are summed in fp32 and rounded to the inputs' dtype only as the operands of products, as the SSD kernels
+do. The states' own products (phi(k)^T [v, 1] and phi(q)^T dy) run on cuBLAS from power2's features formed
+once (`_features_kernel`); the products with the features on the left (phi(q) S, phi(k) dS) and the
+gradients of q and k through phi form the features in registers (`_phi_product_kernel`,
+`_phi_backward_kernel`), so the backward writes no gradient of the features. Off CUDA (and for power1,
+whose features are k itself) PyTorch computes the same. The reference is
+`attnlab.models.ops.attention_family.parallel_attention`.
 """
 
 from __future__ import annotations
@@ -176,6 +181,148 @@ def _features_backward_kernel(X, G, DX, FULL, C, sxb, sxh, sxl, sxc, H: tl.const
     tl.store(DX + row_index * D + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=m)
 
 
+# Products with power2's features formed in registers, never in memory (x [B, H, n, C, d] views as above; the
+# second operand [B, H, n, F, V] with F = d (d + 1) / 2 packed rows, any strides but a contiguous last dim):
+#     `_phi_product_kernel`   out = phi(x) S                        [B, H, n, C, V] fp32
+#     `_phi_backward_kernel`  dx  = the gradient of x from dphi = dy S^T, dy [B, H, n, C, V]
+# A program holds BM rows and walks over the first indices a in steps of PHI_FIRST: the features (a, b) of those
+# rows as a [BM, PHI_FIRST * d] tile (zero for b < a), the state's rows (a, b) gathered beside them.
+PHI_ROWS = 32
+PHI_FIRST = 4
+
+
+@triton.jit
+def _operand(x, LOW: tl.constexpr, UPCAST: tl.constexpr):
+    """A product's operand: rounded to bf16 (LOW), then back to fp32 for Triton's interpreter (UPCAST), whose
+    16-bit products are wrong."""
+    if LOW:
+        x = x.to(tl.bfloat16)
+        if UPCAST:
+            x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr):
+    """Features (a, b) for a in [a0, a0 + BA), every b: (tile [BM, BA * BD] fp32, valid [BA * BD], their packed rows,
+    x_a [BM, BA])."""
+    offs_a = a0 + tl.arange(0, BA)
+    x_a = tl.load(x_rows + offs_a[None, :], mask=ok[:, None] & (offs_a < D)[None, :], other=0.0).to(tl.float32)
+    flat = tl.arange(0, BA * BD)
+    a = a0 + flat // BD
+    b = flat % BD
+    valid = (a < D) & (b < D) & (b >= a)
+    phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (x.shape[0], BA * BD))
+    if QUERY:
+        phi = tl.where((b != a)[None, :], 2.0 * phi, phi)
+    phi = tl.where(valid[None, :], phi, 0.0)
+    rows = a * D - a * (a - 1) // 2 + b - a
+    return phi, valid, rows, x_a
+
+
+@triton.jit
+def _phi_product_kernel(X, S, OUT, C, sxb, sxh, sxl, sxc, ssb, ssh, ssl, ssf, H: tl.constexpr, L: tl.constexpr,
+                        D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_m * BM + tl.arange(0, BM)
+    ok = rows < C
+    offs_d = tl.arange(0, BD)
+    offs_v = tl.arange(0, BV)
+    v_ok = offs_v < V
+    x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
+    x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+    s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
+    acc = tl.zeros([BM, BV], tl.float32)
+    for a0 in range(0, D, BA):
+        phi, valid, srows, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
+        s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+        acc += tl.dot(_operand(phi, LOW, UPCAST), _operand(s.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
+    out = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * V + offs_v[None, :]
+    tl.store(out, acc, mask=ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc, ssb, ssh, ssl, ssf,
+                         H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr,
+                         LOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
+                         BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    """dx_c = sum_b dphi_cb m x_b + sum_a dphi_ac m x_a (m: the query's doubling), dphi = dy S^T in registers."""
+    i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_m * BM + tl.arange(0, BM)
+    ok = rows < C
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    offs_v = tl.arange(0, BV)
+    v_ok = offs_v < V
+    x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
+    x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    dy_rows = DY + i_b.to(tl.int64) * syb + i_h * syh + i_l * syl + rows[:, None].to(tl.int64) * syc
+    dy = _operand(tl.load(dy_rows + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32), LOW, UPCAST)
+    s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
+    dx = tl.zeros([BM, BD], tl.float32)
+    for a0 in range(0, D, BA):
+        _, valid, srows, x_a = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, False, BA, BD)
+        s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+        dphi = tl.dot(dy, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)
+        flat = tl.arange(0, BA * BD)
+        if QUERY:
+            dphi = tl.where(((flat % BD) != (a0 + flat // BD))[None, :], 2.0 * dphi, dphi)
+        dphi = tl.where(valid[None, :], dphi, 0.0)
+        d3 = tl.reshape(dphi, (BM, BA, BD))
+        dx += tl.sum(d3 * x_a[:, :, None], 1)  # into the second index b
+        to_first = tl.sum(d3 * x[:, None, :], 2)  # [BM, BA]: into the first index a
+        onehot = (offs_d[None, :] == (a0 + tl.arange(0, BA))[:, None]).to(tl.float32)  # [BA, BD]
+        dx += tl.sum(to_first[:, :, None] * onehot[None, :, :], 1)
+    out = DX + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * D + offs_d[None, :]
+    tl.store(out, dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+
+
+def _phi_launch(x: torch.Tensor, s: torch.Tensor):
+    batch, heads, chunks, chunk, d = x.shape
+    width = s.shape[-1]
+    grid = (triton.cdiv(chunk, PHI_ROWS), chunks, batch * heads)
+    low = x.dtype != torch.float32
+    upcast = low and _interpreting()
+    meta = dict(H=heads, L=chunks, D=d, V=width, LOW=low, UPCAST=upcast, PRECISION="tf32" if low and not upcast else "ieee",
+                BM=PHI_ROWS, BA=PHI_FIRST,
+                BD=max(16, triton.next_power_of_2(d)), BV=max(16, triton.next_power_of_2(width)), num_warps=4)
+    return grid, (chunk, *x.stride()[:4]), (s.stride(0), s.stride(1), s.stride(2), s.stride(3)), meta
+
+
+def phi_product(x: torch.Tensor, s: torch.Tensor, query: bool) -> torch.Tensor:
+    """phi(x) s for x [B, H, n, C, d] and s [B, H, n, F, V] (packed rows): [B, H, n, C, V] fp32, the features
+    in registers only. Products in x's dtype (bf16 operands, fp32 sums) or fp32."""
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    batch, heads, chunks, chunk, _ = x.shape
+    out = torch.empty(batch, heads, chunks, chunk, s.shape[-1], dtype=torch.float32, device=x.device)
+    grid, x_strides, s_strides, meta = _phi_launch(x, s)
+    _phi_product_kernel[grid](x, s, out, *x_strides, *s_strides, QUERY=bool(query), **meta)
+    return out
+
+
+def phi_backward(x: torch.Tensor, dy: torch.Tensor, s: torch.Tensor, query: bool) -> torch.Tensor:
+    """The gradient of x [B, H, n, C, d] through phi(x) from dphi = dy s^T (dy [B, H, n, C, V], s [B, H, n, F, V]),
+    dphi in registers only: [B, H, n, C, d] in x's dtype."""
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grid, x_strides, s_strides, meta = _phi_launch(x, s)
+    _phi_backward_kernel[grid](x, dy, s, dx, *x_strides, *dy.stride()[:4], *s_strides, QUERY=bool(query), **meta)
+    return dx
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @functools.cache
 def _kernel_tables(head_dim: int, device: torch.device):
     a, b, _, full = _power2_indices(head_dim, device)
@@ -258,11 +405,26 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
         states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
     states = states.view(batch, heads, chunks + 1, features, width)
     del chunk_states
-    phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
-    y = (phi_q @ states[:, :, :chunks].to(dtype)).float()  # [B, H, n, C, Dv']
+    y = _phi_times(qh, states[:, :, :chunks], similarity, query=True)  # [B, H, n, C, Dv']
     if gh is not None:
         y = y * torch.exp(gh)[..., None]
     return y, states[:, :, chunks]
+
+
+def _phi_times(x, s, similarity, query):
+    """phi(x) s: x [B, H, n, C, d] in the products' dtype, s [B, H, n, F, V] fp32 -> [B, H, n, C, V] fp32; the
+    features in registers only on CUDA (power2), s rounded to x's dtype as the operand."""
+    if similarity == "power2" and _use_feature_kernels(x):
+        return phi_product(x, s, query)
+    return (linear_features(x, similarity, query=query) @ s.to(x.dtype)).float()
+
+
+def _phi_grad(x, dy, s, similarity, query):
+    """The gradient of x [B, H, n, C, d] through phi(x) from dphi = dy s^T (dy [B, H, n, C, V], s [B, H, n, F, V]),
+    in x's dtype; dphi in registers only on CUDA (power2)."""
+    if similarity == "power2" and _use_feature_kernels(x):
+        return phi_backward(x, dy, s, query)
+    return _features_backward(x, dy.to(x.dtype) @ s.to(x.dtype).transpose(-1, -2), similarity, query=query)
 
 
 def _segment_sums_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -297,27 +459,27 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     vw = (vh.float() * weight[..., None]).to(dtype)
     chunk_states = (phi_k.transpose(-1, -2) @ vw).float().flatten(-2)  # [B, H, n, F * Dv']
     features, width = phi_k.shape[-1], v.shape[-1]
+    del phi_k
     decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]
     states = decays[..., 1:] @ chunk_states  # [B, H, n + 1, F * Dv']
     if state is not None:
         states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
-    starts = states[:, :, :chunks].view(batch, heads, chunks, features, width).to(dtype)
+    starts = states[:, :, :chunks].view(batch, heads, chunks, features, width)  # fp32
     del states
 
     # y = exp(g) phi(q) S: through the chunk-start states and the query features
-    phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
     dy = dy.float()
     if gh is not None:
         dy = dy * torch.exp(gh)[..., None]  # now the gradient of phi(q) S
     dy_low = dy.to(dtype)
     dg = None
     if gh is not None:  # d y / d g = y
-        dg = ((phi_q @ starts).float() * dy).sum(-1)  # [B, H, n, C]
-    dphi_q = dy_low @ starts.transpose(-1, -2)  # [B, H, n, C, F]
+        dg = (_phi_times(qh, starts, similarity, query=True) * dy).sum(-1)  # [B, H, n, C]
+    dq = _phi_grad(qh, dy_low, starts, similarity, query=True)
+    del starts, dy
+    phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
     d_starts = (phi_q.transpose(-1, -2) @ dy_low).float()  # [B, H, n, F, Dv']
-    del starts, phi_q, dy, dy_low
-    dq = _features_backward(qh, dphi_q, similarity, query=True)
-    del dphi_q
+    del phi_q, dy_low
 
     # the states at chunk starts and the group's end, from the chunk states, the decays and the starting state
     d_states = d_starts.flatten(-2)
@@ -336,12 +498,10 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     del d_states, chunk_states, decays, d_decays
 
     # the chunk states from the key features and the weighted values
-    d_chunk_states = d_chunk_states.view(batch, heads, chunks, features, width).to(dtype)
-    dphi_k = vw @ d_chunk_states.transpose(-1, -2)  # [B, H, n, C, F]
-    dvw = (phi_k @ d_chunk_states).float()  # [B, H, n, C, Dv']
-    del d_chunk_states, phi_k
-    dk = _features_backward(kh, dphi_k, similarity)
-    del dphi_k
+    d_chunk_states = d_chunk_states.view(batch, heads, chunks, features, width)  # fp32
+    dvw = _phi_times(kh, d_chunk_states, similarity, query=False)  # [B, H, n, C, Dv']
+    dk = _phi_grad(kh, vw, d_chunk_states, similarity, query=False)
+    del d_chunk_states
     dv = (dvw * weight[..., None]).to(dtype)
     if gh is not None:  # weight = scale^p exp(G - g), G the chunk's total: g's last entry
         dlog_weight = (dvw * vh.float()).sum(-1) * weight  # [B, H, n, C]
