@@ -6,13 +6,15 @@ sees them), and the chunked form under several chunk sizes.
     python benchmarks/attention_family_chunk.py [--shape 4x4096 ...] [--heads 16] [--head-dim 64]
 
 Prints, per preset and shape, the median ms of forward + backward (gradients of q, k, v and the log-decays)
-and the peak memory beyond the inputs, tiled and chunked, and the ratio; `CHUNKED_MIN_TOKENS`
+and the peak memory beyond the inputs, tiled and chunked, and the ratio (and, for power2, the default chunk with
+its features' products on cuBLAS, `FEATURES_IN_REGISTERS` off); `CHUNKED_MIN_TOKENS`
 (`attnlab.models.kernels`) is the shortest T where chunked wins, `CHUNK_SIZES` the fastest chunk size.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -100,9 +102,15 @@ def main() -> None:
                 cells.append(f"{ms:8.2f} {gib:5.2f}" if ms is not None else f"{gib:>14s}")
                 if ms is not None and (best is None or ms < best):
                     best = ms
+            variant = ""
+            if similarity == "power2":  # the default chunk with the features' products on cuBLAS instead of in registers
+                chunk_module.FEATURES_IN_REGISTERS = False
+                ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
+                chunk_module.FEATURES_IN_REGISTERS = True
+                variant = f"  features in memory: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in memory: {gib}"
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
             ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
-            print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}", flush=True)
+            print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}{variant}", flush=True)
             del leaves
 
 

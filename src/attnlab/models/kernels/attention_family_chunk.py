@@ -189,6 +189,9 @@ def _features_backward_kernel(X, G, DX, FULL, C, sxb, sxh, sxl, sxc, H: tl.const
 # rows as a [BM, PHI_FIRST * d] tile (zero for b < a), the state's rows (a, b) gathered beside them.
 PHI_ROWS = 32
 PHI_FIRST = 4
+# False: those products on cuBLAS from the features formed in memory (`_features_kernel`) and the gradients through
+# `_features_backward_kernel`, as the benchmark compares (`benchmarks/attention_family_chunk.py`)
+FEATURES_IN_REGISTERS = True
 
 
 @triton.jit
@@ -414,7 +417,7 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
 def _phi_times(x, s, similarity, query):
     """phi(x) s: x [B, H, n, C, d] in the products' dtype, s [B, H, n, F, V] fp32 -> [B, H, n, C, V] fp32; the
     features in registers only on CUDA (power2), s rounded to x's dtype as the operand."""
-    if similarity == "power2" and _use_feature_kernels(x):
+    if similarity == "power2" and FEATURES_IN_REGISTERS and _use_feature_kernels(x):
         return phi_product(x, s, query)
     return (linear_features(x, similarity, query=query) @ s.to(x.dtype)).float()
 
@@ -422,7 +425,7 @@ def _phi_times(x, s, similarity, query):
 def _phi_grad(x, dy, s, similarity, query):
     """The gradient of x [B, H, n, C, d] through phi(x) from dphi = dy s^T (dy [B, H, n, C, V], s [B, H, n, F, V]),
     in x's dtype; dphi in registers only on CUDA (power2)."""
-    if similarity == "power2" and _use_feature_kernels(x):
+    if similarity == "power2" and FEATURES_IN_REGISTERS and _use_feature_kernels(x):
         return phi_backward(x, dy, s, query)
     return _features_backward(x, dy.to(x.dtype) @ s.to(x.dtype).transpose(-1, -2), similarity, query=query)
 
