@@ -56,6 +56,8 @@ def timed(fn, leaves, repeats):
         return seconds * 1000, (torch.cuda.max_memory_allocated() - before) / 2**30
     except torch.cuda.OutOfMemoryError:
         return None, "out of memory"
+    except Exception as exc:  # noqa: BLE001  (a kernel that does not compile or run: its cell says so, the rest go on)
+        return None, type(exc).__name__
 
 
 def main() -> None:
@@ -66,7 +68,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
+    parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at 1x32768 under each block choice of the "
+                        "kernels that form power2's features in registers (PHI_ROWS, PHI_FIRST, PHI_WARPS)")
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(args)
     print(f"{'preset':22s} {'shape':>8s} {'tiled ms':>9s} {'GiB':>6s} " + " ".join(f"{'chunk ' + str(c):>14s}" for c in (64, 128, 256, 512))
           + f" {'best/tiled':>10s}")
     for preset in args.preset or PRESETS:
@@ -112,6 +118,30 @@ def main() -> None:
             ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
             print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}{variant}", flush=True)
             del leaves
+
+
+def sweep(args) -> None:
+    options = MIXERS["2mamba"].resolve_options(None)
+    leaves = inputs(options, 1, 32768, args.heads, args.head_dim)
+    names = ("PHI_ROWS", "PHI_FIRST", "PHI_WARPS")
+    base = tuple(getattr(chunk_module, n) for n in names)
+
+    def mix(q, k, v, log_decay):
+        return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5, denominator="sum",
+                                            intra_terms=tiled_terms, out_dtype=v.dtype)[0]
+
+    print("2mamba's mixing at 1x32768, forward + backward ms, per block choice (the first: the committed one)")
+    for values in [base, (32, 4, 4), (64, 2, 4), (64, 4, 8), (128, 2, 8), (128, 1, 4), (32, 2, 4)]:
+        for n, val in zip(names, values):
+            setattr(chunk_module, n, val)
+        try:
+            ms, gib = timed(mix, leaves, args.repeats)
+            cell = f"{ms:8.2f} ms" if ms is not None else f"fails ({gib})"
+            print(f"{cell}  " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
+        except Exception as exc:  # a block shape that does not compile: say so and go on
+            print(f"  fails: {type(exc).__name__}  " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
+    for n, val in zip(names, base):
+        setattr(chunk_module, n, val)
 
 
 if __name__ == "__main__":

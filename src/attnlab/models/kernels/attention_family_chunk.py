@@ -185,10 +185,13 @@ def _features_backward_kernel(X, G, DX, FULL, C, sxb, sxh, sxl, sxc, H: tl.const
 # second operand [B, H, n, F, V] with F = d (d + 1) / 2 packed rows, any strides but a contiguous last dim):
 #     `_phi_product_kernel`   out = phi(x) S                        [B, H, n, C, V] fp32
 #     `_phi_backward_kernel`  dx  = the gradient of x from dphi = dy S^T, dy [B, H, n, C, V]
-# A program holds BM rows and walks over the first indices a in steps of PHI_FIRST: the features (a, b) of those
-# rows as a [BM, PHI_FIRST * d] tile (zero for b < a), the state's rows (a, b) gathered beside them.
-PHI_ROWS = 32
-PHI_FIRST = 4
+# A program holds PHI_ROWS rows and walks over the first indices a in steps of PHI_FIRST: the features (a, b) of
+# those rows as a [PHI_ROWS, PHI_FIRST * d] tile (zero for b < a), the state's rows (a, b) gathered beside them.
+# Every program reads its chunk's whole state (F x V, from L2 after the first), so more rows a program read less;
+# reasoned, not measured (`benchmarks/attention_family_chunk.py --sweep` times the candidates).
+PHI_ROWS = 64
+PHI_FIRST = 2
+PHI_WARPS = 4
 # False: those products on cuBLAS from the features formed in memory (`_features_kernel`) and the gradients through
 # `_features_backward_kernel`, as the benchmark compares (`benchmarks/attention_family_chunk.py`)
 FEATURES_IN_REGISTERS = True
@@ -290,8 +293,8 @@ def _phi_launch(x: torch.Tensor, s: torch.Tensor):
     low = x.dtype != torch.float32
     upcast = low and _interpreting()
     meta = dict(H=heads, L=chunks, D=d, V=width, LOW=low, UPCAST=upcast, PRECISION="tf32" if low and not upcast else "ieee",
-                BM=PHI_ROWS, BA=PHI_FIRST,
-                BD=max(16, triton.next_power_of_2(d)), BV=max(16, triton.next_power_of_2(width)), num_warps=4)
+                BM=PHI_ROWS, BA=PHI_FIRST, num_warps=PHI_WARPS,
+                BD=max(16, triton.next_power_of_2(d)), BV=max(16, triton.next_power_of_2(width)))
     return grid, (chunk, *x.stride()[:4]), (s.stride(0), s.stride(1), s.stride(2), s.stride(3)), meta
 
 
