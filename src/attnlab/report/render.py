@@ -52,7 +52,10 @@ def _spaced_ticks(ax, engineering: bool = False) -> None:
 
 
 def _legend(fig, ax, n: int) -> None:
-    """Inside the plot for a few runs; beside it, in columns, for many (it would hide the curves)."""
+    """Inside the plot for a few runs; beside it, in columns, for many (it would hide the curves). None for a plot
+    with nothing drawn (runs without a validation split, such as MQAR's, have no bits per byte)."""
+    if not ax.get_legend_handles_labels()[0]:
+        return
     if n <= 6:
         ax.legend(fontsize=8, loc="upper right")
     else:
