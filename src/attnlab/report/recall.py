@@ -165,7 +165,7 @@ def mqar_figure(series: dict[str, list[tuple[int, float]]]):
     ax.set_ylabel("MQAR accuracy (per query)")
     ax.set_title("multi-query associative recall")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="best")
     return fig
 
 
