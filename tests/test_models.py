@@ -380,6 +380,38 @@ def test_mixer_registry_lists_both_families():
     assert {"gla", "softmax"} <= set(MIXERS)
 
 
+CAPABILITIES = ("train_graph_safe", "reports_stats", "collect_stats", "stats_graph_safe", "fixed_size_state", "static_kv",
+                "static_columns", "left_aligned", "static_state")
+
+
+def test_every_capability_the_engine_and_trainer_ask_a_mixer_about_is_declared_on_the_base_class_and_never_probed():
+    import re
+    from pathlib import Path
+
+    import attnlab
+    from attnlab.models.mixers import Mixer
+
+    for name in CAPABILITIES:
+        assert hasattr(Mixer, name), name
+    probed = re.compile(r"(getattr|hasattr)\([^)]*[\"'](" + "|".join(CAPABILITIES) + r")[\"']")
+    for path in Path(attnlab.__file__).parent.rglob("*.py"):
+        assert not probed.search(path.read_text()), f"{path.name} probes a mixer capability with getattr/hasattr"
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_a_mixer_that_keeps_static_kv_buffers_says_how_and_one_that_reports_statistics_can_record_them(name):
+    from attnlab.models.mixers import Mixer
+
+    cfg = AttnLabConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, mixer=name, intermediate_size=64)
+    mixer = AttnLabForCausalLM(cfg).model.layers[0].attn
+    assert isinstance(mixer, Mixer)
+    if mixer.static_kv:
+        assert type(mixer).static_state is not Mixer.static_state
+    assert not (mixer.fixed_size_state and mixer.static_kv)
+    if mixer.reports_stats:
+        assert mixer.collect_stats is False and hasattr(mixer, "last_stats")
+
+
 def test_config_rejects_unknown_mixer_naming_the_closest_registered_ones():
     with pytest.raises(ValueError, match=r"unknown mixer 'mamba9'; did you mean 'mamba2'"):
         AttnLabConfig(mixer="mamba9")

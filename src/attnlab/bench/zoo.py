@@ -140,7 +140,9 @@ def train_row(name: str, size: dict, batch: int, seq_len: int, steps: int, warmu
     with device:  # weights initialised where they train (a few seconds less per row than on the host)
         model = build(name.removesuffix(STATS_SUFFIX), **size).train()
     if name.endswith(STATS_SUFFIX):
-        if not any(hasattr(m, "collect_stats") for m in model.modules()):
+        from attnlab.models.mixers import Mixer
+
+        if not any(isinstance(m, Mixer) and m.reports_stats for m in model.modules()):
             raise ValueError(f"{name}: this model records no training-health statistics")
         model.enable_health_stats(True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")

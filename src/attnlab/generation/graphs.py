@@ -1,8 +1,8 @@
 """Static decoding: preallocated state buffers, and the one-token step captured as a CUDA graph.
 
 A decode step of an attnlab model whose every layer either keeps a state of fixed size (GLA,
-Mamba-2: `fixed_size_state` on the mixer) or can keep its KV cache in preallocated buffers (softmax
-attention, the attention family's KV variants: `static_kv` and `static_state` on the mixer, buffers of the prompt's length plus `max_new_tokens`
+Mamba-2: `fixed_size_state` of the `Mixer` interface) or can keep its KV cache in preallocated buffers (softmax
+attention, the attention family's KV variants: `static_kv` and `static_state`, buffers of the prompt's length plus `max_new_tokens`
 written in place one column per step) reads and writes the same buffers every time. The whole step
 — embedding, every layer, the head — is then recorded once per batch size as a CUDA graph and
 replayed: one launch per token instead of hundreds, which is what keeps small-batch decoding from
@@ -38,7 +38,7 @@ def fixed_size_decoding(model) -> bool:
 
     if not isinstance(model, AttnLabForCausalLM):
         return False
-    return all(getattr(block.attn, "fixed_size_state", False) for block in model.model.layers)
+    return all(block.attn.fixed_size_state for block in model.model.layers)
 
 
 def static_decoding(model) -> bool:
@@ -48,8 +48,7 @@ def static_decoding(model) -> bool:
 
     if not isinstance(model, AttnLabForCausalLM):
         return False
-    return all(getattr(block.attn, "fixed_size_state", False) or getattr(block.attn, "static_kv", False)
-               for block in model.model.layers)
+    return all(block.attn.fixed_size_state or block.attn.static_kv for block in model.model.layers)
 
 
 def kv_capacity(prompt_length: int, max_new_tokens: int) -> int:
@@ -195,15 +194,15 @@ class StaticRunner(ModelRunner):
         max_new_tokens = self.reserved
         states = state.cache.states
         layers = [block.attn for block in self.model.model.layers]
-        if any(not getattr(attn, "fixed_size_state", False) for attn in layers):
+        if any(not attn.fixed_size_state for attn in layers):
             if max_new_tokens is None:
                 raise ValueError("static decoding of a KV-cache model sizes its buffers for the steps that follow: call reserve(max_new_tokens) first")
             capacity = kv_capacity(input_ids.shape[1], max_new_tokens)
-            states = [s if getattr(attn, "fixed_size_state", False) else attn.static_state(s, capacity)
+            states = [s if attn.fixed_size_state else attn.static_state(s, capacity)
                       for attn, s in zip(layers, states)]
-            self.columns = frozenset(getattr(layers[0], "static_columns", ())) | self.columns
+            self.columns = frozenset(layers[0].static_columns) | self.columns
         prefix = input_ids.shape[1]  # every beam of a prompt holds the same prompt columns
-        if any(getattr(attn, "left_aligned", False) for attn in layers):  # ... up to the shortest prompt's length there
+        if any(attn.left_aligned for attn in layers):  # ... up to the shortest prompt's length there
             prefix = int(attention_mask.sum(1).min())
         state.cache = self._static(states, prefix=prefix)
         return logits, state

@@ -14,7 +14,7 @@ from attnlab.models import kernels
 from attnlab.models.cache import AttnLabCache
 from attnlab.models.configuration import AttnLabConfig
 from attnlab.models.hf_names import CACHE_KEY, one_cache
-from attnlab.models.mixers import build_mixer
+from attnlab.models.mixers import Mixer, build_mixer
 from attnlab.models.modules import GatedRMSNorm, PreNorm, RMSNorm, SwiGLU
 
 
@@ -173,7 +173,7 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         """Let mixers that report training-health statistics (NSA) record them on training forwards
         (`on=False` stops that and forgets the latest ones)."""
         for module in self.modules():
-            if hasattr(module, "collect_stats"):
+            if isinstance(module, Mixer) and module.reports_stats:
                 module.collect_stats = on
                 if not on:
                     module.last_stats = {}

@@ -42,10 +42,11 @@ def graph_blocker(model: nn.Module, sharded: bool = False) -> str | None:
 
     if not isinstance(model, AttnLabForCausalLM):
         return f"{type(model).__name__} is not an attnlab model"
-    unsafe = sorted({type(m).__name__ for m in model.modules() if isinstance(m, Mixer) and not getattr(m, "train_graph_safe", False)})
+    mixers = [m for m in model.modules() if isinstance(m, Mixer)]
+    unsafe = sorted({type(m).__name__ for m in mixers if not m.train_graph_safe})
     if unsafe:
         return f"mixer {', '.join(unsafe)} is not verified for capture"
-    if any(getattr(m, "collect_stats", False) and not getattr(m, "stats_graph_safe", False) for m in model.modules()):
+    if any(m.collect_stats and not m.stats_graph_safe for m in mixers):
         return "a mixer records statistics during the forward (not verified for capture)"
     if getattr(model, "is_gradient_checkpointing", False) and not _checkpoints_capturably(model):
         return f"gradient checkpointing is not in its capturable form ({CHECKPOINT_KWARGS})"

@@ -22,12 +22,39 @@ MIXERS: dict[str, type["Mixer"]] = {}
 
 
 class Mixer(nn.Module):
-    """Base class: option handling shared by all mixers."""
+    """Base class of every token mixer: its options, and every capability the trainer and the decoding engine
+    ask a mixer about. A family overrides what it supports (as class attributes, or per instance in `__init__`
+    where the options decide); nothing else is looked up on a mixer."""
 
     default_options: dict[str, Any] = {}
-    # The training step's forward and backward may be captured as CUDA graphs (attnlab.train.graphs):
-    # no host synchronisation and no host-side state in the training forward, checked on the GPU.
+
+    # --- what the trainer asks (attnlab.train.graphs, AttnLabForCausalLM.enable_health_stats) ---
+    # The training step's forward and backward may be captured as CUDA graphs: no host synchronisation and no
+    # host-side state in the training forward, checked on the GPU.
     train_graph_safe: bool = False
+    # The mixer can record training-health statistics: with `collect_stats` on, each training forward leaves them
+    # in `last_stats` (name -> tensor or float), which the model averages over layers (`health_stats`).
+    reports_stats: bool = False
+    collect_stats: bool = False
+    # Recording those statistics keeps a captured training step valid (they are written into fixed buffers).
+    stats_graph_safe: bool = False
+
+    # --- what the decoding engine asks (attnlab.generation.graphs) ---
+    # Decodes over a state of fixed size (a recurrent state, a convolution window): CUDA-graph decoding applies
+    # with no further buffers.
+    fixed_size_state: bool = False
+    # Keeps its KV cache in preallocated buffers of a given capacity (`static_state`), so that CUDA-graph decoding
+    # applies to it too.
+    static_kv: bool = False
+    # The static buffers whose prompt columns every beam of one prompt shares (beam search copies them once).
+    static_columns: tuple[str, ...] = ()
+    # Each row's tokens start at column 0 of its buffers (no left padding): a prompt ends at its own length.
+    left_aligned: bool = False
+
+    def static_state(self, state: dict, capacity: int) -> dict:
+        """The prefill's cache `state` moved into preallocated buffers of `capacity` columns (mixers with
+        `static_kv`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no KV cache in static buffers (static_kv is false)")
 
     @classmethod
     def resolve_options(cls, options: dict[str, Any] | None) -> dict[str, Any]:

@@ -90,6 +90,7 @@ class NativeSparseAttention(Mixer):
     # the training forward (no cache, no padding) launches kernels only, and the health statistics are
     # written in place into one buffer, which a replayed CUDA graph rewrites
     train_graph_safe = True
+    reports_stats = True  # gate and selection statistics (`collect_stats`, `last_stats`)
     stats_graph_safe = True
     default_options = {
         "num_kv_heads": 1,  # query heads share selected blocks within a kv-head group
