@@ -39,7 +39,8 @@ def two_process_run(tmp_path_factory, small_corpus):
 
     overrides = TINY + [f"data.source={small_corpus}"]
     run = tmp_path_factory.mktemp("ddp") / "run"
-    _train_under_torchrun(overrides, run)
+    proc = _train_under_torchrun(overrides, run)
+    (run.parent / "printed.txt").write_text(proc.stdout + proc.stderr)
     return run, overrides
 
 
@@ -112,6 +113,7 @@ def _run_worker(tmp_path, source: str, *args: str) -> str:
     script.write_text(textwrap.dedent(source))
     proc = _torchrun(str(script), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (tmp_path / "printed.txt").write_text(proc.stdout + proc.stderr)
     return proc.stdout
 
 
@@ -126,6 +128,12 @@ def fsdp_gloo_run(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("fsdp")
     _train_fsdp_on_gloo(root, *sets(TINY + [f"data.source={small_corpus}"]), "--run-dir", str(root / "run"))
     return root / "run"
+
+
+def test_ddp_and_fsdp_on_two_processes_print_no_warning(two_process_run, fsdp_gloo_run):
+    for printed in (two_process_run[0].parent / "printed.txt", fsdp_gloo_run.parent / "printed.txt"):
+        text = printed.read_text()
+        assert "Warning" not in text and "warn(" not in text, text[-3000:]
 
 
 def test_fsdp_on_two_gloo_processes_matches_the_single_process_loss_trajectory(fsdp_gloo_run, single_process_run):

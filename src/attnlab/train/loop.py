@@ -534,9 +534,9 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         per_device_eval_batch_size=t.batch_size // world_size(),
         ddp_backend=("gloo" if report.device == "cpu" else "nccl") if world_size() > 1 else None,
         # attnlab and HF causal LMs use every parameter on every forward (tests/test_models.py holds every mixer
-        # to it): no search for unused ones after each backward. Their buffers are constants: none broadcast.
+        # to it): no search for unused ones after each backward.
         ddp_find_unused_parameters=False,
-        ddp_broadcast_buffers=False,
+        ddp_broadcast_buffers=_broadcast_buffers_argument(),
         gradient_accumulation_steps=t.grad_accum,
         learning_rate=t.lr,
         weight_decay=t.weight_decay,
@@ -572,6 +572,18 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
     if args.n_gpu > 1:
         args._n_gpu = 1  # as the Trainer itself does for model-parallel models
     return args
+
+
+def _broadcast_buffers_argument() -> bool | None:
+    """DDP's `broadcast_buffers`: False (buffers are constants: attnlab models have none, HF models' rotary tables
+    never change) where DDP takes it; None (DDP's default) where torch has deprecated it for `forward_sync_buffers`,
+    which accelerate does not pass: passing it there prints a FutureWarning on every rank, and the buffers an HF
+    model broadcasts are a few hundred values."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return None if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters else False
 
 
 def fsdp_active(cfg: RunConfig) -> bool:
