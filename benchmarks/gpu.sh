@@ -40,10 +40,10 @@ for stage in "$@"; do case $stage in
     # the plot of the rows measured, also when the limit stopped the run before its end
     [ -f "$OUT/zoo.json" ] && python -c "import json,sys; from pathlib import Path; from attnlab.bench.plot import plot_zoo; p=Path(sys.argv[1]); print('wrote', plot_zoo(json.loads(p.read_text()), p.with_suffix('.png')))" "$OUT/zoo.json" ;;
   zoo-long) LONG_ZOO="$AL bench zoo --skip-ops --steps 3 --warmup 1"
-    run zoo-long-family "${ZOO_LONG_LIMIT:-330}" $LONG_ZOO --model 2mamba --model linear__output_norm --model linear_elu \
-      --shape 4x4096 --shape 1x16384 --shape 1x32768 --shape 1x65536 --out "$OUT/zoo-long-family.json"
-    run zoo-long-peers "${ZOO_PEERS_LIMIT:-120}" $LONG_ZOO --model mamba2 --model hf-llama --shape 1x16384 --shape 1x32768 --out "$OUT/zoo-long-peers.json"
-    run zoo-long-mamba2 60 $LONG_ZOO --model mamba2 --shape 1x65536 --out "$OUT/zoo-long-mamba2.json"
+    run zoo-long-family "${ZOO_LONG_LIMIT:-300}" $LONG_ZOO --model 2mamba --model linear__output_norm --model linear_elu \
+      --shape 1x16384 --shape 1x32768 --shape 1x65536 --shape 4x4096 --out "$OUT/zoo-long-family.json"
+    run zoo-long-peers "${ZOO_PEERS_LIMIT:-150}" $LONG_ZOO --model mamba2 --model hf-llama --shape 1x16384 --shape 1x32768 \
+      --shape 1x65536 --out "$OUT/zoo-long-peers.json"
     run zoo-long-medium "${ZOO_MEDIUM_LIMIT:-100}" $LONG_ZOO --hidden 1536 --layers 27 --heads 24 --intermediate 3072 \
       --model 2mamba --model hf-llama --shape 2x8192 --out "$OUT/zoo-long-medium.json"
     python benchmarks/long_context_targets.py "$OUT"/zoo-long-*.json | tee -a "$OUT/summary.txt" ;;

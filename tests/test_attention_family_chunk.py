@@ -281,8 +281,8 @@ def test_dispatch_chooses_the_chunked_form_only_for_long_linearizable_calls_on_c
 
 
 def family_config(name: str, hidden: int, heads: int, **overrides) -> AttnLabConfig:
-    return AttnLabConfig(vocab_size=97, hidden_size=hidden, num_layers=2, num_heads=heads, mixer=name,
-                         max_position_embeddings=512, **overrides)
+    return AttnLabConfig(**{"vocab_size": 97, "hidden_size": hidden, "num_layers": 2, "num_heads": heads, "mixer": name,
+                            "max_position_embeddings": 2048, **overrides})
 
 
 @pytest.mark.parametrize("name", LINEARIZABLE)
@@ -333,14 +333,30 @@ def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_chunked_in_bf16_matches_the_fp32_reference_on_cuda(case, seq_len):
-    """bf16 inputs on the compiled tiled kernels and cuBLAS, the default chunk sizes, against the fp32
-    reference: outputs and gradients of a padded batch of 2 x 4 heads of 64."""
+    """bf16 inputs on the compiled kernels (tiled inside chunks, power2's features in registers) and cuBLAS, the
+    default chunk sizes, against the fp32 reference: outputs and gradients of a padded batch of 2 x 4 heads of 64;
+    the longer one in groups of two chunks (the state carried between groups)."""
     from attnlab.models.kernels.attention_family import attention_terms as fused
 
     q, k, v, log_decay, mask = case_inputs(case, 2, seq_len, 4, 64, device="cuda", seed=seq_len, masked=True)
     reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,
-                                               intra_terms=fused)
+                                               intra_terms=fused, group_chunks=2 if seq_len > 2000 else None)
     assert_close(reference, chunked, 2e-2, (case, seq_len), grad_tol=BF16_GRAD_TOLERANCE)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_chunked_with_power2_features_in_memory_matches_the_fp32_reference_on_cuda(monkeypatch):
+    """The other CUDA path for power2 (`FEATURES_IN_REGISTERS` off: features formed by their kernel, products on cuBLAS)."""
+    from attnlab.models.kernels import attention_family_chunk as chunked
+    from attnlab.models.kernels.attention_family import attention_terms as fused
+
+    monkeypatch.setattr(chunked, "FEATURES_IN_REGISTERS", False)
+    case = ("power2", "sum", True)
+    q, k, v, log_decay, mask = case_inputs(case, 2, 3001, 4, 64, device="cuda", seed=7, masked=True)
+    reference, result = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,
+                                              intra_terms=fused, group_chunks=2)
+    assert_close(reference, result, 2e-2, case, grad_tol=BF16_GRAD_TOLERANCE)
 
 
 @pytest.mark.parametrize("name", ["2mamba", "squared__output_norm__A_mask_type_neg_softplus__in_conv_k_2__dt_on_values",
@@ -355,7 +371,7 @@ def test_linearizable_presets_chunked_on_cuda_match_the_fp32_reference(name, mon
     monkeypatch.setattr(kernels, "CHUNKED_MIN_TOKENS", {s: 256 for s in CHUNK_SIZES})
     torch.manual_seed(0)
     ref_model = AttnLabForCausalLM(family_config(name, 256, 4, kernels="torch")).cuda().train()
-    model = AttnLabForCausalLM(family_config(name, 256, 4, max_position_embeddings=2048)).cuda().train()
+    model = AttnLabForCausalLM(family_config(name, 256, 4)).cuda().train()
     model.load_state_dict(ref_model.state_dict())
     ids = torch.randint(0, 97, (2, 1101), device="cuda")
     mask = torch.ones_like(ids)

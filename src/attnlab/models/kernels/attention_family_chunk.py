@@ -665,8 +665,8 @@ def chunk_attention(
         den = None
     o = finish_output(num, den, denominator, count_power, getattr(intra_terms, "divide", None), out_dtype)
 
-    new_state = end[..., :value_dim]
-    new_normalizer = end[..., value_dim] if want_sum else None
+    new_state = end[..., :value_dim].contiguous()  # the decoding step reads them as contiguous buffers
+    new_normalizer = end[..., value_dim].contiguous() if want_sum else None
     if similarity == "power2" and not packed:
         from attnlab.models.ops.attention_family import unpack_power2_state
 
