@@ -129,10 +129,10 @@ def test_config_rejects_an_override_that_breaks_the_preset():
         AttnLabConfig(mixer="linear", mixer_options={"feature_map": "none"})
 
 
-def test_readme_preset_table_is_generated_from_the_registry():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"<!-- mixer-presets -->\n(.*?)\n<!-- /mixer-presets -->", readme, re.S)
-    assert block, "README lacks the <!-- mixer-presets --> block"
+def test_the_preset_table_in_the_docs_is_generated_from_the_registry():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "mixers.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- mixer-presets -->\n(.*?)\n<!-- /mixer-presets -->", doc, re.S)
+    assert block, "docs/mixers.md lacks the <!-- mixer-presets --> block"
     assert block.group(1).strip() == presets_markdown().strip(), "regenerate it with presets_markdown()"
 
 

@@ -17,7 +17,7 @@ from attnlab.sections import Section  # unknown keys refused; numbers finite, bo
 class ModelSection(Section):
     """The decoder LM: its token mixer and its size."""
 
-    mixer: str = Field("gla", description="token mixer or preset by registered name: gla, softmax, nsa, mamba2, 2mamba, ... (README: Mixers)")
+    mixer: str = Field("gla", description="token mixer or preset by registered name: gla, softmax, nsa, mamba2, 2mamba, ... (docs/mixers.md)")
     hidden_size: int = Field(128, gt=0, description="residual stream width")
     num_layers: int = Field(4, gt=0, description="number of decoder blocks")
     num_heads: int = Field(4, gt=0, description="heads of the token mixer")

@@ -99,7 +99,7 @@ def unknown_mixer_message(name: Any) -> str:
     close = difflib.get_close_matches(str(name), list(MIXERS), n=5, cutoff=0.6)
     families = sorted(n for n, cls in MIXERS.items() if not hasattr(cls, "preset_options"))
     hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
-            else f"the families are {', '.join(families)}; README: Mixers lists all {len(MIXERS)} registered names")
+            else f"the families are {', '.join(families)}; docs/mixers.md lists all {len(MIXERS)} registered names")
     return f"unknown mixer {name!r}; {hint}"
 
 
@@ -120,7 +120,7 @@ def register_preset(
     name: str, family_cls: type["Mixer"], options: dict[str, Any], doc: str | None = None, note: str | None = None
 ):
     """Register `name` as a mixer of the family `family_cls` whose defaults are `options`.
-    `note`: where the preset comes from (the README table shows it), e.g. the published code it reproduces.
+    `note`: where the preset comes from (the table in docs/mixers.md shows it), e.g. the published code it reproduces.
 
     `MIXERS[name]` is then a subclass of the family: `resolve_options` starts from the preset's
     options, so `model.mixer_options` overrides single options of the preset. The options are
@@ -140,7 +140,7 @@ def register_preset(
 
 
 def presets_markdown(hidden_size: int = 1024, num_heads: int = 16) -> str:
-    """The README table of every registered preset (of any family that can describe itself)."""
+    """The table of every registered preset (docs/mixers.md) (of any family that can describe itself)."""
     head_dim = hidden_size // num_heads
     lines = [
         f"Decode state: one layer, one sequence, fp32, at hidden size {hidden_size} "
