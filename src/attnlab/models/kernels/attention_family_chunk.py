@@ -82,9 +82,26 @@ class _Power2Features(torch.autograd.Function):
         return power2_features_backward(x, grad, ctx.query), None
 
 
+FEATURE_KERNEL_MAX_HEAD_DIM = 128  # the register-feature kernels hold [rows, PHI_FIRST * d] feature tiles and d-row state tiles
+
+
 def _use_feature_kernels(x: torch.Tensor) -> bool:
-    """The Triton kernels below for 5-dim CUDA tensors (the groups' [B, H, n, C, d] views), PyTorch elsewhere."""
-    return x.is_cuda and x.dim() == 5 and x.dtype != torch.float64 and x.stride(-1) == 1
+    """The Triton kernels below for 5-dim CUDA tensors (the groups' [B, H, n, C, d] views), PyTorch elsewhere;
+    wider heads than `FEATURE_KERNEL_MAX_HEAD_DIM` form the features in memory (said once)."""
+    if not (x.is_cuda and x.dim() == 5 and x.dtype != torch.float64 and x.stride(-1) == 1):
+        return False
+    if x.shape[-1] > FEATURE_KERNEL_MAX_HEAD_DIM:
+        _say_wide_heads(x.shape[-1])
+        return False
+    return True
+
+
+@functools.cache
+def _say_wide_heads(head_dim: int) -> None:
+    import warnings
+
+    warnings.warn(f"the chunked attention family's power2 kernels cover head dims up to {FEATURE_KERNEL_MAX_HEAD_DIM}; at "
+                  f"{head_dim} its features are formed in memory and multiplied by cuBLAS (slower, same result)", stacklevel=4)
 
 
 def power2_features(x: torch.Tensor, query: bool = False) -> torch.Tensor:
