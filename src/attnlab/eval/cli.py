@@ -70,7 +70,7 @@ def eval_command(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass [default: 1.0 = off]."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats [default: 1.0]."),
     stop: list[str] = typer.Option([], "--stop", help="A string that ends generation (repeatable) [default: the task's]."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler [default: 0]."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler; niah: of the cases [default: 0]."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Examples decoded (or windows scored) together [default: 8]."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Perplexity: tokens per window [default: the config's seq_len, else min(1024, the model's limit)]."),
     lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="Run lm-evaluation-harness tasks (comma-separated) on the model instead; needs the lmeval extra.", show_default=False),
