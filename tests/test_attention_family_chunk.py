@@ -272,6 +272,7 @@ def test_dispatch_chooses_the_chunked_form_only_for_long_linearizable_calls_on_c
     cpu = torch.zeros(1)
     assert kernels.attention_family_chunked("auto", cpu, 10**6, "power2") is None  # CPU: the reference
     monkeypatch.setattr(kernels, "use_triton", lambda choice, x, covered=True: choice != "torch")
+    monkeypatch.setattr(kernels, "CHUNKED_MIN_TOKENS", {"power1": 2048, "power2": 8192})
     for similarity, threshold in kernels.CHUNKED_MIN_TOKENS.items():
         assert kernels.attention_family_chunked("auto", cpu, threshold, similarity) is chunk_attention
         assert kernels.attention_family_chunked("auto", cpu, threshold - 1, similarity) is None
@@ -328,7 +329,13 @@ def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(
 
 # ---------------------------------------------------------------- CUDA, compiled, bf16
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] in ("sum", "none", "count_power")], ids=str)
+POWER2_BF16_GRADIENTS = pytest.mark.xfail(strict=True, reason=(
+    "power2's gradient of q in bf16 misses the fp32 reference on an H100 (relative error 0.08-0.12): the chunked form "
+    "is not chosen by default until this passes (kernels.CHUNKED_MIN_TOKENS)"))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=POWER2_BF16_GRADIENTS) if c[0] == "power2" and c[2] else c
+                                  for c in CASES if c[1] in ("sum", "none", "count_power")], ids=str)
 @pytest.mark.parametrize("seq_len", [1000, 3001])
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

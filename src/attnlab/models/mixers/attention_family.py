@@ -12,8 +12,9 @@ of the study are presets (see `attention_presets.py`). A layer computes, per hea
     y       = norm(sigma(W_out x) * silu(W_z x) * (o + D v)), then sigma(W_out x) * y if gated after the norm
 
 The parallel form is the quadratic one (training, prefill); a linearizable variant (power1 or power2
-without a clamp) runs a chunked, linear-time form instead on long sequences on CUDA
-(`kernels.attention_family_chunked`: the quadratic form inside chunks, a fixed-size state across them).
+without a clamp) also has a chunked, linear-time form (`kernels/attention_family_chunk.py`: the quadratic
+form inside chunks, a fixed-size state across them), which `kernels.attention_family_chunked` chooses on
+CUDA from the lengths `kernels.CHUNKED_MIN_TOKENS` names (none yet: see there why).
 Decoding keeps, per layer, a recurrent state of fixed size where the variant is linearizable and a KV
 cache otherwise; the input convolution keeps its last inputs.
 """
