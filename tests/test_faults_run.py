@@ -587,3 +587,22 @@ def test_run_json_records_the_parameter_count_and_counts_every_segment_of_a_resu
     assert status["wall_s"] == pytest.approx(first["wall_s"] + status["segments"][1]["wall_s"], abs=0.02)
     assert status["wall_s"] > status["segment_wall_s"]
     assert "parameters" in capsys.readouterr().out
+
+
+# --- the built-in finetune: its style metric on few prompts, in one batch ------------------------------------
+
+
+def test_the_built_in_finetune_measures_its_style_metric_on_few_prompts_in_one_batch():
+    """The built-in finetune spent 8-9 minutes measuring each style metric on 2 CPU cores (40 prompts in two batches):
+    it now decodes 8 prompts per style, all in one batch."""
+    from attnlab.finetune.config import load_finetune_config
+    from attnlab.finetune.data import read_rows
+    from attnlab.finetune.presets import style_separation
+    from attnlab.finetune.run import metric_prompts
+    import inspect
+
+    cfg = load_finetune_config()
+    assert cfg.train.device == "cpu"
+    prompts = metric_prompts(cfg, read_rows(cfg.finetune.eval_prompts))
+    assert len(prompts) == 16 == 8 * len(cfg.finetune.control_tokens)
+    assert len(prompts) <= inspect.signature(style_separation).parameters["batch_size"].default  # one batch
