@@ -804,3 +804,17 @@ def test_consoles_off_a_terminal_are_wide_enough_not_to_wrap_log_lines(monkeypat
     assert max(len(row) for row in out.getvalue().splitlines()) > 80
     monkeypatch.setenv("COLUMNS", "100")
     assert make_console(file=io.StringIO()).width == 100  # the user's own width wins
+
+
+def test_generation_reports_each_prompt_as_it_finishes_not_only_each_batch(model_dir):
+    """One batch of the style metric ran for minutes with its progress at 0/16."""
+    from attnlab.generation import generate
+    from attnlab.loading import load
+
+    lm, tokenizer = load(model_dir, device="cpu")
+    calls = []
+    results = generate(lm, tokenizer, ["a", "bb", "ccc", "dddd"], {"max_new_tokens": 3, "batch_size": 8}, progress=calls.append)
+    assert calls == [1, 1, 1, 1] and len(results) == 4
+    calls.clear()
+    generate(lm, tokenizer, ["a", "bb", "ccc"], {"max_new_tokens": 3, "num_beams": 2, "batch_size": 2}, progress=calls.append)
+    assert calls == [2, 1]  # beam search: after each batch

@@ -140,7 +140,8 @@ def generate(
     prompts: one prompt or a list; a prompt is a string or a list of token ids.
     config: a GenerateConfig, a dict of its fields, or None; keyword `settings` override it.
     stream: called with each new piece of text (one prompt, one candidate only).
-    progress: called with the number of prompts finished after each batch.
+    progress: called with the number of prompts finished: one by one as they finish (greedy and sampling, one
+      row per step), or after each batch (beam search, static batches on CUDA).
     """
     cfg = resolve_config(config, **settings)
     single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
@@ -174,11 +175,11 @@ def generate(
                 outs = beam_search(runner, batch_prompts, cfg, eos, pad_id, stops)
             elif getattr(runner, "keeps_finished_rows", False) and not stops.stops and stream is None:
                 outs = _greedy_or_sample_on_device(runner, batch_prompts, cfg, eos, pad_id, stops, generator)
-            else:
-                outs = _greedy_or_sample(runner, batch_prompts, cfg, eos, pad_id, stops, generator, stream)
+            else:  # reports each prompt as it finishes: a long batch is not silent
+                outs = _greedy_or_sample(runner, batch_prompts, cfg, eos, pad_id, stops, generator, stream, progress)
             for i, candidates in zip(batch, outs):
                 results[i] = GenerationResult(prompt_list[i], candidates)
-            if progress is not None:
+            if progress is not None and not outs_reported(outs):
                 progress(len(batch))
     finally:
         model.train(was_training)
@@ -205,8 +206,16 @@ def _choose(logits: torch.Tensor, seen: torch.Tensor | None, step: int, cfg: Gen
     return scores.argmax(dim=-1)
 
 
+class _Reported(list):
+    """The candidates of a batch whose prompts were reported to `progress` one by one as they finished."""
+
+
+def outs_reported(outs) -> bool:
+    return isinstance(outs, _Reported)
+
+
 def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: GenerateConfig, eos: list[int], pad_id: int,
-                      stops: StopStrings, generator: torch.Generator, stream) -> list[list[Candidate]]:
+                      stops: StopStrings, generator: torch.Generator, stream, progress=None) -> list[list[Candidate]]:
     n = cfg.num_return_sequences
     rows = [p for p in prompts for _ in range(n)]  # each prompt n times, like HF's expansion
     input_ids, mask = left_pad(rows, pad_id, runner.device)
@@ -224,6 +233,13 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
     logprob = [0.0] * len(rows)
     active = list(range(len(rows)))  # original row of each batch row
     streamed = 0
+    left = [n] * len(prompts)  # rows of each prompt still being generated
+
+    def finish(row: int, candidate: Candidate) -> None:
+        finished[row] = candidate
+        left[row // n] -= 1
+        if progress is not None and left[row // n] == 0:
+            progress(1)
     for step in range(cfg.max_new_tokens):
         next_tokens = _choose(logits, None if seen is None else seen[active], step, cfg, eos_t, generator)
         if cfg.output_scores:
@@ -239,13 +255,13 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
                 logprob[row] += chosen[j]
             score = logprob[row] if cfg.output_scores else None
             if token in eos_set:
-                finished[row] = _finish(stops, generated[row], "eos", score)
+                finish(row, _finish(stops, generated[row], "eos", score))
                 continue
             generated[row].append(token)
             if stops.stops and stops.cut(stops.decode(generated[row])) is not None:
-                finished[row] = _finish(stops, generated[row], "stop", score)
+                finish(row, _finish(stops, generated[row], "stop", score))
             elif len(generated[row]) >= cfg.max_new_tokens:
-                finished[row] = _finish(stops, generated[row], "length", score)
+                finish(row, _finish(stops, generated[row], "length", score))
             else:
                 keep.append(j)
         if stream is not None:
@@ -260,7 +276,7 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
             next_tokens = next_tokens.index_select(0, keep_t)
             active = [active[j] for j in keep]
         logits = runner.step(next_tokens, state)
-    return [finished[i * n:(i + 1) * n] for i in range(len(prompts))]  # type: ignore[misc]
+    return _Reported(finished[i * n:(i + 1) * n] for i in range(len(prompts)))  # type: ignore[misc]
 
 
 SYNC_EVERY = 16  # steps between the host's looks at whether every row has finished
