@@ -10,39 +10,14 @@ writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
 import time
 
 import torch
 
-from attnlab.bench.timing import median_time, release
+from attnlab.bench.timing import host_python_calls, median_time, release
 from attnlab.bench.train import build, train_step
-
-
-def _host(fn, repeats=3):
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return round(statistics.median(times) * 1000, 2)
-
-
-def _python_top(fn, top=18):
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [[f"{name} ({'/'.join(f.split('/')[-2:])}:{line})"[:90], calls, round(own * 1000, 2)]
-            for (f, line, name), (_, calls, own, _, _) in rows]
 
 
 def _kernels(fn):
@@ -131,7 +106,7 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
             after()
         if before:
             before()
-        top = _python_top(fn) if part != "optimizer" else []
+        top = host_python_calls(fn, top=18) if part != "optimizer" else []
         if after:
             after()
         parts[part] = {"host_ms": host_ms, "gpu_ms": gpu_ms, "kernels": kernels, "python_top": top}

@@ -219,7 +219,7 @@ def test_the_loss_check_names_the_first_non_finite_step_and_waits_for_the_latest
         for value in losses:
             check.add(torch.tensor(value), step)
     assert check.check(all_steps=False) == (2, float("inf"))  # step 3, the latest, is left for later
-    assert [step for step, *_ in check.pending] == [3]
+    assert [step for step, _ in check.pending] == [3]
     step, value = check.check(all_steps=True)
     assert step == 3 and value != value
     assert check.pending == [] and check.check(all_steps=True) is None

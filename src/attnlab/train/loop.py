@@ -247,13 +247,33 @@ class AttnLabTrainer(Trainer):
         return super()._maybe_log_save_evaluate(*args, **kwargs)
 
 
+class HostCopy:
+    """A device tensor copied to the host without waiting for it: `read()` waits only if the copy (and the work
+    before it) has not finished, then gives the values as a list."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.copied = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = tensor
+
+    def read(self) -> list:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 class FiniteLossCheck:
     """Whether every micro-batch's loss was finite, step by step, without stopping the host to wait for the GPU:
     each step's verdict is one flag on the device, copied to pinned host memory as the step's work finishes and
     read when asked (`check`), by then usually already there."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []  # (step, losses, host copy, copied)
+        self.pending: list[tuple[int, HostCopy]] = []  # (step, its verdict on its way to the host)
         self.step: int | None = None
         self.losses: list[torch.Tensor] = []
 
@@ -268,15 +288,7 @@ class FiniteLossCheck:
         # the first non-finite loss of the step, else its first loss: one value to name in the error
         bad = ~torch.isfinite(losses)
         first = losses[bad.int().argmax()].float().reshape(1)
-        verdict = torch.cat([bad.any().float().reshape(1), first])
-        if verdict.is_cuda:
-            host = torch.empty(2, dtype=verdict.dtype, pin_memory=True)
-            host.copy_(verdict, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = verdict, None
-        self.pending.append((self.step, losses, host, copied))
+        self.pending.append((self.step, HostCopy(torch.cat([bad.any().float().reshape(1), first]))))
         self.step, self.losses = None, []
 
     def check(self, all_steps: bool) -> tuple[int, float] | None:
@@ -286,11 +298,10 @@ class FiniteLossCheck:
             self._close()
         ready = self.pending if all_steps else self.pending[:-1]
         self.pending = [] if all_steps else self.pending[-1:]
-        for step, _, host, copied in ready:
-            if copied is not None:
-                copied.synchronize()
-            if host[0].item():
-                return step, host[1].item()
+        for step, verdict in ready:
+            bad, value = verdict.read()
+            if bad:
+                return step, value
         return None
 
 
@@ -301,13 +312,6 @@ def _all_ranks(ok: bool, device) -> bool:
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-class _Done:
-    """An event that has already happened (the reduction of CPU processes' flags is synchronous)."""
-
-    def synchronize(self) -> None:
-        pass
 
 
 class StopOnSignal(TrainerCallback):
@@ -322,7 +326,7 @@ class StopOnSignal(TrainerCallback):
         self.signum: int | None = None
         self.stopped_at: int | None = None
         self._previous: dict = {}
-        self._reduced: tuple | None = None  # the ranks' flags reduced at the last step: (host copy, copied event)
+        self._reduced: HostCopy | None = None  # the ranks' flags reduced at the last step, on their way to the host
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -348,21 +352,10 @@ class StopOnSignal(TrainerCallback):
 
         if not (world_size() > 1 and dist.is_available() and dist.is_initialized()):
             return self.signum is not None
-        agreed = None
-        if self._reduced is not None:
-            host, copied = self._reduced
-            copied.synchronize()
-            agreed = int(host.item())
+        agreed = self._reduced.read()[0] if self._reduced is not None else 0
         flag = torch.tensor([0 if self.signum is None else self.signum], device=args.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.is_cuda:
-            host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = flag, _Done()
-        self._reduced = (host, copied)
+        self._reduced = HostCopy(flag)
         if agreed:
             self.signum = self.signum or agreed
             return True
