@@ -279,9 +279,9 @@ def test_a_training_step_that_cannot_be_captured_says_why(mixer, checkpointing, 
 
     model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, mixer=mixer))
     if checkpointing == "reentrant":
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     elif checkpointing == "capturable":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINT_KWARGS)
     blocker = graph_blocker(model, sharded=sharded)
     assert reason in blocker and (checkpointing != "capturable" or "checkpointing" not in blocker)
 
@@ -297,6 +297,62 @@ def test_flat_gradient_views_tile_one_buffer_per_dtype():
         v.fill_(1.0)
     assert all(f.eq(1).all() for f in flats)  # the views cover each buffer exactly, without overlap
 
+
+
+def test_gradient_buckets_follow_the_reverse_parameter_order_split_by_dtype_and_size():
+    from attnlab.train.graphs import bucket_layout, flat_views
+
+    params = [torch.randn(10), torch.randn(10), torch.randn(30), torch.randn(4, dtype=torch.float64), torch.randn(5), torch.randn(5)]
+    assert bucket_layout(params, 80) == [[5, 4], [3], [2], [1, 0]]  # 4-byte floats: 5 + 5 fit 80 bytes, 30 alone exceeds it
+    flats, views = flat_views(params, 80)
+    assert [f.numel() for f in flats] == [10, 4, 30, 20] and [v.shape for v in views] == [p.shape for p in params]
+    for v in views:
+        v.fill_(1.0)
+    assert all(f.eq(1).all() for f in flats)
+
+
+_BUCKETS_WORKER = """
+import sys, torch, torch.distributed as dist
+from attnlab.train.graphs import GradientBuckets
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+layers = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+unused = torch.nn.Parameter(torch.ones(2))
+params = [*layers.parameters(), unused]
+x = torch.randn(4, 6) * (rank + 1)
+buckets = GradientBuckets(params, bucket_bytes=64)
+assert len(buckets.layout) > 2
+for view in buckets.views:
+    view.fill_(7.0)  # a stale gradient from an earlier step is overwritten, never summed
+with buckets.reducing():
+    grads = torch.autograd.grad(layers(x).pow(2).sum(), params, allow_unused=True, materialize_grads=True)
+mean = [g.clone() for g in grads]
+for g in mean:
+    dist.all_reduce(g)
+    g.div_(dist.get_world_size())
+assert all(torch.allclose(v, g, atol=1e-6) for v, g in zip(buckets.views, mean)), [(v, g) for v, g in zip(buckets.views, mean)]
+assert buckets.views[-1].eq(0).all()
+assert not any(p._backward_hooks for p in params)  # the hooks are gone after the backward
+print("ok", rank)
+"""
+
+
+def test_gradient_buckets_average_over_two_gloo_processes_while_the_backward_runs(tmp_path):
+    """What the captured step under DDP does inside its backward graph, run eagerly on CPU."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(_BUCKETS_WORKER)
+    torchrun = shutil.which("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("ok")) == ["ok 0", "ok 1"]
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,20 +14,26 @@ gradient checkpointing only in its non-reentrant form without RNG bookkeeping (`
 the recomputation is then captured inside the backward graph). `graph_blocker` says why a run stays eager.
 
 Under DDP the captured step bypasses DDP's forward (whose hooks reduce gradients during an eager
-backward): the backward graph writes the gradients into one flat buffer per dtype, and once per
-optimizer step `CapturedLoss.all_reduce_grads` averages those buffers over the processes with one
-NCCL all-reduce each, as DDP would. FSDP gathers parameters inside the forward, so it stays eager.
+backward) and does what DDP's reducer does, with the collectives captured: the gradients land in
+buckets of about `BUCKET_BYTES` (flat buffers, the parameters in reverse order, as DDP buckets them),
+and a bucket is averaged over the processes by an asynchronous NCCL all-reduce as soon as the backward
+has written its last gradient, while the backward goes on (`GradientBuckets`; the buckets are launched
+in one fixed order on every process, so the collectives match). That applies where each optimizer step
+has one micro-batch; with gradient accumulation the micro-batches' gradients are summed in the same
+buckets and `CapturedLoss.all_reduce_grads` averages them once per optimizer step, after the last
+backward. FSDP gathers parameters inside the forward, so it stays eager.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
 
 from attnlab.generation.graphs import weights_fingerprint
 
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb=25)
 WARMUP_STEPS = 3  # forward and backward on a side stream before capture: fla's kernels autotune, the allocator settles
 # How attnlab models checkpoint blocks: non-reentrant (its recomputation runs inside the backward, so it is
 # captured with it, and DDP sees each gradient once); no RNG state saved and restored around the recomputation
@@ -48,7 +54,7 @@ def graph_blocker(model: nn.Module, sharded: bool = False) -> str | None:
         return f"mixer {', '.join(unsafe)} is not verified for capture"
     if any(m.collect_stats and not m.stats_graph_safe for m in mixers):
         return "a mixer records statistics during the forward (not verified for capture)"
-    if getattr(model, "is_gradient_checkpointing", False) and not _checkpoints_capturably(model):
+    if getattr(model, "is_activation_checkpointing", False) and not _checkpoints_capturably(model):
         return f"gradient checkpointing is not in its capturable form ({CHECKPOINT_KWARGS})"
     if sharded:
         return "FSDP gathers the sharded parameters inside the forward"
@@ -87,16 +93,97 @@ def _checkpoints_capturably(model: nn.Module) -> bool:
     return bool(funcs) and all(getattr(f, "keywords", {}) == CHECKPOINT_KWARGS for f in funcs)
 
 
-def flat_views(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One zeroed flat buffer per dtype and, in it, a tensor shaped like each parameter: (flats, views)."""
-    sizes: dict[torch.dtype, int] = {}
-    offsets = []
-    for p in params:
-        offsets.append(sizes.get(p.dtype, 0))
-        sizes[p.dtype] = offsets[-1] + p.numel()
-    flats = {dtype: torch.zeros(n, dtype=dtype, device=params[0].device) for dtype, n in sizes.items()}
-    views = [flats[p.dtype][o:o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
-    return list(flats.values()), views
+def bucket_layout(params: list[torch.Tensor], bucket_bytes: int | None) -> list[list[int]]:
+    """The parameters' indices grouped into buckets: one per dtype (bucket_bytes None), or, as DDP buckets
+    them, the parameters in reverse order (about the order the backward finishes their gradients) cut into
+    runs of one dtype and at most `bucket_bytes` (a parameter larger than that alone)."""
+    if bucket_bytes is None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        return list(by_dtype.values())
+    buckets: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if not buckets or params[buckets[-1][0]].dtype != p.dtype or (size + nbytes > bucket_bytes and size > 0):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def flat_views(params: list[torch.Tensor], bucket_bytes: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One zeroed flat buffer per bucket (`bucket_layout`) and, in them, a tensor shaped like each parameter,
+    in the parameters' order: (flats, views)."""
+    flats, views = [], [None] * len(params)
+    for bucket in bucket_layout(params, bucket_bytes):
+        flat = torch.zeros(sum(params[i].numel() for i in bucket), dtype=params[bucket[0]].dtype, device=params[0].device)
+        offset = 0
+        for i in bucket:
+            views[i] = flat[offset:offset + params[i].numel()].view_as(params[i])
+            offset += params[i].numel()
+        flats.append(flat)
+    return flats, views
+
+
+class GradientBuckets:
+    """Gradients averaged over the processes while the backward that makes them still runs, as DDP's
+    reducer does: `flats` (the buckets of `bucket_layout(params, bucket_bytes)`) and `views` (each
+    parameter's place in them). Inside `reducing()`, a hook on each parameter writes its gradient, divided
+    by the number of processes, into its view; once a bucket is complete, it and every complete bucket
+    after it in the fixed order (the same on every process, so the collectives match) are all-reduced
+    asynchronously; `reducing()` ends by launching what is left (a parameter without a gradient keeps
+    zeros) and making the current stream wait for every all-reduce. Inside a CUDA graph capture the
+    all-reduces are captured with the backward and overlap it on replay."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int):
+        self.params = params
+        self.layout = bucket_layout(params, bucket_bytes)
+        self.flats, self.views = flat_views(params, bucket_bytes)
+        self.bucket_of = {i: b for b, bucket in enumerate(self.layout) for i in bucket}
+
+    @contextmanager
+    def reducing(self):
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        missing = [len(bucket) for bucket in self.layout]
+        written = [False] * len(self.params)
+        works, launched = [], 0
+
+        def launch_ready():
+            nonlocal launched
+            while launched < len(self.layout) and missing[launched] == 0:
+                works.append(dist.all_reduce(self.flats[launched], async_op=True))
+                launched += 1
+
+        def hook(i):
+            def write(grad):
+                if written[i]:  # a leaf's hook fires once per backward, with its summed gradient
+                    raise RuntimeError(f"the gradient of parameter {i} arrived twice in one backward")
+                written[i] = True
+                torch.div(grad, world, out=self.views[i])
+                missing[self.bucket_of[i]] -= 1
+                launch_ready()
+                return grad
+            return write
+
+        handles = [p.register_hook(hook(i)) for i, p in enumerate(self.params)]
+        try:
+            yield self
+            for i, done in enumerate(written):
+                if not done:  # no gradient: zeros, as materialize_grads gives
+                    self.views[i].zero_()
+                    missing[self.bucket_of[i]] -= 1
+            launch_ready()
+            for work in works:
+                work.wait()
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 class _Replay(torch.autograd.Function):
@@ -119,14 +206,22 @@ class _Replay(torch.autograd.Function):
 class CapturedLoss:
     """sum over tokens of the cross-entropy of `model` on (input_ids, labels) of one shape, as two
     CUDA graphs. Call it with tensors of that shape; `matches` says whether a batch fits.
-    `flat`: the gradients land in flat buffers (`all_reduce_grads` reduces them over processes)."""
+    `flat`: the gradients land in flat buffers (`all_reduce_grads` reduces them over processes); `reduce`:
+    the backward graph itself averages them over the processes, bucket by bucket while it runs
+    (`GradientBuckets`), for steps of one micro-batch."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype: torch.dtype | None,
-                 flat: bool = False):
+                 flat: bool = False, reduce: bool = False):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # flat: the backward graph's gradients and, across micro-batches, their sums live in flat buffers
-        self.flats, self.flat_grads = flat_views(self.params) if flat else (None, None)
+        self.buckets = GradientBuckets(self.params, BUCKET_BYTES) if reduce else None
+        self.bucket_bytes = BUCKET_BYTES if reduce else None
+        if self.buckets is not None:
+            self.flats, self.flat_grads = self.buckets.flats, self.buckets.views
+        else:
+            self.flats, self.flat_grads = flat_views(self.params) if flat else (None, None)
+        self.reduced = False  # the gradients in .grad are the backward graph's, already averaged over the processes
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (flats, views), made on first accumulation
         self.fingerprint = weights_fingerprint(model)
         self.autocast_dtype = autocast_dtype
@@ -144,10 +239,12 @@ class CapturedLoss:
         self.static_loss = static_loss.detach()
         self.static_grad_loss = torch.empty_like(static_loss)
         with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=side, capture_error_mode="thread_local"):
-            self.static_grads = torch.autograd.grad(static_loss, self.params, grad_outputs=self.static_grad_loss,
-                                                    allow_unused=True, materialize_grads=True)
-            if self.flat_grads is not None:
+            with self.buckets.reducing() if self.buckets is not None else nullcontext():
+                self.static_grads = torch.autograd.grad(static_loss, self.params, grad_outputs=self.static_grad_loss,
+                                                        allow_unused=True, materialize_grads=True)
+            if self.buckets is None and self.flat_grads is not None:
                 torch._foreach_copy_(self.flat_grads, self.static_grads)
+            if self.flat_grads is not None:
                 self.static_grads = self.flat_grads
 
     def _loss(self) -> torch.Tensor:
@@ -171,7 +268,7 @@ class CapturedLoss:
         # the next backward rewrites the flat ones.
         if self.flats is not None and self._grads_are(self.flat_grads):  # summed across micro-batches, still flat
             if self.sums is None:
-                self.sums = flat_views(self.params)
+                self.sums = flat_views(self.params, self.bucket_bytes)
             for total, flat in zip(self.sums[0], self.flats):
                 total.copy_(flat)
             for p, view in zip(self.params, self.sums[1]):
@@ -190,6 +287,7 @@ class CapturedLoss:
         copies it out if it is still there (see `replay_forward`)."""
         self.static_grad_loss.copy_(grad_loss)
         self.backward_graph.replay()
+        self.reduced = False
         if self.sums is not None and self._grads_are(self.sums[1]):
             for total, flat in zip(self.sums[0], self.flats):
                 total.add_(flat)
@@ -199,6 +297,7 @@ class CapturedLoss:
                 p.grad = buffer
             else:
                 p.grad.add_(buffer)
+        self.reduced = self.buckets is not None and self._grads_are(self.flat_grads)
 
     def _grads_are(self, views: list[torch.Tensor]) -> bool:
         return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(self.params, views))
@@ -208,6 +307,8 @@ class CapturedLoss:
         all-reduce per flat buffer where they lie in one (every captured step), else one per gradient."""
         import torch.distributed as dist
 
+        if self.reduced:  # the backward graph averaged them (a sum of averages would be averaged again, harmlessly)
+            return
         if self.flats is not None and self._grads_are(self.flat_grads):
             tensors = self.flats
         elif self.sums is not None and self._grads_are(self.sums[1]):

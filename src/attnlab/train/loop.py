@@ -107,7 +107,10 @@ class AttnLabTrainer(Trainer):
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
             self.captured = None  # moved weights: the old graphs' memory goes first
             try:
-                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype, flat=world_size() > 1)
+                # one micro-batch a step: the backward graph averages the gradients over the processes as it runs
+                reduce = world_size() > 1 and self.args.gradient_accumulation_steps == 1
+                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype,
+                                             flat=world_size() > 1, reduce=reduce)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
                 blocker = f"capture failed ({str(err).splitlines()[0][:200]})"
                 torch.cuda.empty_cache()
@@ -629,8 +632,8 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
     console.print(f"model: {parameters:,} parameters ({parameters / 1e6:.2f} M)", highlight=False)
     if cfg.train.gradient_checkpointing:
         # attnlab models: the form that is captured with the step (train/graphs.py); HF models keep their RNG bookkeeping
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS if isinstance(model, AttnLabForCausalLM)
-                                            else {"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=CHECKPOINT_KWARGS if isinstance(model, AttnLabForCausalLM) else {"use_reentrant": False})
     if hasattr(model, "enable_health_stats"):
         model.enable_health_stats(True)
     tokenizer, data = report.tokenizer, report.data
