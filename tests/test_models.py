@@ -245,7 +245,6 @@ def test_under_autocast_a_branchs_input_projections_keep_one_shared_copy_of_thei
 
 
 @all_mixers
-@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
 def test_gradient_checkpointing_gives_same_loss_and_gradients(setup):
     tokens = random_tokens(2, 37)
 
@@ -258,7 +257,7 @@ def test_gradient_checkpointing_gives_same_loss_and_gradients(setup):
     loss_ref, grads_ref = loss_and_grads(plain)
 
     checkpointed = tiny_model(setup).train()
-    checkpointed.gradient_checkpointing_enable()
+    checkpointed.activation_checkpointing_enable()
     mixer_calls = []
     checkpointed.model.layers[0].attn.register_forward_hook(lambda *args: mixer_calls.append(1))
     loss, grads = loss_and_grads(checkpointed)

@@ -121,7 +121,7 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
     release(device)
     model = build(name, hidden, layers, heads, vocab).cuda().train()
     if grad_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")

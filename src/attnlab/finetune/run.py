@@ -98,7 +98,7 @@ def prepare(cfg: FinetuneConfig, console: Console | None = None):
         val = encode_rows(tokenizer, val_rows, cfg.data.max_len, cfg.data.chat_template, cfg.data.add_eos)
         console.print(val.summary("val data"), highlight=False)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     transformers.set_seed(cfg.train.seed)
