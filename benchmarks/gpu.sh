@@ -12,7 +12,7 @@
 # mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked),
 # chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536),
 # chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
-# fsdp (2 GPUs), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
+# fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
@@ -61,7 +61,7 @@ for stage in "$@"; do case $stage in
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
-  fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda tests/test_distributed.py ;;
+  fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda ${FSDP_K:+-k "$FSDP_K"} tests/test_distributed.py ;;
   scale|scale2) name=$stage; [ $stage = scale2 ] && { SCALE_MODELS=${SCALE2_MODELS:-$SCALE_MODELS}; SCALE_ARGS=${SCALE2_ARGS:-$SCALE_ARGS}; }
     run $name "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \
     ${SCALE_GPUS:+$(printf -- '--gpus %s ' $SCALE_GPUS)} ${SCALE_ARGS---no-ckpt} --out "$OUT/$name.json"
