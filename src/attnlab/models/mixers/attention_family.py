@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
-from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.mixers.softmax import (
     SoftmaxAttention,
     apply_rotary,

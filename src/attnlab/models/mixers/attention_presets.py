@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.models.mixers import register_preset
+from attnlab.models.mixers.registry import register_preset
 from attnlab.models.mixers.attention_family import AttentionFamily
 
 CLAMP = 5.0  # the first study clamps scale * q.k at 5 before exp

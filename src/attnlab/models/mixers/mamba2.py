@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from attnlab.models import kernels
 from attnlab.models.kernels.mamba2 import gated_norm_linear, grouped_gated_rms_norm, mamba2_core, ssd, use_fast_ssd
-from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.mamba2 import ssd_step
 

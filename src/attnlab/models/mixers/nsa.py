@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from attnlab.models import kernels
-from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from attnlab.models.ops.nsa import check_selection_counts, mean_pool_blocks, nsa_step
 

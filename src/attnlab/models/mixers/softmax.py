@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
-from attnlab.models.mixers import Mixer, register_mixer
+from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.modules import FusedProjections
 
 
