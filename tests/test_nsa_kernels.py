@@ -99,7 +99,7 @@ def test_nsa_kernels_cover_the_usual_sizes_and_the_mixer_warns_once_when_they_do
     assert "head dims" in nsa_gap(512, 64, 16)
     config = dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, mixer="nsa",
                   mixer_options={"block_size": 8, "block_counts": 4, "window_size": 6, "num_kv_heads": 2})
-    monkeypatch.setattr("attnlab.models.kernels.NSA_MAX_HEAD_DIM", 8)
+    monkeypatch.setattr("attnlab.models.kernels.limits.NSA_MAX_HEAD_DIM", 8)
     with pytest.warns(UserWarning, match="do not cover head dims above 8") as caught:
         AttnLabForCausalLM(AttnLabConfig(**config))
     assert len([w for w in caught if "nsa" in str(w.message)]) == 1, "one warning per model, not per layer"

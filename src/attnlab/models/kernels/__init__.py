@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from attnlab.models.kernels.limits import attention_family_gap, causal_conv1d_gap, nsa_gap, nsa_step_gap  # noqa: F401
+
 KERNEL_CHOICES = ("auto", "torch", "fla")
 
 
@@ -51,16 +53,6 @@ def use_triton(choice: str, x: torch.Tensor, covered: bool = True) -> bool:
             raise RuntimeError("model.kernels is 'fla' but triton is not installed (pip install 'attnlab[gpu]')")
         return False
     return True
-
-
-ATTENTION_FAMILY_MAX_HEAD_DIM = 256  # the tiled kernels hold a block of queries and keys with their head dims in registers
-
-
-def attention_family_gap(head_dim: int) -> str | None:
-    """None when attnlab's attention-family kernels cover a layer with this head dim, else what they do not cover."""
-    if head_dim > ATTENTION_FAMILY_MAX_HEAD_DIM:
-        return f"head dims above {ATTENTION_FAMILY_MAX_HEAD_DIM} (this model has {head_dim})"
-    return None
 
 
 def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
@@ -126,16 +118,6 @@ def attention_family_state_update_fn(choice: str, x: torch.Tensor):
     return linear_state_update
 
 
-CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: its backward unrolls one dweight sum per tap, up to 8
-
-
-def causal_conv1d_gap(kernel_size: int) -> str | None:
-    """None when attnlab's causal conv kernel covers this kernel size, else what it does not cover."""
-    if not 2 <= kernel_size <= CONV_MAX_KERNEL_SIZE:
-        return f"the conv kernel size {kernel_size} (it takes 2 to {CONV_MAX_KERNEL_SIZE})"
-    return None
-
-
 def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
     """attnlab's causal depthwise conv kernel (`kernels/conv.py`: x [B, T, C], weight [C, K], bias,
     initial_state [B, K-1, C], silu -> y, final_state) for this CUDA tensor, or None: the mixer runs
@@ -151,20 +133,6 @@ def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
     return causal_conv1d
 
 
-NSA_MAX_HEAD_DIM = 256  # the NSA kernels hold a tile of queries and keys with their head dims in registers
-NSA_MAX_BLOCK_SIZE = 256  # a selected block is one tile of keys
-NSA_MAX_GROUP = 128  # a selected-branch program holds the group's query heads as rows
-
-
-def nsa_gap(head_dim: int, block_size: int, groups: int) -> str | None:
-    """None when attnlab's NSA kernels cover a layer with these sizes, else what they do not cover."""
-    for name, value, most in (("head dims", head_dim, NSA_MAX_HEAD_DIM), ("block sizes", block_size, NSA_MAX_BLOCK_SIZE),
-                              ("query heads per kv head", groups, NSA_MAX_GROUP)):
-        if value > most:
-            return f"{name} above {most} (this model has {value})"
-    return None
-
-
 def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
     """NSA's training and prefill form for this call: attnlab's Triton kernels for CUDA tensors
     (memory linear in the sequence length), else the PyTorch reference. `covered`: whether the
@@ -176,20 +144,6 @@ def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
     from attnlab.models.kernels.nsa import parallel_nsa as fused
 
     return fused
-
-
-NSA_STEP_MAX_HEAD_DIM = 128  # kernels/nsa_step.py: the group's rows, a tile of keys and three fp32 outputs in registers
-NSA_STEP_MAX_BLOCK_SIZE = 64  # a selected block is one tile of keys
-NSA_STEP_MAX_GROUP = 64  # the group's query heads are the rows of every tile
-
-
-def nsa_step_gap(head_dim: int, block_size: int, groups: int) -> str | None:
-    """None when attnlab's NSA decoding-step kernel covers a layer with these sizes, else what it does not cover."""
-    for name, value, most in (("head dims", head_dim, NSA_STEP_MAX_HEAD_DIM), ("block sizes", block_size, NSA_STEP_MAX_BLOCK_SIZE),
-                              ("query heads per kv head", groups, NSA_STEP_MAX_GROUP)):
-        if value > most:
-            return f"{name} above {most} (this model has {value})"
-    return None
 
 
 def nsa_step_fn(choice: str, x: torch.Tensor, covered: bool = True):

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.models.kernels import nsa_step_gap
+from attnlab.models.kernels.limits import nsa_step_gap
 from attnlab.models.ops.nsa import check_selection_counts
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel works in base 2
