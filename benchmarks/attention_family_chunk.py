@@ -70,9 +70,13 @@ def main() -> None:
     parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
     parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at 1x32768 under each block choice of the "
                         "kernels that form power2's features in registers (PHI_ROWS, PHI_FIRST, PHI_WARPS)")
+    parser.add_argument("--profile", action="store_true", help="instead: the kernels of 2mamba's chunked mixing (forward + "
+                        "backward) at the first --shape, by GPU time (torch.profiler), and the chunked form's Python time")
     args = parser.parse_args()
     if args.sweep:
         return sweep(args)
+    if args.profile:
+        return profile(args)
     print(f"{'preset':22s} {'shape':>8s} {'tiled ms':>9s} {'GiB':>6s} " + " ".join(f"{'chunk ' + str(c):>14s}" for c in (64, 128, 256, 512))
           + f" {'best/tiled':>10s}")
     for preset in args.preset or PRESETS:
@@ -118,6 +122,28 @@ def main() -> None:
             ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
             print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}{variant}", flush=True)
             del leaves
+
+
+def profile(args) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    batch, seq_len = (int(x) for x in (args.shape or ["1x32768"])[0].split("x"))
+    options = MIXERS["2mamba"].resolve_options(None)
+    leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
+
+    def step():
+        out = chunk_module.chunk_attention(*leaves, similarity="power2", scale=args.head_dim**-0.5, denominator="sum",
+                                           intra_terms=tiled_terms, out_dtype=leaves[2].dtype)[0]
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"2mamba's chunked mixing at {batch}x{seq_len}, {args.heads} heads of {args.head_dim}: forward + backward")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def sweep(args) -> None:
