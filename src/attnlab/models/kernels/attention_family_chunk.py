@@ -27,8 +27,7 @@ are summed in fp32 and rounded to the inputs' dtype only as the operands of prod
 do. The states' own products (phi(k)^T [v, 1] and phi(q)^T dy) run on cuBLAS from power2's features formed
 once (`_features_kernel`); the products with the features on the left (phi(q) S, phi(k) dS) and the
 gradients of q and k through phi form the features in registers (`_phi_product_kernel`,
-`_phi_backward_kernel`; their operands stay fp32, multiplied as tf32: `PHI_OPERANDS`), so the backward writes no
-gradient of the features. Off CUDA (and for power1,
+`_phi_backward_kernel`), so the backward writes no gradient of the features. Off CUDA (and for power1,
 whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.
 """
@@ -213,10 +212,6 @@ PHI_WARPS = 4
 # False: those products on cuBLAS from the features formed in memory (`_features_kernel`) and the gradients through
 # `_features_backward_kernel`, as the benchmark compares (`benchmarks/attention_family_chunk.py`)
 FEATURES_IN_REGISTERS = True
-# The register kernels' operands for 16-bit inputs: "tf32" keeps the features, the state and dy in fp32 and multiplies
-# them as tf32 (10 mantissa bits against bf16's 7; half bf16's tensor-core rate); "bf16" rounds them to bf16 first.
-# power2's gradient of q with decay missed the fp32 reference with bf16 operands on an H100 (0.08-0.12).
-PHI_OPERANDS = "tf32"
 
 
 @triton.jit
@@ -312,11 +307,9 @@ def _phi_launch(x: torch.Tensor, s: torch.Tensor):
     batch, heads, chunks, chunk, d = x.shape
     width = s.shape[-1]
     grid = (triton.cdiv(chunk, PHI_ROWS), chunks, batch * heads)
-    sixteen = x.dtype != torch.float32
-    low = sixteen and PHI_OPERANDS == "bf16"
+    low = x.dtype != torch.float32
     upcast = low and _interpreting()
-    meta = dict(H=heads, L=chunks, D=d, V=width, LOW=low, UPCAST=upcast,
-                PRECISION="tf32" if sixteen and not _interpreting() else "ieee",
+    meta = dict(H=heads, L=chunks, D=d, V=width, LOW=low, UPCAST=upcast, PRECISION="tf32" if low and not upcast else "ieee",
                 BM=PHI_ROWS, BA=PHI_FIRST, num_warps=PHI_WARPS,
                 BD=max(16, triton.next_power_of_2(d)), BV=max(16, triton.next_power_of_2(width)))
     return grid, (chunk, *x.stride()[:4]), (s.stride(0), s.stride(1), s.stride(2), s.stride(3)), meta
@@ -505,7 +498,7 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     dg = None
     if gh is not None:  # d y / d g = y
         dg = (_phi_times(qh, starts, similarity, query=True) * dy).sum(-1)  # [B, H, n, C]
-    dq = _phi_grad(qh, dy, starts, similarity, query=True)
+    dq = _phi_grad(qh, dy_low, starts, similarity, query=True)
     del starts, dy
     phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
     d_starts = (phi_q.transpose(-1, -2) @ dy_low).float()  # [B, H, n, F, Dv']
