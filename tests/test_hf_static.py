@@ -16,8 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from attnlab.data import ByteTokenizer
 from attnlab.generation import engine, generate, hf_static, release_graphs
-from attnlab.generation.graphs import _RUNNERS, make_runner
+from attnlab.generation.graphs import make_runner
 from attnlab.generation.hf_static import BLOCK, HFStaticRunner, hf_static_runner, probe, static_cache_problem
+from attnlab.generation.runner import KEPT_RUNNERS
 
 pytestmark = pytest.mark.hf_interop  # CI runs these against the oldest transformers and peft it supports too
 
@@ -230,7 +231,7 @@ def test_a_model_the_static_path_does_not_cover_decodes_with_the_plain_runner_an
         warnings.simplefilter("error")  # said once per model
         assert type(hf_static_runner(model, capture=False)) is engine.ModelRunner
     release_graphs(model)
-    assert model not in _RUNNERS
+    assert model not in KEPT_RUNNERS
 
 
 def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_they_are():
@@ -249,7 +250,7 @@ def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_th
     try:
         del first, second, state
         release_graphs(model)
-        assert model not in _RUNNERS
+        assert model not in KEPT_RUNNERS
         assert kept() is None  # freed at once: no reference cycle keeps its buffers until a garbage collection
     finally:
         gc.enable()

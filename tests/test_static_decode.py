@@ -177,7 +177,8 @@ def test_generate_fuses_for_its_own_steps_only_and_skips_wrapped_projections():
 
 
 def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_they_are():
-    from attnlab.generation.graphs import _RUNNERS, cached_static_runner, release_graphs
+    from attnlab.generation.graphs import cached_static_runner
+    from attnlab.generation.runner import KEPT_RUNNERS, release_graphs
 
     model = model_for("gla")
     first = cached_static_runner(model, capture=False)
@@ -196,7 +197,7 @@ def test_the_static_runner_is_kept_between_calls_while_the_weights_stay_where_th
     model.double()  # new tensors: the old buffers (and any captured graph) no longer apply
     assert cached_static_runner(model, capture=False) is not first
     release_graphs(model)
-    assert model not in _RUNNERS
+    assert model not in KEPT_RUNNERS
 
 
 @pytest.mark.parametrize("compression", ["mean", "mlp"])

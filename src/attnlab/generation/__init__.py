@@ -2,7 +2,8 @@
 
 from attnlab.config import GenerateConfig
 
-from .engine import Candidate, GenerationResult, generate, generate_ids
-from .graphs import release_graphs
+from .engine import generate, generate_ids
+from .results import Candidate, GenerationResult
+from .runner import release_graphs
 
 __all__ = ["GenerateConfig", "Candidate", "GenerationResult", "generate", "generate_ids", "release_graphs"]

@@ -14,9 +14,9 @@ import torch
 
 from attnlab.config import GenerateConfig
 
-from .engine import SYNC_EVERY, Candidate, StopStrings, _finish
 from .processors import repetition_penalty
-from .runner import ModelRunner, left_pad
+from .results import Candidate, StopStrings, finish_candidate
+from .runner import SYNC_EVERY, ModelRunner, left_pad
 
 NEG = -1.0e9  # HF's "impossible" score
 
@@ -220,7 +220,7 @@ def _results(stops: StopStrings, seqs: torch.Tensor, lens: torch.Tensor, scores:
     for seq, length, score in zip(seqs[:n].tolist(), lens[:n].tolist(), scores[:n].tolist()):
         tokens = seq[:length]
         if tokens and tokens[-1] in eos:
-            out.append(_finish(stops, tokens[:-1], "eos", score))
+            out.append(finish_candidate(stops, tokens[:-1], "eos", score))
         else:
-            out.append(_finish(stops, tokens, "length", score))
+            out.append(finish_candidate(stops, tokens, "length", score))
     return out

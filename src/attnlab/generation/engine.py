@@ -8,8 +8,7 @@ tests hold it to HF token for token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -17,45 +16,10 @@ from attnlab.config import GenerateConfig
 from attnlab.config.loader import validate_section
 from attnlab.errors import ConfigError, DataError
 
-from .processors import repetition_penalty, suppress_eos, warp_for_sampling
 from .graphs import make_runner
-from .runner import ModelRunner, left_pad
-
-FinishReason = Literal["eos", "stop", "length"]
-
-
-@dataclass
-class Candidate:
-    """One generated continuation (the prompt is never included)."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    score: float | None = None  # beam search: length-normalised log-prob; otherwise sum of log-probs (output_scores)
-
-
-@dataclass
-class GenerationResult:
-    """What one prompt produced: its candidates, best first."""
-
-    prompt: str | list[int]
-    candidates: list[Candidate] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return self.candidates[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.candidates[0].token_ids
-
-    @property
-    def finish_reason(self) -> FinishReason:
-        return self.candidates[0].finish_reason
-
-    @property
-    def score(self) -> float | None:
-        return self.candidates[0].score
+from .processors import repetition_penalty, suppress_eos, warp_for_sampling
+from .results import Candidate, GenerationResult, StopStrings, finish_candidate
+from .runner import SYNC_EVERY, ModelRunner, left_pad
 
 
 def resolve_config(config: GenerateConfig | dict[str, Any] | None, **overrides) -> GenerateConfig:
@@ -79,29 +43,6 @@ def eos_ids_for(model, tokenizer, config: GenerateConfig) -> list[int]:
             if i not in found:
                 found.append(i)
     return found
-
-
-class StopStrings:
-    """Finds the first stop string in the decoded continuation, wherever token boundaries fall."""
-
-    def __init__(self, tokenizer, stops: Sequence[str]):
-        self.tokenizer, self.stops = tokenizer, list(stops)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def cut(self, text: str) -> int | None:
-        """Index where the text ends (the start of the earliest stop string), or None."""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-
-def _finish(stops: StopStrings, token_ids: list[int], reason: FinishReason, score: float | None) -> Candidate:
-    text = stops.decode(token_ids)
-    cut = stops.cut(text) if stops.stops else None
-    if cut is not None:
-        text, reason = text[:cut], "stop"
-    return Candidate(text, token_ids, reason, score)
 
 
 def check_prompt_lengths(model, encoded: Sequence[Sequence[int]]) -> None:
@@ -255,13 +196,13 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
                 logprob[row] += chosen[j]
             score = logprob[row] if cfg.output_scores else None
             if token in eos_set:
-                finish(row, _finish(stops, generated[row], "eos", score))
+                finish(row, finish_candidate(stops, generated[row], "eos", score))
                 continue
             generated[row].append(token)
             if stops.stops and stops.cut(stops.decode(generated[row])) is not None:
-                finish(row, _finish(stops, generated[row], "stop", score))
+                finish(row, finish_candidate(stops, generated[row], "stop", score))
             elif len(generated[row]) >= cfg.max_new_tokens:
-                finish(row, _finish(stops, generated[row], "length", score))
+                finish(row, finish_candidate(stops, generated[row], "length", score))
             else:
                 keep.append(j)
         if stream is not None:
@@ -279,7 +220,6 @@ def _greedy_or_sample(runner: ModelRunner, prompts: list[list[int]], cfg: Genera
     return _Reported(finished[i * n:(i + 1) * n] for i in range(len(prompts)))  # type: ignore[misc]
 
 
-SYNC_EVERY = 16  # steps between the host's looks at whether every row has finished
 FUSED_GREEDY = True  # on CUDA, a greedy step's argmax and bookkeeping as one kernel (greedy_kernel.py)
 
 
@@ -343,7 +283,7 @@ def _greedy_or_sample_on_device(runner: ModelRunner, prompts: list[list[int]], c
         logits = runner.step(next_tokens, state)
     tokens, lengths_h, eos_h = out.tolist(), lengths.tolist(), ended_by_eos.tolist()
     scores_h = logprob.tolist() if cfg.output_scores else [None] * R
-    finished = [_finish(stops, tokens[r][:lengths_h[r]], "eos" if eos_h[r] else "length", scores_h[r]) for r in range(R)]
+    finished = [finish_candidate(stops, tokens[r][:lengths_h[r]], "eos" if eos_h[r] else "length", scores_h[r]) for r in range(R)]
     return [finished[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 

@@ -17,7 +17,6 @@ GPU tests hold the captured graph to the eager engine token for token.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Any
 
@@ -25,8 +24,9 @@ import torch
 
 from attnlab.models.cache import AttnLabCache
 from attnlab.models.modules import fused_projections
+from attnlab.models.weights import weights_fingerprint
 
-from .runner import DecodeState, ModelRunner
+from .runner import KEPT_RUNNERS, DecodeState, ModelRunner
 
 GRAPH_CHOICES = ("auto", "off")
 CAPACITY_STEP = 256  # KV buffers are sized up to a multiple of this, so one capture serves prompts of similar lengths
@@ -220,15 +220,6 @@ class StaticRunner(ModelRunner):
             state.cache = self._static(current.gather(rows), prefix=current.prefix)
 
 
-_RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, StaticRunner]]" = weakref.WeakKeyDictionary()
-
-
-def weights_fingerprint(model) -> tuple:
-    """Where every weight and buffer lives: a captured graph reads those addresses, so any change
-    (a move, a cast, a reload that replaces tensors, an adapter added) calls for a new capture."""
-    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in itertools.chain(model.parameters(), model.buffers()))
-
-
 def cached_static_runner(model, capture: bool) -> StaticRunner:
     """The model's static runner, kept between `generate` calls so that its graphs are captured once
     (capture runs the step eagerly three times: 126 ms measured for a 374M-parameter, 24-layer
@@ -236,18 +227,13 @@ def cached_static_runner(model, capture: bool) -> StaticRunner:
     projection weights are refreshed on every call, so in-place weight updates are always seen.
     `release_graphs(model)` frees it (its graph memory, state buffers and fused weights)."""
     key = weights_fingerprint(model)
-    entry = _RUNNERS.get(model)
+    entry = KEPT_RUNNERS.get(model)
     if entry is not None and entry[0] == key and entry[1].capture == capture:
         entry[1].refresh_fused()
         return entry[1]
     runner = StaticRunner(model, capture=capture)
-    _RUNNERS[model] = (key, runner)
+    KEPT_RUNNERS[model] = (key, runner)
     return runner
-
-
-def release_graphs(model) -> None:
-    """Free the CUDA graphs and decode buffers that `generate` keeps for `model` between calls."""
-    _RUNNERS.pop(model, None)
 
 
 def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:

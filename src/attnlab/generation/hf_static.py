@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from attnlab.models.hf_names import CACHE_KEY
+from attnlab.models.weights import weights_fingerprint
 
-from .runner import DecodeState, ModelRunner
+from .runner import KEPT_RUNNERS, DecodeState, ModelRunner
 
 BLOCK = 256  # cache lengths are multiples of this
 MASKS = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take our 4D mask, and its kind
@@ -308,10 +309,8 @@ def hf_static_runner(model, capture: bool) -> ModelRunner:
     """The static runner for a HF causal LM, kept between `generate` calls (beside the attnlab models'
     static runners, so that `release_graphs(model)` frees it too) while every weight stays where it was;
     the plain `ModelRunner` for a model it does not cover, with one warning per model."""
-    from . import graphs
-
-    key = graphs.weights_fingerprint(model)
-    entry = graphs._RUNNERS.get(model)
+    key = weights_fingerprint(model)
+    entry = KEPT_RUNNERS.get(model)
     if entry is not None and entry[0] == key:
         runner = entry[1]
         if isinstance(runner, HFStaticRunner) and runner.capture == capture:
@@ -322,8 +321,8 @@ def hf_static_runner(model, capture: bool) -> ModelRunner:
     if problem is not None:
         warnings.warn(f"{type(model).__name__} decodes without a static cache or CUDA graphs, one forward per token: {problem}",
                       stacklevel=3)
-        graphs._RUNNERS[model] = (key, None)
+        KEPT_RUNNERS[model] = (key, None)
         return ModelRunner(model)
     runner = HFStaticRunner(model, capture=capture)
-    graphs._RUNNERS[model] = (key, runner)
+    KEPT_RUNNERS[model] = (key, runner)
     return runner

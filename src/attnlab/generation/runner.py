@@ -9,6 +9,7 @@ the last position only, and takes the last position itself when a model returns 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,18 @@ import torch
 from attnlab.models.hf_names import CACHE_KEY, cache_of
 from attnlab.models.modeling import AttnLabPreTrainedModel
 from attnlab.models.modules import fuse_projections, fused_projections
+
+SYNC_EVERY = 16  # steps between the host's looks at whether every row has finished
+
+# The static runners `make_runner` keeps between `generate` calls, per model (graphs.py for attnlab models,
+# hf_static.py for HF causal LMs; None: a model refused before), each with the weights' fingerprint it was
+# built for (attnlab.models.weights): (fingerprint, runner).
+KEPT_RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, ModelRunner | None]]" = weakref.WeakKeyDictionary()
+
+
+def release_graphs(model) -> None:
+    """Free the CUDA graphs and decode buffers that `generate` keeps for `model` between calls."""
+    KEPT_RUNNERS.pop(model, None)
 
 
 @dataclass

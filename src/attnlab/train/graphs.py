@@ -31,7 +31,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn as nn
 
-from attnlab.generation.graphs import weights_fingerprint
+from attnlab.models.weights import weights_fingerprint
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb=25)
 WARMUP_STEPS = 3  # forward and backward on a side stream before capture: fla's kernels autotune, the allocator settles

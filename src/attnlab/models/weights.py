@@ -1,0 +1,12 @@
+"""Where a model's weights live: what a captured CUDA graph reads, decoding's (attnlab.generation.graphs)
+and the training step's (attnlab.train.graphs) alike."""
+
+from __future__ import annotations
+
+import itertools
+
+
+def weights_fingerprint(model) -> tuple:
+    """Where every weight and buffer lives: a captured graph reads those addresses, so any change
+    (a move, a cast, a reload that replaces tensors, an adapter added) calls for a new capture."""
+    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in itertools.chain(model.parameters(), model.buffers()))
