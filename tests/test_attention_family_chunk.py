@@ -251,6 +251,32 @@ def test_products_with_features_in_registers_match_pytorch_through_the_interpret
     assert rel_err(chunked.phi_backward(x, dy, states, query), expected) <= tol
 
 
+@pytest.mark.parametrize("decayed", [False, True], ids=["plain", "decayed-rows"])
+@pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_products_with_features_in_registers_match_pytorch_on_cuda(query, decayed):
+    """The compiled register-feature kernels at the model's sizes (heads of 64, chunks of 512, two chunks of a
+    strided view, bf16), with dy's rows scaled as a decay scales them, against the features formed in memory
+    in fp32: what the chunked path's gradient of q and k rests on."""
+    from attnlab.models.kernels import attention_family_chunk as chunked
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batch, heads, chunks, chunk, d, width = 2, 4, 2, 512, 64, 72
+    x = (torch.randn(batch, chunks, chunk, heads, d, device="cuda", generator=g) * 0.5).to(torch.bfloat16).permute(0, 3, 1, 2, 4)
+    features = d * (d + 1) // 2
+    states = torch.randn(batch, heads, chunks, features, width, device="cuda", generator=g) * 0.05
+    dy = torch.randn(batch, heads, chunks, chunk, width, device="cuda", generator=g)
+    if decayed:
+        log_decay = -torch.nn.functional.softplus(torch.randn(batch, heads, chunks, chunk, device="cuda", generator=g))
+        dy = dy * torch.exp(log_decay.cumsum(-1))[..., None]
+    cpu = [t.float().cpu() for t in (x, states, dy)]  # the expected values from PyTorch's features, on the CPU
+    phi = chunked.power2_features(cpu[0], query)
+    assert rel_err(chunked.phi_product(x, states, query).cpu(), phi @ cpu[1]) <= 2e-2
+    expected = chunked.power2_features_backward(cpu[0], cpu[2] @ cpu[1].transpose(-1, -2), query)
+    assert rel_err(chunked.phi_backward(x, dy, states, query).cpu(), expected) <= 2e-2
+
+
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "none", True), ("power2", "count", False)], ids=str)
 def test_chunks_on_the_triton_kernels_match_the_reference_through_the_interpreter(case, monkeypatch):
     """CUDA's path through Triton's interpreter on CPU: the chunks' quadratic part on attnlab's tiled kernels,
