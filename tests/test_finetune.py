@@ -276,7 +276,7 @@ def test_finetune_cli_writes_the_run_artifacts_and_the_report(attnlab_dir, tmp_p
 
 
 def test_generation_presets_follow_the_control_token_in_the_prompt():
-    from attnlab.finetune.presets import settings_for_prompt
+    from attnlab.config.presets import settings_for_prompt
 
     presets = {"default": {"max_new_tokens": 50}, "<T>": {"max_new_tokens": 20}, "<V>": {"min_new_tokens": 30, "max_new_tokens": 100}}
     assert settings_for_prompt("<T> hi", presets).max_new_tokens == 20

@@ -279,7 +279,7 @@ def generate(
     presets = getattr(lm, "attnlab_generation_presets", None) or {}  # per-control-token settings of a fine-tuned adapter
     chat = chat or bool(getattr(lm, "attnlab_chat_template", False))
     if presets:
-        from attnlab.finetune.presets import settings_for_prompt
+        from attnlab.config.presets import settings_for_prompt
 
         cfg = settings_for_prompt(rows[0]["prompt"], presets, settings) if len(rows) == 1 else cfg
     prompts = [_chat_ids(tokenizer, r["prompt"]) if chat else r["prompt"] for r in rows]

@@ -56,7 +56,7 @@ def generation_config(task: Task, settings: GenerateConfig | dict[str, Any] | No
 def _generate_with_presets(model, tokenizer, task, examples, prompts, presets, generation, progress):
     """Prompts carrying a control token decode with that token's preset: task defaults, then the
     adapter's 'default' and token presets, then the settings given explicitly."""
-    from attnlab.finetune.presets import token_in
+    from attnlab.config.presets import token_in
     from attnlab.generation import generate
 
     explicit = ({k: getattr(generation, k) for k in generation.model_fields_set} if isinstance(generation, GenerateConfig)

@@ -1,8 +1,10 @@
 """Fine-tuning: LoRA / DoRA / QLoRA through peft, exact prompt–completion label masks,
 control tokens trained as their own embedding rows, adapter directories that reload in one call."""
 
+from attnlab.config.presets import settings_for_prompt
+
 from .config import FinetuneConfig, load_finetune_config
-from .presets import generate_with_presets, settings_for_prompt, style_separation
+from .presets import generate_with_presets, style_separation
 
 _ADAPTER = ("is_adapter_dir", "load_adapter", "merge_adapter", "save_adapter")
 

@@ -1,4 +1,4 @@
-"""Generation presets per control token, and the style-separation metric.
+"""Generation with the presets per control token (attnlab.config.presets), and the style-separation metric.
 
 A prompt that carries a control token is decoded with that token's preset (for example
 TERSE: max_new_tokens 20; VERBOSE: min_new_tokens 30, max_new_tokens 100), under any
@@ -14,22 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnlab.config import GenerateConfig
-
-
-def token_in(prompt: str, presets: dict[str, dict[str, Any]]) -> str | None:
-    """The control token (with a preset) that occurs first in `prompt`, or None."""
-    hits = [(prompt.find(t), t) for t in presets if t != "default" and t in prompt]
-    return min(hits)[1] if hits else None
-
-
-def settings_for_prompt(prompt: str, presets: dict[str, dict[str, Any]], explicit: dict[str, Any] | None = None) -> GenerateConfig:
-    """Decoding settings for `prompt`: the 'default' preset, then its control token's preset, then `explicit`."""
-    merged: dict[str, Any] = dict(presets.get("default", {}))
-    token = token_in(prompt, presets)
-    if token is not None:
-        merged.update(presets[token])
-    merged.update(explicit or {})
-    return GenerateConfig.model_validate(merged)
+from attnlab.config.presets import settings_for_prompt, token_in
 
 
 def generate_with_presets(model, tokenizer, prompts: list[str], presets: dict[str, dict[str, Any]],

@@ -125,7 +125,7 @@ def eval_prompts(rows: list[dict]) -> list[str]:
 
 def metric_prompts(cfg: FinetuneConfig, rows: list[dict]) -> list[str]:
     """The held-out prompts of the style metric: the first finetune.eval_max_prompts of each control token."""
-    from .presets import token_in
+    from attnlab.config.presets import token_in
 
     tokens = cfg.finetune.control_tokens
     taken: dict[str, int] = {t: 0 for t in tokens}
