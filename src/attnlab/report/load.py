@@ -195,11 +195,43 @@ def unreadable(path: Path, name: str, reason: str) -> RunRecord:
     return RunRecord(name, path, {}, {}, error=reason)
 
 
+def read_niah(directory: Path) -> dict[str, Any] | None:
+    from attnlab.eval.niah import read_niah as read
+
+    return read(directory)
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return sorted(c for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return []
+
+
+def _in_run(run: Path) -> list[Path]:
+    return [d for d in _subdirs(run) + _subdirs(run / "eval") if read_niah(d) is not None]
+
+
+def niah_dirs_in(path: Path) -> list[Path]:
+    """The needle-in-a-haystack eval directories `path` stands for: itself; else those of a run (RUN/<dir>/,
+    RUN/eval/<dir>/); else its children that are such directories, and those of the runs among them."""
+    path = Path(path)
+    if read_niah(path) is not None:
+        return [path]
+    if (path / "config.yaml").is_file():
+        return _in_run(path)
+    found = []
+    for child in _subdirs(path):
+        if read_niah(child) is not None:
+            found.append(child)
+        elif (child / "config.yaml").is_file():
+            found += _in_run(child)
+    return found
+
+
 def find_runs(paths: list[Path]) -> list[Path]:
     """Run directories among `paths`; a directory that holds runs (a sweep's output) stands for all of them.
     Needle-in-a-haystack eval directories are not runs: report/recall.py finds them."""
-    from .recall import niah_dirs_in
-
     found: list[Path] = []
     for p in paths:
         p = Path(p)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .load import RunRecord, _section
+from .load import RunRecord, _section, niah_dirs_in, read_niah
 
 
 @dataclass
@@ -29,40 +29,6 @@ class NiahRecord:
     @property
     def accuracy(self) -> float | None:
         return self.payload["metrics"].get("accuracy")
-
-
-def read_niah(directory: Path) -> dict[str, Any] | None:
-    from attnlab.eval.niah import read_niah as read
-
-    return read(directory)
-
-
-def _subdirs(path: Path) -> list[Path]:
-    try:
-        return sorted(c for c in path.iterdir() if c.is_dir())
-    except OSError:
-        return []
-
-
-def _in_run(run: Path) -> list[Path]:
-    return [d for d in _subdirs(run) + _subdirs(run / "eval") if read_niah(d) is not None]
-
-
-def niah_dirs_in(path: Path) -> list[Path]:
-    """The needle-in-a-haystack eval directories `path` stands for: itself; else those of a run (RUN/<dir>/,
-    RUN/eval/<dir>/); else its children that are such directories, and those of the runs among them."""
-    path = Path(path)
-    if read_niah(path) is not None:
-        return [path]
-    if (path / "config.yaml").is_file():
-        return _in_run(path)
-    found = []
-    for child in _subdirs(path):
-        if read_niah(child) is not None:
-            found.append(child)
-        elif (child / "config.yaml").is_file():
-            found += _in_run(child)
-    return found
 
 
 def find_niah(paths: list[Path]) -> list[NiahRecord]:
@@ -151,10 +117,10 @@ def mqar_series(runs: list[RunRecord]) -> dict[str, list[tuple[int, float]]]:
 def mqar_figure(series: dict[str, list[tuple[int, float]]]):
     import matplotlib.pyplot as plt
 
-    from .render import _styles
+    from .style import run_styles
 
     fig, ax = plt.subplots(figsize=(7.0, 4.2), layout="constrained")
-    for (label, points), style in zip(sorted(series.items()), _styles(len(series))):
+    for (label, points), style in zip(sorted(series.items()), run_styles(len(series))):
         ax.plot(*zip(*points), **style, markersize=5, label=label)
     lengths = sorted({n for pts in series.values() for n, _ in pts})
     ax.set_xscale("log", base=2)

@@ -17,11 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
 
 from .load import RunRecord, config_differences  # noqa: E402
-
-# Runs whose curves coincide (two seeds that agree, a rerun) stay apart: each run has its own
-# colour, line style and marker, so that one line drawn over another still shows both.
-LINE_STYLES = ["-", "--", ":", "-."]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+from .style import run_colors, run_styles  # noqa: E402
 
 
 def _fig_png(fig) -> bytes:
@@ -29,17 +25,6 @@ def _fig_png(fig) -> bytes:
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
-
-
-def _colors(n: int):
-    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
-    return [cmap(i % cmap.N) for i in range(n)]
-
-
-def _styles(n: int) -> list[dict]:
-    """Colour, line style and marker of each of `n` runs: no two runs share all three."""
-    return [dict(color=c, linestyle=LINE_STYLES[i % len(LINE_STYLES)], marker=MARKERS[i % len(MARKERS)])
-            for i, c in enumerate(_colors(n))]
 
 
 def _spaced_ticks(ax, engineering: bool = False) -> None:
@@ -64,7 +49,7 @@ def _legend(fig, ax, n: int) -> None:
 
 def loss_figure(runs: list[RunRecord]):
     fig, ax = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
-    for run, style in zip(runs, _styles(len(runs))):
+    for run, style in zip(runs, run_styles(len(runs))):
         if run.train:
             ax.plot([r["step"] for r in run.train], [r["loss"] for r in run.train], color=style["color"],
                     linestyle=style["linestyle"], alpha=0.55, linewidth=1.2, zorder=1)
@@ -93,7 +78,7 @@ def bpb_figure(runs: list[RunRecord]):
     xs = (("step", lambda r, run: r["step"]), ("tokens", lambda r, run: r["step"] * run.tokens_per_step),
           ("wall time (s)", lambda r, run: r.get("elapsed_s") or 0.0))
     for ax, (label, fx) in zip(axes, xs):
-        for run, style in zip(runs, _styles(len(runs))):
+        for run, style in zip(runs, run_styles(len(runs))):
             pts = [(fx(r, run), r["val_bpb"]) for r in run.val if r.get("val_bpb") is not None]
             if pts:
                 ax.plot(*zip(*pts), **style, markersize=4, markerfacecolor="none", label=run.name)
@@ -114,7 +99,7 @@ def bpb_plots(runs: list[RunRecord]) -> bytes:
 def throughput_figure(runs: list[RunRecord]):
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, max(2.5, 0.35 * len(runs) + 1.2)), layout="constrained")
     names = [r.name for r in runs]
-    colors = _colors(len(runs))
+    colors = run_colors(len(runs))
     a1.barh(names, [r.tokens_per_s or 0 for r in runs], color=colors)
     a1.set_xlabel("training tokens/s (median)")
     gpu = [r.peak("gpu_mem_reserved_mib") for r in runs]
