@@ -374,7 +374,7 @@ class FakeLogger:
 def test_eval_section_rejects_unknown_keys_tasks_and_best_metrics():
     from pydantic import ValidationError
 
-    from attnlab.eval.config import EvalSection
+    from attnlab.config.schema import EvalSection
 
     with pytest.raises(ValidationError):
         EvalSection(tasks=[{"task": "spider"}], evry=10)
@@ -386,9 +386,16 @@ def test_eval_section_rejects_unknown_keys_tasks_and_best_metrics():
         EvalSection(tasks=[{"task": "dart"}], best_metric="spider/execution_accuracy")
 
 
+def test_every_generation_task_a_config_can_name_is_implemented():
+    from attnlab.config.tasks import GENERATION_TASK_NAMES
+    from attnlab.eval.tasks import GENERATION_TASKS
+
+    assert tuple(GENERATION_TASKS) == GENERATION_TASK_NAMES
+
+
 def test_eval_callback_runs_every_n_steps_logs_and_records_the_best(tiny_model_dir, tmp_path):
     from attnlab.eval.callback import EvalDuringTraining
-    from attnlab.eval.config import EvalSection
+    from attnlab.config.schema import EvalSection
     from attnlab.loading import load
 
     model, tokenizer = load(tiny_model_dir, device="cpu")
@@ -417,7 +424,7 @@ def test_eval_callback_works_inside_a_short_trainer_run(tiny_model_dir, tmp_path
 
     from attnlab.data import BlockDataset
     from attnlab.eval.callback import EvalDuringTraining
-    from attnlab.eval.config import EvalSection
+    from attnlab.config.schema import EvalSection
     from attnlab.loading import load
 
     model, tokenizer = load(tiny_model_dir, device="cpu")
@@ -434,7 +441,7 @@ def test_eval_callback_works_inside_a_short_trainer_run(tiny_model_dir, tmp_path
 
 def test_callback_fails_before_training_when_task_data_is_missing(tiny_model, tmp_path):
     from attnlab.eval.callback import EvalDuringTraining
-    from attnlab.eval.config import EvalSection
+    from attnlab.config.schema import EvalSection
 
     with pytest.raises(AttnLabError, match="not found"):
         EvalDuringTraining(EvalSection(tasks=[{"task": "dart", "data": str(tmp_path / "missing.json")}]), tiny_model[1], FakeLogger(tmp_path))

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from attnlab.config.schema import EvalSection
 from attnlab.generation import release_graphs
 from attnlab.outputs import open_for_append, replace_file
 
-from .config import EvalSection
 from .runner import EvalResult, evaluate, evaluate_perplexity, resolve_data
 from .tasks import get_task
 

@@ -14,9 +14,8 @@ import yaml
 from pydantic import Field, model_validator
 
 from attnlab.config.loader import _format_validation_error, _read_yaml, apply_overrides
-from attnlab.config.schema import GenerateConfig, Section, TrainSection
+from attnlab.config.schema import EvalSection, GenerateConfig, Section, TrainSection
 from attnlab.errors import ConfigError
-from attnlab.eval.config import EvalSection
 from attnlab.outputs import replace_file
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from attnlab.config.tasks import GENERATION_TASK_NAMES, TASK_NAMES, task_name  # noqa: F401  (the names configs use)
 from attnlab.errors import ConfigError
 
 from .base import Example, Task
@@ -11,21 +12,10 @@ from .dart import DartTask
 from .samsum import SamsumTask
 from .spider import SpiderTask
 
-GENERATION_TASKS: dict[str, type[Task]] = {"spider": SpiderTask, "dart": DartTask, "samsum": SamsumTask}
-ALIASES = {"text-to-sql": "spider", "sql": "spider", "data-to-text": "dart", "summarization": "samsum",
-           "summarisation": "samsum", "ppl": "perplexity", "bpb": "perplexity"}
-TASK_NAMES = (*GENERATION_TASKS, "perplexity", "mqar")  # mqar: during training on data.source=mqar only
+GENERATION_TASKS: dict[str, type[Task]] = {"spider": SpiderTask, "dart": DartTask, "samsum": SamsumTask}  # one per GENERATION_TASK_NAMES
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 BUNDLED = {"spider": FIXTURES / "spider", "dart": FIXTURES / "dart", "samsum": FIXTURES / "samsum",
            "perplexity": FIXTURES / "perplexity.txt"}
-
-
-def task_name(name: str) -> str:
-    """The canonical name of a task, or a ConfigError listing the valid ones."""
-    key = ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key not in TASK_NAMES:
-        raise ConfigError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
-    return key
 
 
 def get_task(name: str, template: str | None = None) -> Task:
