@@ -284,9 +284,9 @@ def test_cli_holds_out_validation_by_default_as_train_does(tmp_path):
 
 
 def test_cli_reports_progress_as_lines_when_stdout_is_not_a_terminal(tmp_path, capsys, monkeypatch):
-    from attnlab.data import cli as data_cli
+    from attnlab.data import progress
 
-    monkeypatch.setattr(data_cli, "LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     src = _corpus(tmp_path / "src")
     assert run_cli("data", "prepare", str(src), "--out", str(tmp_path / "out"), "--shard-tokens", "300") == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prepare:")]

@@ -16,7 +16,7 @@ from rich.syntax import Syntax
 from rich.markup import escape
 from rich.table import Table
 
-from attnlab.console import make_console
+from attnlab.console import console, err_console, make_console
 from attnlab.errors import AttnLabError, PreflightError
 
 app = typer.Typer(
@@ -26,9 +26,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = make_console()
-err_console = make_console(stderr=True)
-
 CONFIG_ARG = typer.Argument(None, help="YAML run config. Omit for the built-in default (a small GLA model on Shakespeare, CPU, a few minutes).", show_default=False)
 SET_OPT = typer.Option([], "--set", "-s", help="Override one config key, e.g. --set train.lr=1e-3 (repeatable).", metavar="KEY=VALUE")
 RUN_DIR_OPT = typer.Option(None, "--run-dir", help="Run directory. Default: runs/<mixer>-<date>-<time>. Required with --resume.")

@@ -24,6 +24,10 @@ def make_console(**kwargs) -> Console:
     return Console(width=LOG_WIDTH, **kwargs)
 
 
+# The CLI's consoles (attnlab.cli and the commands it wires): results on stdout, messages and errors on stderr.
+console = make_console()
+err_console = make_console(stderr=True)
+
 PROGRESS_EVERY_S = 15.0  # off a terminal: a progress line at least this often while work goes on
 
 

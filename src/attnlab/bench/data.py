@@ -264,7 +264,7 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
     """Every measurement for every size and tokenizer; `out` is rewritten after every row."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from attnlab.data.cli import _Reporter
+    from attnlab.data.progress import PrepareReporter
     from attnlab.data.prepare import prepare_corpus
     from attnlab.data.tokenizer import load_tokenizer
 
@@ -293,7 +293,7 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
             shutil.rmtree(prepared, ignore_errors=True)
             console.print(f"{key}: prepare", highlight=False)
             load_tokenizer(specs[name])  # imports transformers: not part of the preparation's time
-            reporter = _Reporter(console)
+            reporter = PrepareReporter(console)
             t0, cpu0 = time.perf_counter(), _cpu_s()
             try:
                 manifest = prepare_corpus(str(corpus), prepared, specs[name], workers=workers, val_fraction=0.001, progress=reporter)

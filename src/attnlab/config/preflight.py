@@ -317,9 +317,9 @@ def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
                 "training reads it from a prepared corpus")
             reporter = None
             if console is not None:
-                from attnlab.data.cli import _Reporter
+                from attnlab.data.progress import PrepareReporter
 
-                reporter = _Reporter(console)
+                reporter = PrepareReporter(console)
             try:
                 directory = prepared_cache(
                     d.source, tokenizer, d.tokenizer, d.text_field, 0.0 if d.val_source else d.val_fraction, cfg.train.seed,
