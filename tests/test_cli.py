@@ -50,7 +50,7 @@ def test_preflight_refuses_a_long_cuda_fp32_run_under_the_production_profile(tin
     import torch
 
     from attnlab.config import load_config
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     tiny = [o for o in tiny if not o.startswith("train.device")]

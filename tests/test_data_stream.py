@@ -213,7 +213,7 @@ def test_a_raw_source_above_the_threshold_is_prepared_once_into_the_cache_and_re
 
 def test_validation_comes_from_the_manifest_split_or_from_a_separate_validation_source(tmp_path, prepared):
     from attnlab.config import load_config
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
 
     report = run_preflight(load_config(None, TINY + [f"data.source={prepared}", "data.val_fraction=0.2"]))
     assert not report.errors and not report.problems

@@ -204,7 +204,7 @@ def test_fsdp_reaches_accelerate_as_fsdp2_sharding_each_decoder_block(tmp_path):
 
 def test_preflight_refuses_fsdp_across_cpu_processes(monkeypatch):
     from attnlab.config import load_config
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     report = run_preflight(load_config(None, ["train.strategy=fsdp", "train.device=cpu", "train.batch_size=4"]), load_data=False)
@@ -213,7 +213,7 @@ def test_preflight_refuses_fsdp_across_cpu_processes(monkeypatch):
 
 def test_preflight_refuses_fsdp_with_evaluation_tasks_during_training(monkeypatch):
     from attnlab.config import load_config
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(None, ["train.strategy=fsdp", "train.batch_size=4", "eval.tasks=[{task: perplexity, limit: 2}]"])
@@ -222,7 +222,7 @@ def test_preflight_refuses_fsdp_with_evaluation_tasks_during_training(monkeypatc
 
 def test_fsdp_in_one_process_trains_as_one_process_with_a_warning():
     from attnlab.config import load_config
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
     from attnlab.train.loop import fsdp_active
 
     cfg = load_config(None, ["train.strategy=fsdp", "train.device=cpu"])
@@ -306,7 +306,8 @@ with torch.cuda.stream(side):
         torch.autograd.grad(layers(x).pow(2).sum(), params)
 torch.cuda.current_stream().wait_stream(side)
 graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph, stream=side):
+# thread_local, as the trainer captures: NCCL's watchdog thread queries its events while the capture runs
+with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
     with buckets.reducing():
         torch.autograd.grad(layers(x).pow(2).sum(), params)
 for trial in range(3):
@@ -392,7 +393,8 @@ def test_one_process_with_several_gpus_visible_trains_on_one_with_the_batch_it_w
     from pathlib import Path
 
     from attnlab.config import load_config
-    from attnlab.config.preflight import PreflightReport, run_preflight
+    from attnlab.config.preflight import PreflightReport
+    from attnlab.train.preflight import run_preflight
     from attnlab.train.loop import training_arguments
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

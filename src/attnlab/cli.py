@@ -121,9 +121,9 @@ def train(
 def _train(cfg, run_dir: Path, resume: bool):
     """Preflight, then training, in a run directory this process holds."""
     from attnlab.config import config_to_yaml
-    from attnlab.config.preflight import run_preflight
     from attnlab.launch import rank, world_size
     from attnlab.train import run_training
+    from attnlab.train.preflight import run_preflight
 
     console.quiet = rank() != 0  # one voice under torchrun
     console.print(Panel(Syntax(config_to_yaml(cfg), "yaml", background_color="default"), title="resolved config", expand=False))
@@ -156,7 +156,7 @@ def preflight(
     resume: bool = typer.Option(False, "--resume", help="Check the run as a resume of --run-dir."),
 ):
     """Check a run config (and its data, tokenizer and run directory) without training; exit 1 on any error."""
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
 
     cfg = _load(config, set_, run_dir, resume)
     report = run_preflight(cfg, run_dir, resume, console=console)

@@ -166,7 +166,7 @@ def _child() -> None:
         return real(self, args, state, control, **kw)
 
     loop.TelemetryCallback.on_step_end = on_step_end
-    import attnlab.config.preflight as preflight
+    import attnlab.train.preflight as preflight
 
     checks = preflight.run_preflight
 

@@ -32,7 +32,7 @@ def _refuse_in_dry_run(state, base: Path | None) -> None:
     """Preflight a job that a dry run would start, resume or restart, as its `attnlab train` would: a job whose
     preflight finds errors is marked `refused`, with the errors as its note, instead of reporting it as started."""
     from attnlab.config import load_config
-    from attnlab.config.preflight import run_preflight
+    from attnlab.train.preflight import run_preflight
     from attnlab.errors import AttnLabError
 
     resume = state.action == "resume"
