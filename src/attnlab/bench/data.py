@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import pkgutil
 import platform
 import re
 import resource
@@ -55,6 +56,7 @@ FILE_BYTES = 256 * 1000 * 1000  # the synthetic corpus is split into files of th
 RUN = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "data.seq_len=256", "train.batch_size=8",
        "train.warmup_steps=0", "train.log_every=1", "train.eval_batches=2", "train.sample_tokens=0", "train.device=cpu",
        "train.eval_every=0"]
+PROGRAM = "attnlab.cli:main"  # the program whose start is timed, by its entry point (the bench is one of its commands)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
 
 
@@ -178,7 +180,7 @@ def _child() -> None:
             first.update(preflight_s=time.time() - t0, preflight_cpu_s=time.process_time() - c0)
 
     preflight.run_preflight = timed_preflight
-    from attnlab.cli import main
+    main = pkgutil.resolve_name(PROGRAM)
 
     sys.argv = ["attnlab", "train", *spec["argv"]]
     code = 0
