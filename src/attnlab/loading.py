@@ -17,57 +17,7 @@ from pathlib import Path
 import torch
 
 from attnlab.errors import CheckpointError, ConfigError
-
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """The directory (or GGUF file) that holds the weights `path` refers to, verified against its manifest
-    when it has one (attnlab checkpoints and final models): damaged weights are refused, never loaded."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        from attnlab.finetune.smollm2 import packaged_model
-
-        packaged = packaged_model(str(path))
-        if packaged is not None:
-            return packaged
-        raise CheckpointError(f"model not found: {p}. Pass a run directory, a checkpoint, an HF model directory, a .gguf file "
-                              "or smollm2 (the packaged SmolLM2-135M-Instruct).")
-    if p.is_file():
-        if p.suffix == ".gguf":
-            return p
-        raise CheckpointError(f"{p} is a file but not a .gguf model; pass a model directory or a .gguf file")
-    if (p / "config.json").is_file() or (p / "attnlab_adapter.json").is_file():  # a model, or an adapter directory
-        return verified_model_dir(p)
-    if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():  # a run directory
-        if (p / "final" / "config.json").is_file() or (p / "final" / "attnlab_adapter.json").is_file():
-            return verified_model_dir(p / "final")
-        from attnlab.train.checkpoint import CheckpointManager
-
-        newest = CheckpointManager(p).newest()
-        if newest is None:
-            raise CheckpointError(f"run {p} has neither a final model nor a complete checkpoint yet")
-        return verified_model_dir(newest)
-    raise CheckpointError(f"{p} holds no model: expected config.json (a model or checkpoint directory) or a run directory")
-
-
-def verified_model_dir(directory: Path) -> Path:
-    """`directory`, after checking every file its attnlab manifest lists (size and SHA-256). A directory
-    without a manifest (an HF model, an adapter) is returned as it is. A damaged checkpoint of a run is
-    refused naming the newest intact checkpoint of that run."""
-    from attnlab.train.checkpoint import MANIFEST, STEP_DIR, CheckpointManager, verify_checkpoint
-
-    if not (directory / MANIFEST).is_file():
-        return directory
-    try:
-        verify_checkpoint(directory)
-    except CheckpointError as e:
-        hint = ""
-        if STEP_DIR.match(directory.name) and directory.parent.name == "checkpoints":
-            hint = " " + CheckpointManager(directory.parent.parent).last_good_note(directory)
-        elif directory.name == "final":
-            good = CheckpointManager(directory.parent).last_good()
-            hint = f" The newest intact checkpoint of this run is {good}: load it instead." if good else ""
-        raise CheckpointError(f"refusing to load damaged weights: {e}{hint}") from None
-    return directory
+from attnlab.models.references import refuse_pickled_only, resolve_model_dir
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
@@ -97,7 +47,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, use_safetensors=True, **common)
             tokenizer = load_tokenizer(str(where))
         else:
-            _refuse_pickled_only(where)
+            refuse_pickled_only(where)
             check_model_files(where)  # sizes and safetensors headers, before anything is built from them
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, use_safetensors=True, **common)
             tokenizer = load_tokenizer(str(where))
@@ -190,11 +140,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object; restore it from the original model or checkpoint")
     return value
-
-
-def _refuse_pickled_only(where: Path) -> None:
-    if not list(where.glob("*.safetensors")) and list(where.glob("*.bin")):
-        raise CheckpointError(f"{where} holds only pickled weights (*.bin), which attnlab does not load; convert them to safetensors")
 
 
 def describe(path: str | Path) -> str:

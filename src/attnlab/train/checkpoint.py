@@ -4,32 +4,19 @@ A checkpoint is written into `checkpoints/.staging/`, described by a manifest (s
 SHA-256 of every file), flushed to disk, and only then renamed to `checkpoints/step-NNNNNNN/`.
 `checkpoints/latest` is a symlink swapped atomically to the newest one. A crash at any point
 leaves the previous checkpoints untouched; a half-written staging directory is never resumed.
+The manifest's check and the discovery of a run's checkpoints are attnlab.models.checkpoints'.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from attnlab.errors import CheckpointError
+from attnlab.models.checkpoints import MANIFEST, RunCheckpoints, file_sha256, step_dir_name, verify_checkpoint
 from attnlab.outputs import remove_path, replace_file, replace_symlink
-
-MANIFEST = "attnlab_manifest.json"
-STEP_DIR = re.compile(r"^step-(\d{7,})$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync_tree(path: Path) -> None:
@@ -55,80 +42,20 @@ def _fsync_dir(path: Path) -> None:
 
 def write_manifest(directory: Path, step: int) -> None:
     files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
     replace_file(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
-def verify_checkpoint(directory: Path, require: tuple[str, ...] = ()) -> int:
-    """Check every file against the manifest; return the step. Raises CheckpointError naming the damage.
-
-    `require`: file names (glob patterns) the manifest must list, e.g. what a resume restores. A checkpoint
-    whose manifest was rewritten without one of them is refused rather than resumed without it."""
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it is incomplete. Delete it to resume from the previous checkpoint.")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files, step = manifest["files"], int(manifest["step"])
-        sizes = {rel: int(meta["bytes"]) for rel, meta in files.items()}
-        sums = {rel: str(meta["sha256"]) for rel, meta in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"checkpoint {directory} has an unreadable manifest. Delete the directory to resume from the previous checkpoint.") from None
-    for pattern in require:
-        if not any(fnmatch.fnmatch(rel, pattern) for rel in files):
-            raise CheckpointError(
-                f"checkpoint {directory} holds no {pattern}: resuming from it would restart "
-                f"{_WHAT_IT_HOLDS.get(pattern, 'part of the training state')} from scratch and silently leave the run's trajectory. "
-                f"Delete {directory} to resume from the previous checkpoint, or restore the file."
-            )
-    for rel in files:
-        p = directory / rel
-        problem = None
-        if not p.is_file():
-            problem = "is missing"
-        elif p.stat().st_size != sizes[rel]:
-            problem = f"has {p.stat().st_size} bytes, expected {sizes[rel]} (truncated or overwritten)"
-        elif _sha256(p) != sums[rel]:
-            problem = "does not match its checksum (corrupted)"
-        if problem:
-            raise CheckpointError(
-                f"checkpoint {directory} is damaged: {rel} {problem}. "
-                f"Delete {directory} to resume from the previous checkpoint, or restore the file."
-            )
-    return step
-
-
-_WHAT_IT_HOLDS = {"optimizer.pt": "the optimizer (AdamW moments)", "scheduler.pt": "the learning-rate schedule",
-                  "rng_state*.pth": "the random number generators", "trainer_state.json": "the step counter",
-                  "model.safetensors": "the weights"}
-
-
-class CheckpointManager:
-    """Owns RUN/checkpoints: atomic publication, the `latest` pointer, rotation, discovery."""
+class CheckpointManager(RunCheckpoints):
+    """Owns RUN/checkpoints: atomic publication, the `latest` pointer, rotation, discovery (RunCheckpoints)."""
 
     def __init__(self, run_dir: Path, keep_last: int = 3):
-        self.root = Path(run_dir) / "checkpoints"
+        super().__init__(run_dir)
         self.staging = self.root / ".staging"
         self.keep_last = keep_last
-
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        """Published checkpoints, oldest first (published = renamed out of staging)."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and p.is_dir() and not p.is_symlink():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
-
-    def newest(self) -> Path | None:
-        found = self.checkpoints()
-        return found[-1][1] if found else None
 
     def clear_staging(self) -> None:
         if self.staging.exists() or self.staging.is_symlink():
@@ -185,24 +112,6 @@ class CheckpointManager:
         except CheckpointError as e:
             raise CheckpointError(f"{e} {self.last_good_note(newest)}") from None
         return newest
-
-    def last_good(self, before: Path | None = None) -> Path | None:
-        """The newest checkpoint older than `before` (all of them without it) that passes its manifest."""
-        for _, path in reversed(self.checkpoints()):
-            if before is not None and path.name >= before.name:
-                continue
-            try:
-                verify_checkpoint(path)
-                return path
-            except CheckpointError:
-                continue
-        return None
-
-    def last_good_note(self, damaged: Path) -> str:
-        good = self.last_good(before=damaged)
-        if good is None:
-            return "No older intact checkpoint remains in this run."
-        return f"The newest intact checkpoint is {good}: delete {damaged} to resume (or load) from it."
 
 
 # What a resume restores, beyond the manifest's own check: without these a run would continue with a fresh
