@@ -247,40 +247,31 @@ def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr
 @triton.jit
 def _phi_product_kernel(X, S, OUT, C, sxb, sxh, sxl, sxc, ssb, ssh, ssl, ssf, H: tl.constexpr, L: tl.constexpr,
                         D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-                        TAIL: tl.constexpr, BT: tl.constexpr):
+                        PRECISION: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
     i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_m * BM + tl.arange(0, BM)
     ok = rows < C
     offs_d = tl.arange(0, BD)
-    offs_v, offs_t = tl.arange(0, BV), BV + tl.arange(0, BT)  # the value columns: a power-of-two block and its tail
-    v_ok, t_ok = offs_v < V, offs_t < V
+    offs_v = tl.arange(0, BV)
+    v_ok = offs_v < V
     x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
     x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
     s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
     acc = tl.zeros([BM, BV], tl.float32)
-    acc_t = tl.zeros([BM, BT], tl.float32)
     for a0 in range(0, D, BA):
         phi, valid, srows, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
-        phi = _operand(phi, LOW, UPCAST)
-        s_rows = s_base + srows[:, None].to(tl.int64) * ssf
-        s = tl.load(s_rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-        acc += tl.dot(phi, _operand(s.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
-        if TAIL:
-            s = tl.load(s_rows + offs_t[None, :], mask=valid[:, None] & t_ok[None, :], other=0.0)
-            acc_t += tl.dot(phi, _operand(s.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
-    out = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * V
-    tl.store(out + offs_v[None, :], acc, mask=ok[:, None] & v_ok[None, :])
-    if TAIL:
-        tl.store(out + offs_t[None, :], acc_t, mask=ok[:, None] & t_ok[None, :])
+        s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+        acc += tl.dot(_operand(phi, LOW, UPCAST), _operand(s.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
+    out = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * V + offs_v[None, :]
+    tl.store(out, acc, mask=ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
 def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc, ssb, ssh, ssl, ssf,
                          H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr,
                          LOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
-                         BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, TAIL: tl.constexpr, BT: tl.constexpr):
+                         BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
     """dx_c = sum_b dphi_cb m x_b + sum_a dphi_ac m x_a (m: the query's doubling), dphi = dy S^T in registers."""
     i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -288,23 +279,18 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
     ok = rows < C
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
-    offs_v, offs_t = tl.arange(0, BV), BV + tl.arange(0, BT)  # the value columns: a power-of-two block and its tail
-    v_ok, t_ok = offs_v < V, offs_t < V
+    offs_v = tl.arange(0, BV)
+    v_ok = offs_v < V
     x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
     x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     dy_rows = DY + i_b.to(tl.int64) * syb + i_h * syh + i_l * syl + rows[:, None].to(tl.int64) * syc
     dy = _operand(tl.load(dy_rows + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32), LOW, UPCAST)
-    dy_t = _operand(tl.load(dy_rows + offs_t[None, :], mask=ok[:, None] & t_ok[None, :], other=0.0).to(tl.float32), LOW, UPCAST)
     s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
     dx = tl.zeros([BM, BD], tl.float32)
     for a0 in range(0, D, BA):
         _, valid, srows, x_a = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, False, BA, BD)
-        s_rows = s_base + srows[:, None].to(tl.int64) * ssf
-        s = tl.load(s_rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+        s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         dphi = tl.dot(dy, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)
-        if TAIL:
-            s = tl.load(s_rows + offs_t[None, :], mask=valid[:, None] & t_ok[None, :], other=0.0)
-            dphi += tl.dot(dy_t, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)
         flat = tl.arange(0, BA * BD)
         if QUERY:
             dphi = tl.where(((flat % BD) != (a0 + flat // BD))[None, :], 2.0 * dphi, dphi)
@@ -322,49 +308,33 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
 def _phi_t_product_kernel(X, M, OUT, C, sxb, sxh, sxl, sxc, smb, smh, sml, smc, H: tl.constexpr, L: tl.constexpr,
                           D: tl.constexpr, F: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr, LOW: tl.constexpr,
                           UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr,
-                          BD: tl.constexpr, BV: tl.constexpr, TAIL: tl.constexpr, BT: tl.constexpr):
+                          BD: tl.constexpr, BV: tl.constexpr):
     """out_f = sum_c phi(x_c)_f m_c (phi(x)^T M over a chunk's rows) for the features f = (a, b) of this program's
     first indices a in [a0, a0 + BA), the features in registers; the chunk's rows BM at a time."""
     i_a, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     a0 = i_a * BA
     offs_d = tl.arange(0, BD)
-    offs_v, offs_t = tl.arange(0, BV), BV + tl.arange(0, BT)  # the value columns: a power-of-two block and its tail
-    v_ok, t_ok = offs_v < V, offs_t < V
+    offs_v = tl.arange(0, BV)
+    v_ok = offs_v < V
     x_base = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl
     m_base = M + i_b.to(tl.int64) * smb + i_h * smh + i_l * sml
     acc = tl.zeros([BA * BD, BV], tl.float32)
-    acc_t = tl.zeros([BA * BD, BT], tl.float32)
     for c0 in range(0, C, BM):
         rows = c0 + tl.arange(0, BM)
         ok = rows < C
         x_rows = x_base + rows[:, None].to(tl.int64) * sxc
         x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
         phi, _, _, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
-        phi_t = tl.trans(_operand(phi, LOW, UPCAST))
-        m_rows = m_base + rows[:, None].to(tl.int64) * smc
-        m = tl.load(m_rows + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-        acc += tl.dot(phi_t, _operand(m.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
-        if TAIL:
-            m = tl.load(m_rows + offs_t[None, :], mask=ok[:, None] & t_ok[None, :], other=0.0)
-            acc_t += tl.dot(phi_t, _operand(m.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
+        m = tl.load(m_base + rows[:, None].to(tl.int64) * smc + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        acc += tl.dot(tl.trans(_operand(phi, LOW, UPCAST)), _operand(m.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
     flat = tl.arange(0, BA * BD)
     a = a0 + flat // BD
     b = flat % BD
     valid = (a < D) & (b < D) & (b >= a)
     frows = a * D - a * (a - 1) // 2 + b - a
-    out = OUT + (i_bh.to(tl.int64) * L + i_l) * F * V + frows[:, None].to(tl.int64) * V
-    tl.store(out + offs_v[None, :], acc, mask=valid[:, None] & v_ok[None, :])
-    if TAIL:
-        tl.store(out + offs_t[None, :], acc_t, mask=valid[:, None] & t_ok[None, :])
-
-
-def _value_blocks(width: int) -> dict:
-    """The register kernels' value columns as a power-of-two block BV and, beyond it, a tail of BT (TAIL): 64 values
-    and the normaliser's column (72 with its padding) take 64 + 16 columns of products instead of 128."""
-    main = max(16, 1 << (width.bit_length() - 1))  # the largest power of two within the width (at least a dot's 16)
-    tail = width - main
-    return dict(BV=main, TAIL=tail > 0, BT=max(16, triton.next_power_of_2(tail)) if tail > 0 else 16)
+    out = OUT + (i_bh.to(tl.int64) * L + i_l) * F * V + frows[:, None].to(tl.int64) * V + offs_v[None, :]
+    tl.store(out, acc, mask=valid[:, None] & v_ok[None, :])
 
 
 def _phi_launch(x: torch.Tensor, s: torch.Tensor):
@@ -374,7 +344,8 @@ def _phi_launch(x: torch.Tensor, s: torch.Tensor):
     low = x.dtype != torch.float32
     upcast = low and _interpreting()
     meta = dict(H=heads, L=chunks, D=d, V=width, LOW=low, UPCAST=upcast, PRECISION="tf32" if low and not upcast else "ieee",
-                BM=PHI_ROWS, BA=PHI_FIRST, num_warps=PHI_WARPS, BD=max(16, triton.next_power_of_2(d)), **_value_blocks(width))
+                BM=PHI_ROWS, BA=PHI_FIRST, num_warps=PHI_WARPS,
+                BD=max(16, triton.next_power_of_2(d)), BV=max(16, triton.next_power_of_2(width)))
     return grid, (chunk, *x.stride()[:4]), (s.stride(0), s.stride(1), s.stride(2), s.stride(3)), meta
 
 
