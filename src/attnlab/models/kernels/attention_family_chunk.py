@@ -19,7 +19,7 @@ The states of a group of chunks follow from one product with the [chunks, chunks
 between chunk starts (no sequential loop over chunks); groups run one after the other, the state
 carried between them in fp32. `_ChunkStates` keeps for its backward only its inputs and the state at
 each group's start: the backward recomputes a group's features and states and differentiates them,
-the last group first. Memory is linear in T: a group's features or states (bounded by `GROUP_ELEMENTS`) exist
+the last group first. Memory is linear in T: a group's features (bounded by `GROUP_ELEMENTS`) exist
 only while it runs.
 
 Products run in the inputs' dtype (bf16 under autocast), accumulating in fp32; a group's chunk states
@@ -47,8 +47,7 @@ import triton.language as tl
 # states' traffic under the features'. power1 (F = d): the state part is as cheap as a chunk of 64 tokens, as
 # in Mamba-2's and GLA's chunked kernels.
 CHUNK_SIZES = {"power1": 64, "power2": 512}
-GROUP_ELEMENTS = 2**28  # a group of chunks: its features [B, chunks, H, C, F] (or, formed in registers, its fp32 chunk states
-# [B, H, chunks, F, Dv']) stay under this many elements (512 MB in bf16, 1 GB in fp32)
+GROUP_ELEMENTS = 2**28  # a group of chunks: its features [B, chunks, H, C, F] stay under this many elements (512 MB in bf16)
 MAX_GROUP_CHUNKS = 64  # ... and it spans at most this many chunks (the matrix of decays between chunk starts is chunks^2)
 VALUE_ALIGN = 8  # the value columns with the normaliser's padded to a multiple of this: cuBLAS's bf16 tensor-core kernels want it
 
@@ -682,12 +681,7 @@ def chunk_attention(
     chunks = -(-seq_len // chunk)
     padded = chunks * chunk
     if group_chunks is None:
-        # what a group holds at once: power2's features per token, or, where they stay in registers, the chunk states
-        if similarity == "power2" and FEATURES_IN_REGISTERS and q.is_cuda and head_dim <= FEATURE_KERNEL_MAX_HEAD_DIM:
-            per_chunk = GROUP_ELEMENTS // (batch * heads * features * (value_dim + VALUE_ALIGN))
-        else:
-            per_chunk = GROUP_ELEMENTS // (batch * heads * chunk * features)
-        group_chunks = max(1, min(MAX_GROUP_CHUNKS, per_chunk))
+        group_chunks = max(1, min(MAX_GROUP_CHUNKS, GROUP_ELEMENTS // (batch * heads * chunk * features)))
 
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) > 1:  # autocast may leave a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
