@@ -24,10 +24,10 @@ only while it runs.
 
 Products run in the inputs' dtype (bf16 under autocast), accumulating in fp32; a group's chunk states
 are summed in fp32 and rounded to the inputs' dtype only as the operands of products, as the SSD kernels
-do. On CUDA power2's features are formed in registers only, never in memory: in the states' own products
-(phi(k)^T [v, 1] and phi(q)^T dy: `_phi_t_product_kernel`), in the products with the features on the left
-(phi(q) S, phi(k) dS: `_phi_product_kernel`) and in the gradients of q and k through phi
-(`_phi_backward_kernel`), so the backward writes no gradient of the features either. Off CUDA (and for power1,
+do. The states' own products (phi(k)^T [v, 1] and phi(q)^T dy) run on cuBLAS from power2's features formed
+once (`_features_kernel`); the products with the features on the left (phi(q) S, phi(k) dS) and the
+gradients of q and k through phi form the features in registers (`_phi_product_kernel`,
+`_phi_backward_kernel`), so the backward writes no gradient of the features. Off CUDA (and for power1,
 whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.
 """
@@ -303,39 +303,6 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
     tl.store(out, dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _phi_t_product_kernel(X, M, OUT, C, sxb, sxh, sxl, sxc, smb, smh, sml, smc, H: tl.constexpr, L: tl.constexpr,
-                          D: tl.constexpr, F: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr, LOW: tl.constexpr,
-                          UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr,
-                          BD: tl.constexpr, BV: tl.constexpr):
-    """out_f = sum_c phi(x_c)_f m_c (phi(x)^T M over a chunk's rows) for the features f = (a, b) of this program's
-    first indices a in [a0, a0 + BA), the features in registers; the chunk's rows BM at a time."""
-    i_a, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    a0 = i_a * BA
-    offs_d = tl.arange(0, BD)
-    offs_v = tl.arange(0, BV)
-    v_ok = offs_v < V
-    x_base = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl
-    m_base = M + i_b.to(tl.int64) * smb + i_h * smh + i_l * sml
-    acc = tl.zeros([BA * BD, BV], tl.float32)
-    for c0 in range(0, C, BM):
-        rows = c0 + tl.arange(0, BM)
-        ok = rows < C
-        x_rows = x_base + rows[:, None].to(tl.int64) * sxc
-        x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
-        phi, _, _, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
-        m = tl.load(m_base + rows[:, None].to(tl.int64) * smc + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-        acc += tl.dot(tl.trans(_operand(phi, LOW, UPCAST)), _operand(m.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
-    flat = tl.arange(0, BA * BD)
-    a = a0 + flat // BD
-    b = flat % BD
-    valid = (a < D) & (b < D) & (b >= a)
-    frows = a * D - a * (a - 1) // 2 + b - a
-    out = OUT + (i_bh.to(tl.int64) * L + i_l) * F * V + frows[:, None].to(tl.int64) * V + offs_v[None, :]
-    tl.store(out, acc, mask=valid[:, None] & v_ok[None, :])
-
-
 def _phi_launch(x: torch.Tensor, s: torch.Tensor):
     batch, heads, chunks, chunk, d = x.shape
     width = s.shape[-1]
@@ -371,20 +338,6 @@ def phi_backward(x: torch.Tensor, dy: torch.Tensor, s: torch.Tensor, query: bool
     grid, x_strides, s_strides, meta = _phi_launch(x, s)
     _phi_backward_kernel[grid](x, dy, s, dx, *x_strides, *dy.stride()[:4], *s_strides, QUERY=bool(query), **meta)
     return dx
-
-
-def phi_t_product(x: torch.Tensor, m: torch.Tensor, query: bool) -> torch.Tensor:
-    """phi(x)^T m for x [B, H, n, C, d] and m [B, H, n, C, V]: [B, H, n, F, V] fp32 (packed rows), the features in
-    registers only. Products in x's dtype (bf16 operands, fp32 sums) or fp32."""
-    if m.stride(-1) != 1:
-        m = m.contiguous()
-    batch, heads, chunks, chunk, d = x.shape
-    features, width = feature_count(d, "power2"), m.shape[-1]
-    out = torch.empty(batch, heads, chunks, features, width, dtype=torch.float32, device=x.device)
-    _, x_strides, _, meta = _phi_launch(x, m)
-    grid = (triton.cdiv(d, meta["BA"]), chunks, batch * heads)
-    _phi_t_product_kernel[grid](x, m, out, *x_strides, *m.stride()[:4], F=features, QUERY=bool(query), **meta)
-    return out
 
 
 def _interpreting() -> bool:
@@ -457,6 +410,7 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
     power = 1 if similarity == "power1" else 2
     qh, kh, vh = (t.permute(0, 3, 1, 2, 4) for t in (q, k, v))  # [B, H, n, C, *]
     gh = None if g is None else g.transpose(1, 2)  # [B, H, n, C]
+    phi_k = linear_features(kh, similarity)  # [B, H, n, C, F]
     if gh is None:
         totals = torch.zeros(batch, heads, chunks, device=v.device)
         vw = vh * float(scale) ** power
@@ -464,8 +418,8 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
         totals = gh[..., -1]  # [B, H, n]: each chunk's total log-decay
         weight = torch.exp(gh[..., -1:] - gh) * float(scale) ** power  # [B, H, n, C]: scale^p, decayed to the chunk's end
         vw = (vh.float() * weight[..., None]).to(dtype)
-    chunk_states = _phi_t_times(kh, vw, similarity, query=False)  # [B, H, n, F, Dv'] fp32: each chunk's own tokens
-    del vw
+    chunk_states = (phi_k.transpose(-1, -2) @ vw).float()  # [B, H, n, F, Dv']: each chunk's own tokens
+    del phi_k, vw
     features, width = chunk_states.shape[-2:]
     # the state at each chunk start (rows 0..n-1) and at the group's end (row n): one product with the decays between them
     decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]: exp(G_j + .. + G_{i-1}), 0 for j > i
@@ -486,14 +440,6 @@ def _phi_times(x, s, similarity, query):
     if similarity == "power2" and FEATURES_IN_REGISTERS and _use_feature_kernels(x):
         return phi_product(x, s, query)
     return (linear_features(x, similarity, query=query) @ s.to(x.dtype)).float()
-
-
-def _phi_t_times(x, m, similarity, query):
-    """phi(x)^T m: x [B, H, n, C, d] and m [B, H, n, C, V] in the products' dtype -> [B, H, n, F, V] fp32; the
-    features in registers only on CUDA (power2)."""
-    if similarity == "power2" and FEATURES_IN_REGISTERS and _use_feature_kernels(x):
-        return phi_t_product(x, m, query)
-    return (linear_features(x, similarity, query=query).transpose(-1, -2) @ m.to(x.dtype)).float()
 
 
 def _phi_grad(x, dy, s, similarity, query):
@@ -526,6 +472,7 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     gh = None if g is None else g.transpose(1, 2)  # [B, H, n, C]
     scale_p = float(scale) ** power
     # the forward again: features, chunk states, states at chunk starts
+    phi_k = linear_features(kh, similarity)
     if gh is None:
         totals = torch.zeros(batch, heads, chunks, device=v.device)
         weight = torch.full(vh.shape[:-1], scale_p, device=v.device)
@@ -533,8 +480,9 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
         totals = gh[..., -1]
         weight = torch.exp(gh[..., -1:] - gh) * scale_p  # [B, H, n, C]
     vw = (vh.float() * weight[..., None]).to(dtype)
-    chunk_states = _phi_t_times(kh, vw, similarity, query=False).flatten(-2)  # [B, H, n, F * Dv']
-    features, width = feature_count(q.shape[-1], similarity), v.shape[-1]
+    chunk_states = (phi_k.transpose(-1, -2) @ vw).float().flatten(-2)  # [B, H, n, F * Dv']
+    features, width = phi_k.shape[-1], v.shape[-1]
+    del phi_k
     decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]
     states = decays[..., 1:] @ chunk_states  # [B, H, n + 1, F * Dv']
     if state is not None:
@@ -552,8 +500,9 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
         dg = (_phi_times(qh, starts, similarity, query=True) * dy).sum(-1)  # [B, H, n, C]
     dq = _phi_grad(qh, dy_low, starts, similarity, query=True)
     del starts, dy
-    d_starts = _phi_t_times(qh, dy_low, similarity, query=True)  # [B, H, n, F, Dv'] fp32
-    del dy_low
+    phi_q = linear_features(qh, similarity, query=True)  # [B, H, n, C, F]
+    d_starts = (phi_q.transpose(-1, -2) @ dy_low).float()  # [B, H, n, F, Dv']
+    del phi_q, dy_low
 
     # the states at chunk starts and the group's end, from the chunk states, the decays and the starting state
     d_states = d_starts.flatten(-2)
