@@ -245,6 +245,14 @@ def test_gradient_accumulation_follows_the_same_trajectory_as_one_larger_batch(t
     assert losses(accumulated) == pytest.approx(losses(big), abs=1e-5)
 
 
+def test_grad_clip_0_trains_without_clipping(tmp_path, tiny):
+    off, unreached = tmp_path / "off", tmp_path / "unreached"
+    assert run_cli("train", *sets(tiny + ["train.grad_clip=0"]), "--run-dir", str(off)) == 0
+    assert run_cli("train", *sets(tiny + ["train.grad_clip=1e9"]), "--run-dir", str(unreached)) == 0
+    losses = lambda run: [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]  # noqa: E731
+    assert losses(off) == pytest.approx(losses(unreached), abs=1e-6)
+
+
 def test_a_run_killed_after_its_last_checkpoint_resumes_to_write_its_final_model(tmp_path, tiny):
     run = tmp_path / "run"
     assert run_cli("train", *sets(tiny), "--run-dir", str(run)) == 0

@@ -541,7 +541,7 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         warmup_steps=t.warmup_steps,
         lr_scheduler_type=scheduler,
         lr_scheduler_kwargs=scheduler_kwargs,
-        max_grad_norm=t.grad_clip if t.grad_clip > 0 else None,
+        max_grad_norm=t.grad_clip,  # 0 = off (the Trainer clips only above 0; None fails in its step)
         bf16=report.precision == "bf16",
         use_cpu=report.device == "cpu",
         eval_strategy="steps" if (has_val and t.eval_every > 0) else "no",
