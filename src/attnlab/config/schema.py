@@ -24,7 +24,7 @@ class ModelSection(Section):
     num_layers: int = Field(4, gt=0, description="number of decoder blocks")
     num_heads: int = Field(4, gt=0, description="heads of the token mixer")
     intermediate_size: int | None = Field(None, ge=0, description="SwiGLU width; null = 8/3 * hidden, rounded up to 32; 0 = blocks without an MLP (Mamba-2's layout)")
-    vocab_size: int | None = Field(None, gt=0, description="null = the tokenizer's size")
+    vocab_size: int | None = Field(None, gt=0, description="null = the tokenizer's size (data.source=mqar: data.mqar.vocab_size, the task's ids)")
     mixer_options: dict[str, Any] = Field(default_factory=dict, description="options of the chosen mixer")
     max_position_embeddings: int = Field(2048, gt=0, description="longest sequence the model is configured for")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base (mixers with rotary positions)")

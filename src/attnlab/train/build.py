@@ -7,12 +7,21 @@ from pathlib import Path
 from attnlab.config import RunConfig
 
 
+def default_vocab_size(cfg: RunConfig, tokenizer) -> int:
+    """The model's vocabulary when model.vocab_size is null: the tokenizer's size, or on data.source=mqar the task's
+    ids (data.mqar.vocab_size). An MQAR run reads no text; output classes that no example uses (227 of a byte
+    tokenizer's 259 beside a task of 32 ids) delay its learning several times over."""
+    return cfg.data.mqar.vocab_size if cfg.data.source == "mqar" else len(tokenizer)
+
+
 def model_config_from(cfg: RunConfig, tokenizer):
     from attnlab.models import AttnLabConfig
 
     m = cfg.model
+    vocab = m.vocab_size or default_vocab_size(cfg, tokenizer)
+    within = lambda token: token if token is not None and token < vocab else None  # noqa: E731  (an MQAR model has no text specials)
     return AttnLabConfig(
-        vocab_size=m.vocab_size or len(tokenizer),
+        vocab_size=vocab,
         hidden_size=m.hidden_size,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
@@ -25,9 +34,9 @@ def model_config_from(cfg: RunConfig, tokenizer):
         tie_word_embeddings=m.tie_word_embeddings,
         initializer_range=m.initializer_range,
         kernels=m.kernels,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=within(tokenizer.bos_token_id),
+        eos_token_id=within(tokenizer.eos_token_id),
+        pad_token_id=within(tokenizer.pad_token_id),
     )
 
 

@@ -104,6 +104,20 @@ def _check_run_dir(cfg: RunConfig, run_dir: Path | None, resume: bool, report: P
             report.notes.append(note)
 
 
+def _check_mqar_vocab(cfg: RunConfig, tokenizer, report: PreflightReport) -> None:
+    """An MQAR run's ids come from the task, not the tokenizer, so its model may be smaller than the tokenizer
+    (model.vocab_size null: data.mqar.vocab_size); then only the mqar task can evaluate it: a text task would feed
+    it token ids beyond its embedding."""
+    from .build import default_vocab_size
+
+    vocab = cfg.model.vocab_size or default_vocab_size(cfg, tokenizer)
+    text_tasks = [t.task for t in cfg.eval.tasks if t.task != "mqar"]
+    if vocab < len(tokenizer) and text_tasks:
+        report.error("eval.tasks", f"eval task {text_tasks[0]} reads text through the tokenizer ({len(tokenizer)} tokens), but this "
+                     f"run on data.source=mqar has a model of {vocab} ids (the task's): evaluate it with task mqar only, or "
+                     f"set model.vocab_size >= {len(tokenizer)}")
+
+
 CHECKPOINT_CONFIG = "run_config.yaml"  # the config a checkpoint was written with (train/loop.py writes it)
 
 
@@ -139,7 +153,9 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
         if kind:
             report.model_config, report.init_from = config, (kind, where)
     else:
-        if cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
+        if cfg.data.source == "mqar":
+            _check_mqar_vocab(cfg, tokenizer, report)
+        elif cfg.model.vocab_size is not None and cfg.model.vocab_size < len(tokenizer):
             report.error("model.vocab_size", f"the tokenizer has {len(tokenizer)} tokens but model.vocab_size is {cfg.model.vocab_size}: token ids would fall outside the embedding. Set model.vocab_size >= {len(tokenizer)} or null.")
         try:
             report.model_config = model_config_from(cfg, tokenizer)
@@ -150,9 +166,6 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
         report.error("model.max_position_embeddings", f"model.max_position_embeddings ({cfg.model.max_position_embeddings}) is below "
                      f"data.seq_len ({cfg.data.seq_len}): training blocks would run past the positions the model is configured for. "
                      f"Set model.max_position_embeddings >= {cfg.data.seq_len}, or lower data.seq_len.")
-    if cfg.data.source == "mqar" and cfg.model.vocab_size is None and not cfg.train.init_from and len(tokenizer) < cfg.data.mqar.vocab_size:
-        report.error("data.mqar.vocab_size", f"data.mqar.vocab_size ({cfg.data.mqar.vocab_size}) is larger than the vocabulary of the "
-                     f"tokenizer ({len(tokenizer)} tokens), which sizes the model: set model.vocab_size={cfg.data.mqar.vocab_size}")
     if not load_data:
         return
     if cfg.data.source == "mqar":  # synthetic: generated on the fly, accuracy measured by the mqar eval task
