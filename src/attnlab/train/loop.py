@@ -107,10 +107,10 @@ class AttnLabTrainer(Trainer):
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
             self.captured = None  # moved weights: the old graphs' memory goes first
             try:
-                # the gradients averaged after the backward graph (all_reduce_grads); averaging them inside it, bucket by
-                # bucket (reduce=True), is not used: on 2 GPUs its loss trajectory left the one-process run's
-                # (0.04 at step 4) once the gradients spanned several buckets (benchmarks/NOTES.md)
-                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype, flat=world_size() > 1)
+                # one micro-batch a step: the backward graph averages the gradients over the processes as it runs
+                reduce = world_size() > 1 and self.args.gradient_accumulation_steps == 1
+                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype,
+                                             flat=world_size() > 1, reduce=reduce)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
                 blocker = f"capture failed ({str(err).splitlines()[0][:200]})"
                 torch.cuda.empty_cache()
