@@ -271,7 +271,10 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
                          H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr,
                          LOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                          BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
-    """dx_c = sum_b dphi_cb m x_b + sum_a dphi_ac m x_a (m: the query's doubling), dphi = dy S^T in registers."""
+    """dx_c = sum_b dphi_cb m x_b + sum_a dphi_ac m x_a (m: the query's doubling), dphi = dy S^T in registers, one first
+    index a at a time: dphi_a = dy S_a^T [BM, BD] (S_a: the state's packed rows (a, b), b >= a), used as the product
+    leaves it (reshaping a product's [BM, BA * BD] tile to [BM, BA, BD], as this kernel did, gave wrong gradients
+    on an H100 where Triton's interpreter gave right ones)."""
     i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_m * BM + tl.arange(0, BM)
@@ -286,19 +289,18 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
     dy = _operand(tl.load(dy_rows + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32), LOW, UPCAST)
     s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
     dx = tl.zeros([BM, BD], tl.float32)
-    for a0 in range(0, D, BA):
-        _, valid, srows, x_a = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, False, BA, BD)
+    for a in range(0, D):
+        valid = d_ok & (offs_d >= a)
+        srows = a * D - a * (a - 1) // 2 + offs_d - a
         s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-        dphi = tl.dot(dy, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)
-        flat = tl.arange(0, BA * BD)
+        dphi = tl.dot(dy, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)  # [BM, BD]: (a, b)
         if QUERY:
-            dphi = tl.where(((flat % BD) != (a0 + flat // BD))[None, :], 2.0 * dphi, dphi)
+            dphi = tl.where((offs_d != a)[None, :], 2.0 * dphi, dphi)
         dphi = tl.where(valid[None, :], dphi, 0.0)
-        d3 = tl.reshape(dphi, (BM, BA, BD))
-        dx += tl.sum(d3 * x_a[:, :, None], 1)  # into the second index b
-        to_first = tl.sum(d3 * x[:, None, :], 2)  # [BM, BA]: into the first index a
-        onehot = (offs_d[None, :] == (a0 + tl.arange(0, BA))[:, None]).to(tl.float32)  # [BA, BD]
-        dx += tl.sum(to_first[:, :, None] * onehot[None, :, :], 1)
+        is_a = offs_d[None, :] == a
+        x_a = tl.sum(tl.where(is_a, x, 0.0), 1)  # [BM]: column a of x
+        dx += dphi * x_a[:, None]  # into the second index b
+        dx += tl.where(is_a, tl.sum(dphi * x, 1)[:, None], 0.0)  # into the first index a
     out = DX + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * D + offs_d[None, :]
     tl.store(out, dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
