@@ -342,7 +342,7 @@ for g in mean:
 assert all(torch.allclose(v, g, atol=1e-6) for v, g in zip(buckets.views, mean)), [(v, g) for v, g in zip(buckets.views, mean)]
 assert buckets.views[-1].eq(0).all()
 assert not any(p._backward_hooks for p in params)  # the hooks are gone after the backward
-print("ok", rank)
+open(sys.argv[1] + f"/ok-{rank}", "w").close()  # one file per process: two processes' prints can interleave
 """
 
 
@@ -357,10 +357,10 @@ def test_gradient_buckets_average_over_two_gloo_processes_while_the_backward_run
     script.write_text(_BUCKETS_WORKER)
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script)], capture_output=True, text=True,
+    proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("ok")) == ["ok 0", "ok 1"]
+    assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
