@@ -13,7 +13,11 @@
 # chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536),
 # chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
-# every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`). Logs go to $OUT (or ./gpu-out) as they are written;
+# every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
+# recall (issue 37: the suite `recall` on GPU 0, RECALL_PER_GPU jobs at a time (default 11), stopped at RECALL_LIMIT seconds
+# (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
+# random ~250M softmax model (1024 x 20 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
+# on CPU at toy size, to check them). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -95,6 +99,45 @@ PY
         --set train.save_every=0 --set train.sample_tokens=0 --set train.lr=1e-3 --set train.warmup_steps=10 --set "train.cuda_graphs=$graphs"
       python -c "import csv,statistics,sys; r=[float(x['tokens_per_s']) for x in csv.DictReader(open(sys.argv[1])) if x.get('tokens_per_s')][1:]; print('attnlab train, cuda_graphs=$graphs: median tokens/s', round(statistics.median(r)), 'over', len(r), 'logs')" "$OUT/run-graphs-$graphs/metrics.csv" | tee -a "$OUT/summary.txt"
     done ;;
+  recall) R=$OUT/recall
+    if [ "${RECALL_TINY:-0}" = 1 ]; then  # the same commands on CPU at toy size
+      where=(--parallel 2); toy=(--set model.hidden_size=32 --set model.num_heads=2 --set train.max_steps=6 --set train.batch_size=4
+        --set train.warmup_steps=0 --set train.save_every=3 --set train.device=cpu --set data.mqar.vocab_size=256 --set eval.every=0
+        --set "eval.tasks=[{task: mqar, limit: 8}]")
+      niah_model=(--set model.hidden_size=64 --set model.num_layers=2 --set model.num_heads=2 --set model.max_position_embeddings=2048
+        --set train.device=cpu); niah=(--lengths 1k,2k --depths 0,1 --samples 1)
+    else
+      where=(--gpus 0 --per-gpu "${RECALL_PER_GPU:-11}"); toy=()
+      niah_model=(--set model.hidden_size=1024 --set model.num_layers=20 --set model.num_heads=16 --set model.max_position_embeddings=8192
+        --set train.cuda_graphs=false); niah=(--lengths 1k,2k,4k,6k,8k --depths 0,0.25,0.5,0.75,1 --samples 20)
+    fi
+    t0=$SECONDS; run recall-suite "${RECALL_LIMIT:-330}" $AL sweep recall "${where[@]}" ${toy[@]+"${toy[@]}"} --out-dir "$R/runs"; suite_s=$((SECONDS - t0))
+    run recall-report 120 $AL report "$R/runs" --out "$OUT/recall-report.html"
+    # the model is saved as attnlab saves every model: one step at lr 1e-9 leaves its random initialisation as it was
+    run recall-niah-model 240 $AL train --run-dir "$R/niah-model" --set model.mixer=softmax "${niah_model[@]}" --set data.seq_len=128 \
+      --set train.batch_size=1 --set train.max_steps=1 --set train.lr=1e-9 --set train.warmup_steps=0 --set train.eval_every=0 \
+      --set train.save_every=0 --set train.sample_tokens=0
+    t0=$SECONDS; run recall-niah "${NIAH_LIMIT:-240}" $AL eval "$R/niah-model" --task niah "${niah[@]}" -o "$R/niah"; niah_s=$((SECONDS - t0))
+    python - "$R" "$suite_s" "$niah_s" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+from attnlab.report.load import load_runs
+from attnlab.report.recall import mqar_rows, mqar_series
+root, suite_s, niah_s = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+header, rows = mqar_rows(mqar_series(load_runs([root / "runs"])))
+print("MQAR accuracy (per query, held-out sequences) by mixer and sequence length")
+print(" ".join(f"{h:>20s}" if i == 0 else f"{h:>7s}" for i, h in enumerate(header)))
+for row in rows:
+    print(" ".join(f"{c:>20s}" if i == 0 else f"{c:>7s}" for i, c in enumerate(row)))
+sweep = json.loads((root / "runs" / "sweep.json").read_text()) if (root / "runs" / "sweep.json").is_file() else {}
+done = sum(j.get("state") == "finished" for j in sweep.get("jobs", []))
+print(f"recall suite: {done}/{len(sweep.get('jobs', []))} runs finished in {suite_s} s wall")
+metrics = root / "niah" / "metrics.json"
+niah = json.loads(metrics.read_text()).get("metrics", {}) if metrics.is_file() else {}
+print(f"niah: {niah.get('examples', '?')} prompts, 1k-8k tokens, in {niah_s} s wall (generation {niah.get('generation_s', float('nan')):.1f} s), "
+      f"accuracy {niah.get('accuracy', float('nan')):.3f} (a random model: only the time means anything)")
+PY
+    ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 # Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source) is

@@ -63,13 +63,13 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
         from attnlab.models.ops.attention_family import attention_terms
 
         return attention_terms
-    from attnlab.models.kernels.attention_family import attention_terms as fused
+    from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
 
     return fused
 
 
 # Sequence lengths from which a linearizable attention-family layer (power1, power2 without a clamp) trains and
-# prefills chunked, in linear time (`kernels/attention_family_chunk.py`), instead of on the tiled quadratic kernels.
+# prefills chunked, in linear time (`kernels/attention_family/chunk.py`), instead of on the tiled quadratic kernels.
 # None yet: on an H100 (torch 2.11, Triton 3.6) the chunked form is not ready to be chosen. Its power2 gradients in
 # bf16 miss the fp32 reference (q's relative error 0.08-0.12 against the 0.03 the tiled kernels hold, with the
 # register-feature kernels; tests/test_attention_family_chunk.py, the CUDA tests marked xfail), and `2mamba` trained
@@ -82,19 +82,19 @@ CHUNKED_MIN_TOKENS: dict[str, int] = {}
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):
     """attnlab's chunked, linear-time form of a linearizable attention-family layer (`chunk_attention` of
-    `kernels/attention_family_chunk.py`) for a call of `seq_len` tokens on this tensor, or None: the
+    `kernels/attention_family/chunk.py`) for a call of `seq_len` tokens on this tensor, or None: the
     quadratic form runs (the tiled kernels on CUDA, the reference elsewhere). Chosen on CUDA (as attnlab's
     other kernels) from `CHUNKED_MIN_TOKENS` tokens on, for every option of those layers."""
     if similarity not in CHUNKED_MIN_TOKENS or seq_len < CHUNKED_MIN_TOKENS[similarity] or not use_triton(choice, x):
         return None
-    from attnlab.models.kernels.attention_family_chunk import chunk_attention
+    from attnlab.models.kernels.attention_family.chunk import chunk_attention
 
     return chunk_attention
 
 
 def attention_family_step_fn(choice: str, x: torch.Tensor):
     """attnlab's fused decoding step for linearizable attention-family layers (power1, power2
-    without a clamp; `kernels/attention_family_step.py`: the state advanced in place) for this CUDA
+    without a clamp; `kernels/attention_family/step.py`: the state advanced in place) for this CUDA
     tensor, or None: the mixer runs the PyTorch reference `recurrent_step`. It covers every
     similarity, decay and denominator of those layers; float64 runs the reference (with a warning)."""
     if not use_triton(choice, x):
@@ -102,24 +102,24 @@ def attention_family_step_fn(choice: str, x: torch.Tensor):
     if x.dtype == torch.float64:  # the kernel computes in fp32
         warnings.warn("attnlab's attention-family step kernel takes no float64: the step runs the PyTorch reference", stacklevel=3)
         return None
-    from attnlab.models.kernels.attention_family_step import attention_family_step_
+    from attnlab.models.kernels.attention_family.step import attention_family_step_
 
     return attention_family_step_
 
 
 def attention_family_state_update_fn(choice: str, x: torch.Tensor):
     """attnlab's kernel for a linearizable attention-family layer's state after a prompt (power2's
-    d^2 features formed in registers only; `kernels/attention_family_step.py`) for this CUDA tensor,
+    d^2 features formed in registers only; `kernels/attention_family/step.py`) for this CUDA tensor,
     or None: the prefill runs the PyTorch reference `linear_state_update`, a chunk of features at a time."""
     if not use_triton(choice, x) or x.dtype == torch.float64:
         return None
-    from attnlab.models.kernels.attention_family_step import linear_state_update
+    from attnlab.models.kernels.attention_family.step import linear_state_update
 
     return linear_state_update
 
 
 def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
-    """attnlab's causal depthwise conv kernel (`kernels/conv.py`: x [B, T, C], weight [C, K], bias,
+    """attnlab's causal depthwise conv kernel (`kernels/common/conv.py`: x [B, T, C], weight [C, K], bias,
     initial_state [B, K-1, C], silu -> y, final_state) for this CUDA tensor, or None: the mixer runs
     its PyTorch reference. `covered`: whether the kernel covers the layer's kernel size (the layer
     says why not when it is built)."""
@@ -128,7 +128,7 @@ def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):
     if x.dtype == torch.float64:  # Triton's kernel accumulates in fp32
         warnings.warn("attnlab's conv kernel takes no float64: the convolution runs the PyTorch reference", stacklevel=3)
         return None
-    from attnlab.models.kernels.conv import causal_conv1d
+    from attnlab.models.kernels.common.conv import causal_conv1d
 
     return causal_conv1d
 
@@ -141,14 +141,14 @@ def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
         from attnlab.models.ops.nsa import parallel_nsa
 
         return parallel_nsa
-    from attnlab.models.kernels.nsa import parallel_nsa as fused
+    from attnlab.models.kernels.nsa.parallel import parallel_nsa as fused
 
     return fused
 
 
 def nsa_step_fn(choice: str, x: torch.Tensor, covered: bool = True):
     """NSA's one-token decoding step over the static cache's buffers for this call: attnlab's Triton
-    kernel (`kernels/nsa_step.py`, one launch) for CUDA tensors in bf16, fp16 or fp32, else the PyTorch
+    kernel (`kernels/nsa/step.py`, one launch) for CUDA tensors in bf16, fp16 or fp32, else the PyTorch
     reference `ops.nsa.nsa_step`. `covered`: whether the kernel covers the layer's sizes (the layer
     says why not when it is built)."""
     from attnlab.models.ops.nsa import nsa_step as reference
@@ -158,7 +158,7 @@ def nsa_step_fn(choice: str, x: torch.Tensor, covered: bool = True):
     if x.dtype == torch.float64:  # Triton's kernel accumulates in fp32
         warnings.warn("attnlab's NSA step kernel takes no float64: the step runs the PyTorch reference", stacklevel=3)
         return reference
-    from attnlab.models.kernels.nsa_step import nsa_step_kernel
+    from attnlab.models.kernels.nsa.step import nsa_step_kernel
 
     return nsa_step_kernel
 
@@ -213,8 +213,8 @@ def gla_chunk_gated(q, k, v, logits, normalizer: float, scale, initial_state, ou
 
 def gla_step_(q, k, v, logits, state, normalizer: float, scale: float, bias=None, keep=None):
     """One decoding step with the forget gate computed from its logits, the fp32 state advanced in
-    place (see `kernels/gla_step.py`). q, k, logits: [B, H, K]; v: [B, H, V]; keep: [B] or None."""
-    from attnlab.models.kernels.gla_step import gla_step_ as step
+    place (see `kernels/gla/step.py`). q, k, logits: [B, H, K]; v: [B, H, V]; keep: [B] or None."""
+    from attnlab.models.kernels.gla.step import gla_step_ as step
 
     return step(q, k, v, logits, state, normalizer, scale, bias, keep)
 
@@ -278,15 +278,15 @@ def rms_norm_swish_gate(x, gate, weight, eps: float):
 
 
 def swiglu(gate, up):
-    """silu(gate) * up through attnlab's elementwise kernels (`kernels/swiglu.py`)."""
-    from attnlab.models.kernels.swiglu import swiglu as triton_swiglu
+    """silu(gate) * up through attnlab's elementwise kernels (`kernels/common/swiglu.py`)."""
+    from attnlab.models.kernels.common.swiglu import swiglu as triton_swiglu
 
     return triton_swiglu(gate, up)
 
 
 def swiglu_linear(gate, up, weight, bias):
     """down(swiglu(gate, up)) that keeps only gate and up for the backward (the product is recomputed)."""
-    from attnlab.models.kernels.swiglu import swiglu_linear as triton_swiglu_linear
+    from attnlab.models.kernels.common.swiglu import swiglu_linear as triton_swiglu_linear
 
     return triton_swiglu_linear(gate, up, weight, bias)
 

@@ -13,7 +13,7 @@ def attention_family_gap(head_dim: int) -> str | None:
     return None
 
 
-CONV_MAX_KERNEL_SIZE = 8  # as kernels/conv.py: its backward unrolls one dweight sum per tap, up to 8
+CONV_MAX_KERNEL_SIZE = 8  # as kernels/common/conv.py: its backward unrolls one dweight sum per tap, up to 8
 
 
 def causal_conv1d_gap(kernel_size: int) -> str | None:
@@ -37,7 +37,7 @@ def nsa_gap(head_dim: int, block_size: int, groups: int) -> str | None:
     return None
 
 
-NSA_STEP_MAX_HEAD_DIM = 128  # kernels/nsa_step.py: the group's rows, a tile of keys and three fp32 outputs in registers
+NSA_STEP_MAX_HEAD_DIM = 128  # kernels/nsa/step.py: the group's rows, a tile of keys and three fp32 outputs in registers
 NSA_STEP_MAX_BLOCK_SIZE = 64  # a selected block is one tile of keys
 NSA_STEP_MAX_GROUP = 64  # the group's query heads are the rows of every tile
 

@@ -46,9 +46,9 @@ chunk 128). Grids at (batch, T) = 16x1024, 4x4096,
 1x16384: states (256, 2, 1), (64, 4, 1), (16, 8, 2); output and backward (16, 256), (64, 64), (256, 16).
 fp32 inputs are for accuracy, not speed: in IEEE fp32 the output and backward kernels spill (1 to 5 KB).
 
-Timing against the fla path (`kernels/mamba2.py`), on a GPU, forward and backward of one layer's SSD
+Timing against the fla path (`kernels/mamba2/core.py`), on a GPU, forward and backward of one layer's SSD
 (measured on an H100 at 16x1024 / 4x4096 / 1x16384: 1.40 / 1.22 / 1.78 ms, the fla path 3.26 / 3.66 / 3.74):
-    # python -c "import torch, triton; from attnlab.models.kernels import ssd as s, mamba2 as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); paths={'fla GLA': lambda: m.chunk_ssd_gla(x,dt,A,B,C,D)[0], 'attnlab SSD': lambda: s.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0]}; [print(k, triton.testing.do_bench(lambda: f().sum().backward()), 'ms fwd+bwd') for k, f in paths.items()]"
+    # python -c "import torch, triton; from attnlab.models.kernels.mamba2 import ssd as s, core as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); paths={'fla GLA': lambda: m.chunk_ssd_gla(x,dt,A,B,C,D)[0], 'attnlab SSD': lambda: s.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0]}; [print(k, triton.testing.do_bench(lambda: f().sum().backward()), 'ms fwd+bwd') for k, f in paths.items()]"
 """
 
 from __future__ import annotations
@@ -493,7 +493,7 @@ def ssd(
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, with the signature
-    of `kernels.mamba2.ssd`: these kernels for CUDA tensors (y in x's dtype, the skip added in fp32
+    of `kernels.mamba2.core.ssd`: these kernels for CUDA tensors (y in x's dtype, the skip added in fp32
     inside the output kernel), else the PyTorch reference (y fp32). A chunk size that is not a power
     of two from 16 to 128 runs at 64 on the kernels (with a warning, once): that changes nothing but
     rounding."""

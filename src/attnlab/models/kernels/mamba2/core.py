@@ -1,5 +1,5 @@
 """Mamba-2 on CUDA: `ssd` runs its state-space recurrence (SSD) on attnlab's chunked kernels
-(`kernels/ssd.py`); `chunk_ssd_gla` computes the same through fla's chunked GLA kernels (the path
+(`kernels/mamba2/ssd.py`); `chunk_ssd_gla` computes the same through fla's chunked GLA kernels (the path
 those kernels replaced, 2.1-3.0x slower on an H100, kept as a second implementation to compare
 against); the gated norm and the output projection run on fla's fused norm kernel.
 
@@ -14,7 +14,7 @@ and attnlab's state [B, H, P, N] is fla's [B, H, K=N, V=P] transposed. `ssd_as_g
 holds: x and B, C (views of the convolution's output, in the compute dtype) and dt (fp32, one per
 head and step). The expanded q, k, the product v = x * dt, the fp32 log gate [B, T, H, N] and the
 kernel's intra-chunk scores are rebuilt in the backward; the D skip y + x * D is added inside, and
-the backward's elementwise part is one Triton kernel (`kernels/mamba2_grads.py`), so no fp32
+the backward's elementwise part is one Triton kernel (`kernels/mamba2/grads.py`), so no fp32
 [B, T, H, P] tensor outlives the call. The tests run the same function on CPU with the PyTorch GLA
 reference as backend (`ReferenceGLA`), which checks the mapping and its gradients in CI.
 
@@ -116,7 +116,7 @@ class ReferenceGLA:
 
 
 def _skip_grads_torch(dv, dy, x, dt, D):
-    """(dx, sum_p dv * x, sum_p dy * x) through v = x * dt and y = o + x * D; see `kernels/mamba2_grads.py`."""
+    """(dx, sum_p dv * x, sum_p dy * x) through v = x * dt and y = o + x * D; see `kernels/mamba2/grads.py`."""
     dv, x32 = dv.float(), x.float()
     ddt = (dv * x32).sum(-1)
     dx = dv.mul_(dt.float()[..., None])
@@ -158,7 +158,7 @@ class _ChunkSSD(torch.autograd.Function):
         dC, dB = per_group(dq, C), per_group(dk, B)
         skip_grads = _skip_grads_torch
         if x.is_cuda and triton_installed():
-            from attnlab.models.kernels.mamba2_grads import ssd_skip_grads as skip_grads
+            from attnlab.models.kernels.mamba2.grads import ssd_skip_grads as skip_grads
         dx, ddt, dD = skip_grads(dv, dy, x, dt, D)  # through v = x * dt and y = o + x * D
         da = dg.float().sum(-1)  # [b, T, H]: the log gate dt * A is shared by the N channels
         ddt = ddt + da * A.float()
@@ -191,11 +191,11 @@ def ssd(
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: attnlab's chunked
-    SSD kernels for CUDA tensors (`kernels/ssd.py`, y in x's dtype), else the PyTorch reference
+    SSD kernels for CUDA tensors (`kernels/mamba2/ssd.py`, y in x's dtype), else the PyTorch reference
     `chunk_ssd` (y fp32). Returns (y [b, T, H, P], final state [b, H, P, N] fp32; None on the fast
     path unless asked for). `chunk_ssd_gla` computes the same through fla's GLA kernels."""
     from attnlab.models.kernels import use_triton
-    from attnlab.models.kernels.ssd import ssd as chunked
+    from attnlab.models.kernels.mamba2.ssd import ssd as chunked
 
     if use_triton(choice, x):
         return chunked(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state, choice)
@@ -207,9 +207,9 @@ def ssd(
 
 def grouped_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """rmsnorm(x * silu(z)) over groups of `group_size` channels, times `weight`, in x's dtype, on
-    attnlab's gated-norm kernels (`kernels/gated_norm.py`): one pass each way, keeping x, z and the
+    attnlab's gated-norm kernels (`kernels/common/gated_norm.py`): one pass each way, keeping x, z and the
     fp32 inverse norms (one per row and group) for the backward."""
-    from attnlab.models.kernels.gated_norm import gated_rms_norm
+    from attnlab.models.kernels.common.gated_norm import gated_rms_norm
 
     return gated_rms_norm(x, z, weight, group_size, eps)
 
@@ -223,7 +223,7 @@ class _GatedNormLinear(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, z, norm_weight, weight, group_size, eps):
-        from attnlab.models.kernels.gated_norm import gated_rms_norm_fwd
+        from attnlab.models.kernels.common.gated_norm import gated_rms_norm_fwd
 
         shape = x.shape
         normed, rstd = gated_rms_norm_fwd(x, z, norm_weight, group_size, eps)
@@ -244,7 +244,7 @@ def _norm_linear_backward(dout, x, z, norm_weight, weight, rstd, group_size, dz_
     """(dx, dz, d norm_weight, d weight) of linear(gated_rms_norm(x, z) * norm_weight, weight): the normed
     tensor is recomputed by the norm's backward kernel, for the projection's weight gradient. dz_out: where
     to write dz (see `gated_rms_norm_bwd`)."""
-    from attnlab.models.kernels.gated_norm import gated_rms_norm_bwd
+    from attnlab.models.kernels.common.gated_norm import gated_rms_norm_bwd
 
     dout = dout.reshape(-1, dout.shape[-1])
     dnormed = torch.nn.functional.linear(dout, weight.t())
@@ -275,9 +275,9 @@ class _Mamba2Core(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, dims, chunk, eps):
-        from attnlab.models.kernels.conv import conv_forward
-        from attnlab.models.kernels.gated_norm import gated_rms_norm_fwd
-        from attnlab.models.kernels.ssd import ssd_forward
+        from attnlab.models.kernels.common.conv import conv_forward
+        from attnlab.models.kernels.common.gated_norm import gated_rms_norm_fwd
+        from attnlab.models.kernels.mamba2.ssd import ssd_forward
 
         inner, conv_dim, heads, group_size = dims[0], dims[1], dims[2], dims[6]
         batch, seq_len, _ = u.shape
@@ -297,8 +297,8 @@ class _Mamba2Core(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
-        from attnlab.models.kernels.conv import conv_backward
-        from attnlab.models.kernels.ssd import ssd_backward
+        from attnlab.models.kernels.common.conv import conv_backward
+        from attnlab.models.kernels.mamba2.ssd import ssd_backward
 
         u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, conv_out, y, rstd, dt = ctx.saved_tensors
         inner, conv_dim, heads, group_size = ctx.dims[0], ctx.dims[1], ctx.dims[2], ctx.dims[6]

@@ -19,7 +19,7 @@ the one program that reads it. A padding position (keep 0) enters as the mixer's
 xBC and dt zeroed, so the SSM state does not move and the window takes in a zero.
 
 Rounding follows the CUDA path of the eager step: the convolution accumulates in fp32 and its output
-is rounded to xBC's dtype (as `kernels/conv.py` stores it) before the recurrence, which runs in fp32.
+is rounded to xBC's dtype (as `kernels/common/conv.py` stores it) before the recurrence, which runs in fp32.
 
 The eager step launches about 30 kernels a layer between the two projections (the split's casts,
 softplus, the masking, the conv, A, `ssd_step`'s broadcasts and einsum, the D skip, the gated norm,

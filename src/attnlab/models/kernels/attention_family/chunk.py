@@ -2,7 +2,7 @@
 chunked, state-passing training and prefill.
 
 Time is cut into chunks of C tokens. Inside a chunk the quadratic form runs (`intra_terms`: the tiled
-kernels of `kernels/attention_family.py` on CUDA, the reference on CPU), on the chunks side by side as
+kernels of `kernels/attention_family/parallel.py` on CUDA, the reference on CPU), on the chunks side by side as
 rows of a batch, with each chunk's log-decays summed from its start. Across chunks a fixed-size state
 carries the earlier tokens, one state per head:
 
