@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, run_cli, sets
-from attnlab.train.checkpoint import MANIFEST, CheckpointManager, verify_checkpoint, write_manifest
+from attnlab.outputs import MANIFEST, write_manifest
+from attnlab.train.checkpoint import CheckpointManager, verify_checkpoint
 from attnlab.train.rundir import RunLock
 
 

@@ -67,7 +67,7 @@ def test_a_run_directory_holding_a_run_is_not_overwritten(tmp_path, tiny, capsys
 
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys
-    import attnlab.train.checkpoint as ckpt
+    import attnlab.outputs as ckpt
     real = ckpt.write_manifest
     def dying_write_manifest(directory, step):
         if step == {kill_step}:   # model, optimizer and RNG are on disk; the checkpoint is not yet complete

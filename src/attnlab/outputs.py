@@ -9,13 +9,22 @@ file under a fresh random name beside the target (created with O_CREAT|O_EXCL, s
 there is never opened), renamed over the target. Logs that a child process writes while it runs are created
 anew with `open_fresh_file`. Lock files and appended logs are opened with O_NOFOLLOW, staging directories
 are created anew with `fresh_dir`, and paths read from data (`inside`) must stay under their root.
+
+Every directory attnlab publishes (a checkpoint, a final model, an adapter, a converted model, a dequantised GGUF
+copy) goes through one writer, `publishing` (or `publish_dir`, its second half): written into a new staging
+directory beside its destination, described by a manifest (size and SHA-256 of every file), flushed to disk, and
+only then renamed into place; a crash at any point leaves what was there before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
+import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -239,6 +248,142 @@ def fresh_dir(path: str | Path) -> Path:
     remove_path(path)
     os.mkdir(path)
     return path
+
+
+# --- directories published whole: stage, manifest, rename -------------------------------------------------
+
+MANIFEST = "attnlab_manifest.json"
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: str | Path, step: int | None = None) -> None:
+    """`directory`/attnlab_manifest.json: the size and SHA-256 of every file under `directory` (the manifest
+    itself excepted) and, for a checkpoint or a run's final model, the training step. Readers check a directory
+    against it (attnlab.models.checkpoints.verify_checkpoint)."""
+    directory = Path(directory)
+    files = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {"step": step, "files": files} if step is not None else {"files": files}
+    replace_file(directory / MANIFEST, json.dumps(manifest, indent=1))
+
+
+@contextlib.contextmanager
+def publishing(dest: str | Path, step: int | None = None, replace: bool = True):
+    """Publish the directory `dest` whole or not at all: yields a new, empty staging directory beside `dest`
+    (`.NAME.<random>.tmp`, created with mkdir, so nothing planted there is written through) for the caller to
+    write into; when the block ends without an exception, `publish_dir` adds the manifest, flushes and renames
+    it to `dest`. On any exception the staging directory is removed and `dest` is as it was.
+
+    `replace`: a directory already at `dest` is replaced (kept until the new one is in place); without it, a
+    `dest` that is there (not an empty directory) is an OSError and nothing changes. Staging directories that
+    a killed process left beside `dest` are removed first; those of a process still writing are held by a lock
+    (flock) and left alone, so that two processes may publish the same `dest` at once."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_staging(dest)
+    held, staging = _at_fresh_name(dest, _new_held_dir)
+    try:
+        try:
+            yield staging
+            publish_dir(staging, dest, step, replace=replace)
+        except BaseException:
+            remove_path(staging)
+            raise
+    finally:
+        os.close(held)
+
+
+def publish_dir(staging: str | Path, dest: str | Path, step: int | None = None, replace: bool = True) -> Path:
+    """The second half of `publishing`, for a staging directory another writer made (the Trainer's processes
+    all write a checkpoint's staging directory): write its manifest, flush every file and the directory to disk,
+    and rename it to `dest`. With `replace`, whatever is at `dest` (a directory, a file, a planted link: moved,
+    never followed) is first renamed aside and removed once the new directory is in place; were that rename
+    to fail, it is put back."""
+    staging, dest = Path(staging), Path(dest)
+    write_manifest(staging, step)
+    _fsync_tree(staging)
+    if replace and os.path.lexists(dest):
+        old = temporary_name(dest)
+        os.rename(dest, old)
+        try:
+            os.rename(staging, dest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rename(old, dest)
+            raise
+        remove_path(old)
+    else:
+        os.rename(staging, dest)  # never over anything but an empty directory: OSError otherwise
+    fsync_dir(dest.parent)
+    return dest
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk, where the file system allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+
+
+def _new_held_dir(path: Path) -> int:
+    """mkdir `path` (FileExistsError on anything there, a link included) and hold it: an open descriptor with an
+    exclusive flock, released when the descriptor is closed or the process dies."""
+    os.mkdir(path)
+    try:
+        fd = os.open(path, _DIRECTORY)
+    except BaseException:
+        remove_path(path)
+        raise
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new directory: no one else holds it
+    return fd
+
+
+def _remove_abandoned_staging(dest: Path) -> None:
+    """Remove the directories at `dest`'s temporary names (`.NAME.<random>.tmp`) that no live process holds:
+    what a killed `publishing` left. Anything there that is not a directory (a planted link) is left alone."""
+    name = re.compile(re.escape(f".{dest.name}.") + r"[0-9a-f]{12}\.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(dest.parent):
+            if not name.fullmatch(entry.name):
+                continue
+            try:
+                fd = os.open(entry.path, _DIRECTORY)
+            except OSError:  # gone, or not a directory (a link is never opened)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: a process is writing it
+                os.close(fd)
+                continue
+            try:
+                remove_path(entry.path)
+            finally:
+                os.close(fd)
 
 
 def open_lock_file(path: str | Path) -> int:

@@ -292,13 +292,10 @@ def corpus_bpe_tokenizer(work_dir: Path, vocab: int) -> Path:
     out = work_dir / f"bpe-{vocab}-{CORPUS}"
     if not (out / "tokenizer.json").is_file():
         lines = [line for doc in read_documents(CORPUS) for line in doc.split("\n")]
-        from attnlab.outputs import remove_path
+        from attnlab.outputs import publishing
 
-        part = out.with_name(out.name + ".part")
-        remove_path(part)  # a link planted there is unlinked, never followed
-        train_bpe(lines, vocab, part)
-        shutil.rmtree(out, ignore_errors=True)
-        part.rename(out)
+        with publishing(out) as part:
+            train_bpe(lines, vocab, part)
     return out
 
 
@@ -316,12 +313,10 @@ def hf_llama_init(work_dir: Path, size: Size, vocab: int) -> Path:
         transformers.utils.logging.disable_progress_bar()  # no bar for writing one shard
         torch.manual_seed(0)
         model = build(HF_LLAMA, size.hidden, size.layers, size.heads, vocab, size.intermediate)
-        from attnlab.outputs import fresh_dir
+        from attnlab.outputs import publishing
 
-        part = fresh_dir(out.with_name(out.name + ".part"))  # created anew: nothing planted there is written through
-        model.save_pretrained(part, safe_serialization=True)
-        shutil.rmtree(out, ignore_errors=True)
-        part.rename(out)
+        with publishing(out) as part:
+            model.save_pretrained(part, safe_serialization=True)
     return out
 
 

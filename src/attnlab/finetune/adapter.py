@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from attnlab.errors import CheckpointError
-from attnlab.outputs import fresh_dir, remove_path
+from attnlab.outputs import publishing
 
 META = "attnlab_adapter.json"
 ROWS = "control_tokens.safetensors"
@@ -39,17 +39,20 @@ def is_adapter_dir(path: Path) -> bool:
 
 
 def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str) -> Path:
-    """Write the adapter directory atomically (a temporary directory renamed into place)."""
-    from safetensors.torch import save_file
-
+    """Write the adapter directory atomically (outputs.publishing: staged beside `out`, renamed into place)."""
     out = Path(out)
-    tmp = out.with_name("." + out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fresh_dir(tmp)  # never a directory or link planted at the temporary name
     meta = {**meta, **portable_base(meta["base_model"], out)} if meta.get("base_model") else meta
     if meta.get("base_model_dir"):  # a base that from_pretrained (and AutoPeftModelForCausalLM) can open
         for config in peft_model.peft_config.values():
             config.base_model_name_or_path = meta["base_model_dir"]
+    with publishing(out) as tmp:
+        _write_adapter(peft_model, tokenizer, tmp, meta, config_yaml)
+    return out
+
+
+def _write_adapter(peft_model, tokenizer, tmp: Path, meta: dict, config_yaml: str) -> None:
+    from safetensors.torch import save_file
+
     peft_model.save_pretrained(tmp, save_embedding_layers=False)
     tokenizer.save_pretrained(tmp)
     ids = sorted(meta.get("control_tokens", {}).values())
@@ -67,20 +70,6 @@ def save_adapter(peft_model, tokenizer, out: Path, meta: dict, config_yaml: str)
     meta = {**meta, "embedding_rows": int(base.get_input_embeddings().weight.shape[0]), "tokenizer_size": len(tokenizer)}
     (tmp / META).write_text(json.dumps(meta, indent=1))
     (tmp / "finetune_config.yaml").write_text(config_yaml, encoding="utf-8")
-    _publish(tmp, out)
-    return out
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished directory `tmp` to `out`, replacing what was there."""
-    if out.exists():
-        old = out.with_name("." + out.name + ".old")
-        remove_path(old)
-        out.replace(old)
-        tmp.replace(out)
-        remove_path(old)
-    else:
-        tmp.replace(out)
 
 
 def save_full_model(model, tokenizer, out: Path, meta: dict, config_yaml: str) -> Path:
@@ -89,15 +78,12 @@ def save_full_model(model, tokenizer, out: Path, meta: dict, config_yaml: str) -
     from .model import stored_dtype
 
     out = Path(out)
-    tmp = out.with_name("." + out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fresh_dir(tmp)  # never a directory or link planted at the temporary name
     dtype = stored_dtype(Path(meta["base_model_dir"])) if meta.get("base_model_dir") else None
-    _save_in_dtype(model, tmp, dtype)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
-    (tmp / "finetune_config.yaml").write_text(config_yaml, encoding="utf-8")
-    _publish(tmp, out)
+    with publishing(out) as tmp:
+        _save_in_dtype(model, tmp, dtype)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
+        (tmp / "finetune_config.yaml").write_text(config_yaml, encoding="utf-8")
     return out
 
 
@@ -248,14 +234,9 @@ def merge_adapter(path: str | Path, out: str | Path, trust_remote_code: bool = F
     meta = read_meta(Path(path))
     base_reference(Path(path), meta)  # refuses before the model loads
     model, tokenizer = load_adapter(path, device="cpu", dtype="fp32", trust_remote_code=trust_remote_code, merged=True)
-    tmp = out.with_name("." + out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fresh_dir(tmp)  # never a directory or link planted at the temporary name
-    _save_in_dtype(model, tmp, _base_dtype(Path(path), meta))  # merged in fp32, saved in the base's own dtype
-    tokenizer.save_pretrained(tmp)
-    (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
-    shutil.copy(Path(path) / "finetune_config.yaml", tmp / "finetune_config.yaml")
-    if out.exists():
-        out.rmdir()
-    tmp.replace(out)
+    with publishing(out, replace=False) as tmp:  # renamed over an empty directory at `out`, never over anything else
+        _save_in_dtype(model, tmp, _base_dtype(Path(path), meta))  # merged in fp32, saved in the base's own dtype
+        tokenizer.save_pretrained(tmp)
+        (tmp / "generation_presets.json").write_text(json.dumps(meta.get("generation_presets", {}), indent=1))
+        shutil.copy(Path(path) / "finetune_config.yaml", tmp / "finetune_config.yaml")
     return out

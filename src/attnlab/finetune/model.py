@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,7 +13,7 @@ import torch.nn as nn
 from attnlab.errors import CheckpointError, ConfigError
 from attnlab.models.references import refuse_pickled_only, resolve_model_dir
 from attnlab.models.smollm2 import cache_dir, packaged_model
-from attnlab.outputs import fresh_dir
+from attnlab.outputs import publishing
 
 # Target modules per architecture (matched as suffixes of module names, as peft does).
 ATTNLAB_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "z_proj", "g_proj", "gk_proj.0", "gk_proj.1",
@@ -79,23 +77,16 @@ def gguf_hf_dir(gguf: Path, tokenizer=None) -> Path:
     _drop_gguf_quantization(model)
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fresh_dir(tmp)  # never a directory or link planted at the temporary name
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "dtype": "bf16"}, indent=1) + "\n")
-        try:
-            tmp.replace(target)
-        except OSError:  # another process wrote it first: theirs is the same
-            if not (target / "config.json").is_file():
-                raise
+        with publishing(target, replace=False) as tmp:  # another process may write the same copy at the same time
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "dtype": "bf16"}, indent=1) + "\n")
     except OSError as e:
+        if _complete(target):  # another process published it first: theirs is the same
+            return target
         raise CheckpointError(f"cannot write the dequantised copy of {gguf.name} to {target.parent}: {e}. Free disk space there "
                               "or set ATTNLAB_CACHE to a writable directory.") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

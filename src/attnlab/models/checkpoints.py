@@ -1,19 +1,19 @@
-"""Reading attnlab checkpoints: the manifest that vouches for every file of a checkpoint (or final model), and
-the checkpoints a run directory has published (RUN/checkpoints/step-NNNNNNN). attnlab.train.checkpoint writes
-them; loading a model, resuming a run and converting one read them through this module.
+"""Reading attnlab checkpoints: the manifest that vouches for every file of a checkpoint (or any directory attnlab
+published: a final model, an adapter, a converted model), and the checkpoints a run directory has published
+(RUN/checkpoints/step-NNNNNNN). attnlab.outputs.publishing writes the manifest, attnlab.train.checkpoint the
+checkpoints; loading a model, resuming a run and converting one read them through this module.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import re
 from pathlib import Path
 
 from attnlab.errors import CheckpointError
+from attnlab.outputs import MANIFEST, file_sha256
 
-MANIFEST = "attnlab_manifest.json"
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
@@ -21,13 +21,9 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def verify_checkpoint(directory: Path, require: tuple[str, ...] = ()) -> int:
-    """Check every file against the manifest; return the step. Raises CheckpointError naming the damage.
+    """Check every file against the manifest; return the step (0 for a directory published without one, such as
+    an adapter or a converted model). Raises CheckpointError naming the damage.
 
     `require`: file names (glob patterns) the manifest must list, e.g. what a resume restores. A checkpoint
     whose manifest was rewritten without one of them is refused rather than resumed without it."""
@@ -37,7 +33,7 @@ def verify_checkpoint(directory: Path, require: tuple[str, ...] = ()) -> int:
         raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}: it is incomplete. Delete it to resume from the previous checkpoint.")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files, step = manifest["files"], int(manifest["step"])
+        files, step = manifest["files"], int(manifest.get("step", 0))
         sizes = {rel: int(meta["bytes"]) for rel, meta in files.items()}
         sums = {rel: str(meta["sha256"]) for rel, meta in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from attnlab.errors import CheckpointError
 from attnlab.models.files import ATTNLAB_REQUIRED, check_model_config, check_safetensors, read_json_object
 from attnlab.models.references import resolve_model_dir
-from attnlab.outputs import fresh_dir, remove_path
+from attnlab.outputs import publishing
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -550,19 +550,6 @@ def _check_free(out: Path) -> None:
         raise CheckpointError(f"{out} already exists: choose another output directory, or remove it first")
 
 
-def _publish(out: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling, then move it to `out`: nothing half-written is left behind."""
-    _check_free(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fresh_dir(tmp)  # never a directory or link planted at the temporary name
-        write(tmp)
-        tmp.replace(out)
-    finally:
-        remove_path(tmp)
-
-
 def convert(src: str | Path, out: str | Path) -> str:
     """Write the checkpoint in `src` as an attnlab model directory `out` (config.json, model.safetensors,
     the tokenizer files if `src` has them). Returns what was converted, for the CLI to say."""
@@ -570,12 +557,10 @@ def convert(src: str | Path, out: str | Path) -> str:
     _check_free(out)
     kind = source_kind(read_config(src))
     model = load_converted(src)
-
-    def write(tmp: Path) -> None:
+    _check_free(out)  # again: something may have been put there while the model loaded
+    with publishing(out, replace=False) as tmp:  # nothing half-written is left behind
         model.save_pretrained(tmp)
         copy_tokenizer(src, tmp)
-
-    _publish(out, write)
     what = "attnlab model" if kind == "attnlab" else SOURCES[kind].name + " checkpoint"
     return f"{what} -> attnlab {model.config.mixer} model ({model.num_parameters():,} parameters)"
 
@@ -675,10 +660,9 @@ def export_fla(src: str | Path, out: str | Path) -> str:
     model = load_converted(src)
     fla, state = fla_export(model.config, {k: v.detach().contiguous() for k, v in model.state_dict().items()})
 
-    def write(tmp: Path) -> None:
+    _check_free(out)
+    with publishing(out, replace=False) as tmp:  # nothing half-written is left behind
         (tmp / "config.json").write_text(json.dumps(fla, indent=2) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_tokenizer(src, tmp)
-
-    _publish(out, write)
     return f"attnlab {model.config.mixer} model -> fla {fla['model_type']} checkpoint"

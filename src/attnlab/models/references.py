@@ -41,9 +41,10 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def verified_model_dir(directory: Path) -> Path:
-    """`directory`, after checking every file its attnlab manifest lists (size and SHA-256). A directory
-    without a manifest (an HF model, an adapter) is returned as it is. A damaged checkpoint of a run is
-    refused naming the newest intact checkpoint of that run."""
+    """`directory`, after checking every file its attnlab manifest lists (size and SHA-256; every directory
+    attnlab publishes has one). A directory without a manifest (an HF model, an adapter or converted model
+    written by an older attnlab) is returned as it is. A damaged checkpoint of a run is refused naming the
+    newest intact checkpoint of that run."""
     if not (directory / MANIFEST).is_file():
         return directory
     try:

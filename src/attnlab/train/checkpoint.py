@@ -1,52 +1,21 @@
 """Checkpoints that are either complete or absent.
 
-A checkpoint is written into `checkpoints/.staging/`, described by a manifest (size and
-SHA-256 of every file), flushed to disk, and only then renamed to `checkpoints/step-NNNNNNN/`.
-`checkpoints/latest` is a symlink swapped atomically to the newest one. A crash at any point
-leaves the previous checkpoints untouched; a half-written staging directory is never resumed.
-The manifest's check and the discovery of a run's checkpoints are attnlab.models.checkpoints'.
+A checkpoint is written into `checkpoints/.staging/` (by every process of the run), then published by
+attnlab.outputs.publish_dir: described by a manifest (size and SHA-256 of every file), flushed to disk, and
+only then renamed to `checkpoints/step-NNNNNNN/`. `checkpoints/latest` is a symlink swapped atomically to the
+newest one. A crash at any point leaves the previous checkpoints untouched; a half-written staging directory is
+never resumed. The manifest's check and the discovery of a run's checkpoints are attnlab.models.checkpoints'.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from attnlab.errors import CheckpointError
-from attnlab.models.checkpoints import MANIFEST, RunCheckpoints, file_sha256, step_dir_name, verify_checkpoint
-from attnlab.outputs import remove_path, replace_file, replace_symlink
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_manifest(directory: Path, step: int) -> None:
-    files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-    replace_file(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+from attnlab.models.checkpoints import RunCheckpoints, step_dir_name, verify_checkpoint
+from attnlab.outputs import fsync_dir, publish_dir, remove_path, replace_file, replace_symlink
 
 
 class CheckpointManager(RunCheckpoints):
@@ -64,26 +33,16 @@ class CheckpointManager(RunCheckpoints):
     def publish(self, staged: Path, step: int, extra_files: dict[str, str] | None = None) -> Path:
         """Turn a fully written staging directory into checkpoints/step-NNNNNNN, atomically."""
         for name, text in (extra_files or {}).items():
-            (staged / name).write_text(text, encoding="utf-8")
-        write_manifest(staged, step)
-        _fsync_tree(staged)
-        final = self.root / step_dir_name(step)
-        if final.exists():  # a re-save of the same step (e.g. resumed at the end): replace it whole
-            trash = self.root / f".trash-{final.name}"
-            remove_path(trash)
-            final.replace(trash)
-            staged.replace(final)
-            remove_path(trash)
-        else:
-            staged.replace(final)
-        _fsync_dir(self.root)
+            replace_file(staged / name, text)
+        # a re-save of the same step (e.g. resumed at the end) replaces it whole
+        final = publish_dir(staged, self.root / step_dir_name(step), step)
         self._point_latest(final)
         self._rotate()
         return final
 
     def _point_latest(self, target: Path) -> None:
         replace_symlink(self.root / "latest", target.name)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _rotate(self) -> None:
         best = self._best_checkpoint_name()

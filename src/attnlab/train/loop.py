@@ -32,11 +32,11 @@ from attnlab.data.blocks import DATA_STATE
 from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
 from attnlab.launch import rank, world_size
 from attnlab.models import AttnLabForCausalLM
-from attnlab.outputs import fresh_dir, remove_path, replace_file
+from attnlab.outputs import publishing, replace_file
 
 from .checkpoint import (
     OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
-    torch_load_checked, write_manifest,
+    torch_load_checked,
 )
 from .graphs import CHECKPOINT_KWARGS, CapturedLoss, graph_blocker, on_capture_stream
 from .sampling import sample_continuation
@@ -758,20 +758,10 @@ def _stable_run_id(run_dir: Path) -> str:
 
 
 def _save_final(model, tokenizer, cfg: RunConfig, run_dir: Path, step: int, state_dict: dict | None = None) -> None:
-    final, tmp = run_dir / "final", run_dir / ".final.tmp"
-    fresh_dir(tmp)  # never a directory or link planted at the temporary name
-    model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    save_config(cfg, tmp / "run_config.yaml")
-    write_manifest(tmp, step)  # generate / eval verify the final model against it
-    if final.exists():
-        old = run_dir / ".final.old"
-        remove_path(old)
-        final.replace(old)
-        tmp.replace(final)
-        remove_path(old)
-    else:
-        tmp.replace(final)
+    with publishing(run_dir / "final", step) as tmp:  # its manifest: generate / eval verify the final model against it
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        save_config(cfg, tmp / "run_config.yaml")
 
 
 def _elapsed_at(run_dir: Path, step: int) -> float:
