@@ -1,4 +1,7 @@
-"""The config reference table in README.md, generated from the schema (a test keeps them equal)."""
+"""The config reference table in docs/config.md, generated from the schema.
+
+scripts/generate_docs.py writes it there; tests/test_docs.py keeps the two equal.
+"""
 
 from __future__ import annotations
 
