@@ -1,5 +1,5 @@
 """The crossover between the attention family's tiled quadratic kernels and its chunked, linear-time form
-(`attnlab.models.kernels.attention_family_chunk`), on CUDA: forward and backward of one layer's token mixing
+(`attnlab.models.kernels.attention_family.chunk`), on CUDA: forward and backward of one layer's token mixing
 at the zoo's shapes, for the three linearizable presets the issue tables (their options as `mixing_function`
 sees them), and the chunked form under several chunk sizes.
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.bench.timing import median_time, release
-from attnlab.models.kernels import attention_family_chunk as chunk_module
-from attnlab.models.kernels.attention_family import attention_terms as tiled_terms
+from attnlab.models.kernels.attention_family import chunk as chunk_module
+from attnlab.models.kernels.attention_family.parallel import attention_terms as tiled_terms
 from attnlab.models.mixers import MIXERS
 from attnlab.models.mixers.attention_family import mixing_denominator
 from attnlab.models.ops.attention_family import apply_feature_map, log_decay_cumsum, parallel_attention

@@ -1,5 +1,5 @@
 """Times one Mamba-2 layer's SSD and causal-conv kernels (forward and backward) under the block choices
-of `attnlab.models.kernels.ssd` and `attnlab.models.kernels.conv`, on CUDA, and prints a table.
+of `attnlab.models.kernels.mamba2.ssd` and `attnlab.models.kernels.common.conv`, on CUDA, and prints a table.
 
     python benchmarks/mamba2_kernels.py [--shape 4x4096] [--shape 16x1024]
 
@@ -17,7 +17,8 @@ import itertools
 import torch
 import triton
 
-from attnlab.models.kernels import conv, ssd
+from attnlab.models.kernels.common import conv
+from attnlab.models.kernels.mamba2 import ssd
 
 HEADS, HEAD_DIM, STATE, KERNEL = 16, 128, 64, 4
 

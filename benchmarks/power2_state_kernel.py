@@ -1,4 +1,4 @@
-"""Times power2's prompt-state kernel (`attnlab.models.kernels.attention_family_step.linear_state_update`,
+"""Times power2's prompt-state kernel (`attnlab.models.kernels.attention_family.step.linear_state_update`,
 the d(d + 1) / 2 x d state of a 2mamba layer after its prompt) under several block choices, on CUDA.
 
     python benchmarks/power2_state_kernel.py
@@ -15,7 +15,7 @@ import itertools
 import torch
 import triton
 
-from attnlab.models.kernels import attention_family_step as step
+from attnlab.models.kernels.attention_family import step as step
 from attnlab.models.ops.attention_family import log_decay_cumsum
 
 

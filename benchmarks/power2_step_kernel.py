@@ -1,4 +1,4 @@
-"""Times power2's decoding step (`attnlab.models.kernels.attention_family_step.attention_family_step_`)
+"""Times power2's decoding step (`attnlab.models.kernels.attention_family.step.attention_family_step_`)
 of one 2mamba layer on CUDA: the step that rewrites the state (its committed blocks), then the windowed
 step (the state read, a window of recent tokens attended to and folded in once per window) under
 several choices of its read kernel's blocks.
@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from attnlab.models.kernels import attention_family_step as step
+from attnlab.models.kernels.attention_family import step as step
 from attnlab.models.ops.attention_family import RECENT_TOKENS, linear_feature_count, new_recent
 
 

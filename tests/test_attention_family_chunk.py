@@ -1,4 +1,4 @@
-"""The attention family's chunked, linear-time form (`models/kernels/attention_family_chunk.py`) against
+"""The attention family's chunked, linear-time form (`models/kernels/attention_family/chunk.py`) against
 the pure-PyTorch reference: outputs and gradients for every option combination of the linearizable
 presets, padded and unpadded, T not a multiple of the chunk, several groups of chunks, a prefill
 continuing a cache (the state handed on in the decoding layout), causality; the chunks' quadratic part
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM, kernels
-from attnlab.models.kernels.attention_family_chunk import CHUNK_SIZES, _Power2Features, chunk_attention
+from attnlab.models.kernels.attention_family.chunk import CHUNK_SIZES, _Power2Features, chunk_attention
 from attnlab.models.mixers import MIXERS
 from attnlab.models.mixers.attention_family import AttentionFamily, is_linearizable
 from attnlab.models.ops.attention_family import (
@@ -220,7 +220,7 @@ def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query):
     pytest.importorskip("triton")
     if CUDA:
         pytest.skip("on a GPU the compiled kernels run in the tests below")
-    from attnlab.models.kernels import attention_family_chunk as chunked
+    from attnlab.models.kernels.attention_family import chunk as chunked
 
     x = torch.randn(2, 5, 37, 3, 8).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d], a view of [B, n, C, H, d]
     features = chunked._features_triton(x, query)
@@ -238,7 +238,7 @@ def test_products_with_features_in_registers_match_pytorch_through_the_interpret
     pytest.importorskip("triton")
     if CUDA:
         pytest.skip("on a GPU the compiled kernels run in the tests below")
-    from attnlab.models.kernels import attention_family_chunk as chunked
+    from attnlab.models.kernels.attention_family import chunk as chunked
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 37, 2, 8, generator=g).to(dtype).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d]
@@ -259,7 +259,7 @@ def test_products_with_features_in_registers_match_pytorch_on_cuda(query, decaye
     """The compiled register-feature kernels at the model's sizes (heads of 64, chunks of 512, two chunks of a
     strided view, bf16), with dy's rows scaled as a decay scales them, against the features formed in memory
     in fp32: what the chunked path's gradient of q and k rests on."""
-    from attnlab.models.kernels import attention_family_chunk as chunked
+    from attnlab.models.kernels.attention_family import chunk as chunked
 
     g = torch.Generator(device="cuda").manual_seed(3)
     batch, heads, chunks, chunk, d, width = 2, 4, 2, 512, 64, 72
@@ -284,8 +284,8 @@ def test_chunks_on_the_triton_kernels_match_the_reference_through_the_interprete
     pytest.importorskip("triton")
     if CUDA:
         pytest.skip("on a GPU the compiled kernels are tested below")
-    from attnlab.models.kernels import attention_family_chunk as chunked
-    from attnlab.models.kernels.attention_family import attention_terms as fused
+    from attnlab.models.kernels.attention_family import chunk as chunked
+    from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
 
     monkeypatch.setattr(chunked, "_use_feature_kernels", lambda x: x.dim() == 5 and x.stride(-1) == 1)
 
@@ -371,7 +371,7 @@ def test_chunked_in_bf16_matches_the_fp32_reference_on_cuda(case, seq_len):
     """bf16 inputs on the compiled kernels (tiled inside chunks, power2's features in registers) and cuBLAS, the
     default chunk sizes, against the fp32 reference: outputs and gradients of a padded batch of 2 x 4 heads of 64;
     the longer one in groups of two chunks (the state carried between groups)."""
-    from attnlab.models.kernels.attention_family import attention_terms as fused
+    from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
 
     q, k, v, log_decay, mask = case_inputs(case, 2, seq_len, 4, 64, device="cuda", seed=seq_len, masked=True)
     reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,
@@ -383,8 +383,8 @@ def test_chunked_in_bf16_matches_the_fp32_reference_on_cuda(case, seq_len):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_chunked_with_power2_features_in_memory_matches_the_fp32_reference_on_cuda(monkeypatch):
     """The other CUDA path for power2 (`FEATURES_IN_REGISTERS` off: features formed by their kernel, products on cuBLAS)."""
-    from attnlab.models.kernels import attention_family_chunk as chunked
-    from attnlab.models.kernels.attention_family import attention_terms as fused
+    from attnlab.models.kernels.attention_family import chunk as chunked
+    from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
 
     monkeypatch.setattr(chunked, "FEATURES_IN_REGISTERS", False)
     case = ("power2", "sum", True)  # the inputs of the register path's case that misses (POWER2_BF16_GRADIENTS)

@@ -1,4 +1,4 @@
-"""attnlab's attention-family kernels (`models/kernels/attention_family.py`) against the pure-PyTorch
+"""attnlab's attention-family kernels (`models/kernels/attention_family/parallel.py`) against the pure-PyTorch
 reference: through Triton's interpreter on CPU (TRITON_INTERPRET=1, small shapes), and compiled on a
 CUDA GPU in bf16 for every registered preset (marked `cuda`, skipped without a GPU)."""
 
@@ -28,7 +28,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def fused_terms():
-    from attnlab.models.kernels.attention_family import attention_terms
+    from attnlab.models.kernels.attention_family.parallel import attention_terms
 
     return attention_terms
 
@@ -94,7 +94,7 @@ def test_kernels_match_the_reference_through_the_interpreter(case, num_queries, 
 @pytest.mark.parametrize("terms", [2, 5, 80])
 def test_taylor_kernel_uses_exp_only_where_the_series_equals_it(terms):
     pytest.importorskip("triton")
-    from attnlab.models.kernels.attention_family import taylor_exp_range
+    from attnlab.models.kernels.attention_family.parallel import taylor_exp_range
     from attnlab.models.ops.attention_family import taylor_series_exp
 
     lo, hi = taylor_exp_range(terms)
@@ -243,7 +243,7 @@ def test_parallel_attention_divides_in_the_kernel_as_the_reference_does(denomina
     """The fused division (o = num / finished den, written in the output dtype) against the reference's
     `_divide(_finish_denominator(...))`: outputs and gradients, with rows whose den is 0 (a query
     whose keys are all padding) and row sums under 1 (where the clamp holds)."""
-    from attnlab.models.kernels.attention_family import divide
+    from attnlab.models.kernels.attention_family.parallel import divide
     from attnlab.models.ops.attention_family import parallel_attention
 
     device = "cuda" if CUDA else "cpu"

@@ -1,10 +1,10 @@
-"""Beam search's in-place reorder (`kernels/beam_reorder.py`) against index_select: through Triton's
+"""Beam search's in-place reorder (`kernels/common/beam_reorder.py`) against index_select: through Triton's
 interpreter on CPU, compiled on CUDA, and through the static runner's beam search."""
 
 import pytest
 import torch
 
-from attnlab.models.kernels.beam_reorder import reorder_rows_
+from attnlab.models.kernels.common.beam_reorder import reorder_rows_
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

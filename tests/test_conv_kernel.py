@@ -1,4 +1,4 @@
-"""attnlab's causal depthwise conv kernel (`models/kernels/conv.py`) against `F.conv1d`: through
+"""attnlab's causal depthwise conv kernel (`models/kernels/common/conv.py`) against `F.conv1d`: through
 Triton's interpreter on CPU (TRITON_INTERPRET=1, tiny shapes), and compiled on a CUDA GPU in bf16
 (marked `cuda`, skipped without a GPU), alone and inside the two mixers that use it."""
 
@@ -67,7 +67,7 @@ def run_conv(conv, leaves, dy, dstate, silu, dtype=None, channel_major=False):
 
 
 def fused_conv():
-    from attnlab.models.kernels.conv import causal_conv1d
+    from attnlab.models.kernels.common.conv import causal_conv1d
 
     return causal_conv1d
 
@@ -123,7 +123,7 @@ def test_backward_walking_several_time_tiles_per_program_sums_the_same(monkeypat
     """The dpre pass keeps one dweight sum per tap (unrolled up to 8) over the tiles a program walks."""
     if CUDA:
         pytest.skip("on a GPU the compiled kernel is tested below")
-    from attnlab.models.kernels import conv
+    from attnlab.models.kernels.common import conv
 
     monkeypatch.setattr(conv, "BWD_MIN_PROGRAMS", 1)  # 16 tiles per program: 203 steps take two programs, the second partly empty
     assert 16 * conv.BWD_BLOCK_T < 203 < 32 * conv.BWD_BLOCK_T
@@ -301,7 +301,7 @@ def test_kernel_with_a_channel_major_state_and_short_inputs_matches_on_cuda():
 def test_backward_on_mamba2s_strided_projection_matches_on_cuda(silu):
     """Mamba-2's conv as it trains (hidden 1024): x a column slice (2176 channels) of the in_proj output
     (4256), 4096 steps, bf16, bias, no state: the dpre pass walks 16 time tiles per program."""
-    from attnlab.models.kernels import conv
+    from attnlab.models.kernels.common import conv
 
     B, T, C, K = 2, 4096, 2176, 4
     assert B * triton_cdiv(C, 128) * triton_cdiv(T, 16 * conv.BWD_BLOCK_T) >= conv.BWD_MIN_PROGRAMS
@@ -344,7 +344,7 @@ def test_mixers_on_the_kernel_match_the_reference_on_cuda(setup, monkeypatch):
 def test_the_one_token_step_advances_its_state_in_place(kernel_size):
     """`conv_step_` (a decoding step): the output and the last K - 1 inputs of `causal_conv1d`, the
     state written where it lies, also as a view into a wider buffer."""
-    from attnlab.models.kernels.conv import causal_conv1d, conv_step_
+    from attnlab.models.kernels.common.conv import causal_conv1d, conv_step_
 
     gen = torch.Generator().manual_seed(kernel_size)
     batch, channels = 3, 40

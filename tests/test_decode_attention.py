@@ -1,4 +1,4 @@
-"""Decoding over a static KV cache: the split-key Triton kernel (`kernels/decode_attention.py`) against
+"""Decoding over a static KV cache: the split-key Triton kernel (`kernels/softmax/decode.py`) against
 SDPA under the same mask (through Triton's interpreter on CPU, compiled on CUDA), and the engine's
 captured steps against its eager static steps on a GPU."""
 
@@ -7,7 +7,7 @@ import torch
 
 from attnlab.generation.graphs import StaticRunner, kv_capacity, static_decoding
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM
-from attnlab.models.kernels.decode_attention import decode_attention, decode_attention_reference, splits_for
+from attnlab.models.kernels.softmax.decode import decode_attention, decode_attention_reference, splits_for
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,7 +45,7 @@ def test_columns_past_the_length_are_never_read():
 
 
 def test_splits_keep_the_gpu_busy_and_each_range_holds_a_tile():
-    from attnlab.models.kernels.decode_attention import BLOCK_N, TARGET_PROGRAMS
+    from attnlab.models.kernels.softmax.decode import BLOCK_N, TARGET_PROGRAMS
 
     assert splits_for(8 * 16, 2304) == min(TARGET_PROGRAMS // 128, 2304 // BLOCK_N)  # batch 8, 16 heads
     assert splits_for(1, 64) == 1
@@ -145,7 +145,7 @@ def test_family_step_on_the_kernel_matches_the_reference_form(options):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_cache_write_in_one_kernel_match_the_separate_steps(dtype):
-    from attnlab.models.kernels.decode_attention import rope_write_
+    from attnlab.models.kernels.softmax.decode import rope_write_
     from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq, write_static_kv
 
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def test_rotary_and_cache_write_in_one_kernel_match_the_separate_steps(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_one_kernel_matches_the_reference(dtype):
-    from attnlab.models.kernels.decode_attention import rope_
+    from attnlab.models.kernels.softmax.decode import rope_
     from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ def test_rotary_in_one_kernel_matches_the_reference(dtype):
 
 
 def test_cache_write_in_one_kernel_matches_the_eager_write():
-    from attnlab.models.kernels.decode_attention import kv_write_
+    from attnlab.models.kernels.softmax.decode import kv_write_
     from attnlab.models.mixers.softmax import static_kv_state, write_static_kv
 
     g = torch.Generator().manual_seed(0)

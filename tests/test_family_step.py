@@ -8,7 +8,7 @@ CUDA tests at the end hold the captured engine to the reference path token for t
 import pytest
 import torch
 
-from attnlab.models.kernels.attention_family_step import attention_family_step_
+from attnlab.models.kernels.attention_family.step import attention_family_step_
 from attnlab.models.ops.attention_family import (
     DENOMINATORS,
     SUM_DENOMINATORS,
@@ -143,7 +143,7 @@ def test_chunked_power2_prefill_matches_the_whole_prompt_as_one_chunk_at_an_odd_
 @pytest.mark.parametrize("decay,carry_state", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("want_normalizer", [False, True])
 def test_state_kernel_matches_the_reference_state_after_a_prompt(packed, decay, carry_state, want_normalizer):
-    from attnlab.models.kernels.attention_family_step import (
+    from attnlab.models.kernels.attention_family.step import (
         linear_state_update as fused,
     )
     from attnlab.models.ops.attention_family import (
@@ -173,7 +173,7 @@ def test_state_kernel_matches_the_reference_state_after_a_prompt(packed, decay, 
 @pytest.mark.parametrize("packed", [False, True])
 def test_state_kernel_with_first_indices_over_several_programs_matches_the_reference(packed):
     """d = 20: 8 first indices a program (256 feature rows of 32), the last program's partly past d."""
-    from attnlab.models.kernels.attention_family_step import linear_state_update as fused
+    from attnlab.models.kernels.attention_family.step import linear_state_update as fused
     from attnlab.models.ops.attention_family import linear_state_update, log_decay_cumsum
 
     gen = torch.Generator().manual_seed(6)
@@ -188,7 +188,7 @@ def test_state_kernel_with_first_indices_over_several_programs_matches_the_refer
 
 
 def test_a_prompt_with_the_fused_state_runs_as_one_chunk_and_matches_the_chunked_reference():
-    from attnlab.models.kernels.attention_family_step import (
+    from attnlab.models.kernels.attention_family.step import (
         linear_state_update as fused,
     )
 
@@ -266,7 +266,7 @@ def test_the_fused_step_in_the_model_decodes_as_the_reference(mixer, monkeypatch
     from attnlab.models import kernels
 
     reference = decode(family_model(mixer, kernels="torch", layers=1), PROMPTS[1:], max_new_tokens=4)
-    from attnlab.models.kernels.attention_family_step import linear_state_update
+    from attnlab.models.kernels.attention_family.step import linear_state_update
 
     monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: None if choice == "torch" else attention_family_step_)
     monkeypatch.setattr(kernels, "attention_family_state_update_fn",
@@ -382,13 +382,13 @@ def test_the_windowed_step_in_the_model_decodes_as_the_reference(num_beams, monk
     from attnlab.generation import engine
     from attnlab.generation.graphs import StaticRunner
     from attnlab.models import kernels
-    from attnlab.models.kernels.attention_family_step import linear_state_update
+    from attnlab.models.kernels.attention_family.step import linear_state_update
     from attnlab.models.ops import attention_family
 
     new_tokens = 36 if num_beams == 1 else 20
     reference = decode(family_model("2mamba", kernels="torch", layers=1), PROMPTS[1:], max_new_tokens=new_tokens,
                        num_beams=num_beams, min_new_tokens=new_tokens)
-    from attnlab.models.kernels.conv import causal_conv1d
+    from attnlab.models.kernels.common.conv import causal_conv1d
 
     monkeypatch.setattr(attention_family, "RECENT_TOKENS", 16)
     monkeypatch.setattr(kernels, "attention_family_step_fn", lambda choice, x: None if choice == "torch" else attention_family_step_)
@@ -407,7 +407,7 @@ def test_the_windowed_step_in_the_model_decodes_as_the_reference(num_beams, monk
 @torch.no_grad()
 def test_more_tokens_after_windowed_steps_fold_the_window_first(monkeypatch):
     from attnlab.models import kernels
-    from attnlab.models.kernels.attention_family_step import linear_state_update
+    from attnlab.models.kernels.attention_family.step import linear_state_update
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
 
@@ -594,7 +594,7 @@ def test_2mamba_prefill_on_cuda_never_holds_the_features_of_the_whole_prompt():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_state_kernel_on_cuda_matches_the_fp32_reference(head_dim):
-    from attnlab.models.kernels.attention_family_step import (
+    from attnlab.models.kernels.attention_family.step import (
         linear_state_update as fused,
     )
     from attnlab.models.ops.attention_family import (

@@ -1,11 +1,11 @@
-"""The grouped gated RMSNorm's kernels (`kernels/gated_norm.py`) against PyTorch: through Triton's
+"""The grouped gated RMSNorm's kernels (`kernels/common/gated_norm.py`) against PyTorch: through Triton's
 interpreter on CPU, compiled on CUDA (bf16 at Mamba-2's shapes)."""
 
 import pytest
 import torch
 
-from attnlab.models.kernels import gated_norm
-from attnlab.models.kernels.gated_norm import (
+from attnlab.models.kernels.common import gated_norm
+from attnlab.models.kernels.common.gated_norm import (
     gated_rms_norm,
     gated_rms_norm_bwd,
     gated_rms_norm_fwd,

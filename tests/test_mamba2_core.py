@@ -1,4 +1,4 @@
-"""Mamba-2's layer between its projections as one autograd node (`kernels.mamba2.mamba2_core`) against the
+"""Mamba-2's layer between its projections as one autograd node (`kernels.mamba2.core.mamba2_core`) against the
 mixer's PyTorch reference: outputs and every gradient, through Triton's interpreter on CPU (fp32) and
 compiled on CUDA (bf16 autocast, where the mixer's training path takes it)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnlab.models import MIXERS, AttnLabConfig
-from attnlab.models.kernels.mamba2 import mamba2_core
+from attnlab.models.kernels.mamba2.core import mamba2_core
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -42,7 +42,7 @@ def ssd_inputs(batch, seq_len, heads, head_dim, groups, state_size, seed):
 
 @pytest.mark.parametrize("seq_len, padded", [(333, False), (333, True), (2048, False), (1, False)])
 def test_ssd_through_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(seq_len, padded):
-    from attnlab.models.kernels.mamba2 import chunk_ssd_gla
+    from attnlab.models.kernels.mamba2.core import chunk_ssd_gla
 
     inputs = list(ssd_inputs(2, seq_len, HEADS, 128, GROUPS, STATE, seed=seq_len))
     if padded:  # left padding: dt = 0 there
@@ -98,7 +98,7 @@ def grad_tolerance(name: str) -> float:
 
 
 def test_gated_norm_and_projection_on_the_kernels_match_the_fp32_reference_under_autocast():
-    from attnlab.models.kernels.mamba2 import gated_norm_linear
+    from attnlab.models.kernels.mamba2.core import gated_norm_linear
     from attnlab.models.mixers.mamba2 import GroupedGatedRMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(6)

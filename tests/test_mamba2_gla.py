@@ -4,7 +4,7 @@ with attnlab's PyTorch GLA in place of fla's kernels: outputs, final state and e
 import pytest
 import torch
 
-from attnlab.models.kernels.mamba2 import ReferenceGLA, chunk_ssd_gla, ssd, ssd_as_gla, state_from_gla
+from attnlab.models.kernels.mamba2.core import ReferenceGLA, chunk_ssd_gla, ssd, ssd_as_gla, state_from_gla
 from attnlab.models.ops.gla import chunk_gla, naive_recurrent_gla
 from attnlab.models.ops.mamba2 import chunk_ssd, naive_recurrent_ssd
 
@@ -87,7 +87,7 @@ def test_ssd_dispatch_keeps_the_reference_on_cpu_for_every_choice():
         y, final_state = ssd(x, dt, A, B, C, D, 16, state, False, choice)
         y_ref, state_ref = chunk_ssd(x, dt, A, B, C, chunk_size=16, initial_state=state)
         assert torch.equal(y, y_ref + x * D[:, None]) and torch.equal(final_state, state_ref)
-    from attnlab.models.kernels.mamba2 import use_fast_ssd
+    from attnlab.models.kernels.mamba2.core import use_fast_ssd
 
     assert not any(use_fast_ssd(choice, x) for choice in ("auto", "torch", "fla"))
 
@@ -106,7 +106,7 @@ def reference_grouped_gated_rms_norm(x, z, weight, group_size, eps):
 def fast_path_on_cpu(monkeypatch):
     """The mixer's CUDA path on CPU: the dispatch says yes; unpadded, the one-node path runs attnlab's kernels
     through Triton's interpreter; padded, the PyTorch GLA and norm stand in for the kernels."""
-    import attnlab.models.kernels.mamba2 as fast
+    import attnlab.models.kernels.mamba2.core as fast
     import attnlab.models.mixers.mamba2 as mixer
 
     monkeypatch.setattr(fast, "use_fla", lambda choice, x: choice != "torch")
@@ -175,8 +175,8 @@ def test_mixer_fast_path_prefill_after_a_cache_and_decoding_match_the_reference(
 
 @pytest.mark.parametrize("with_D", [True, False])
 def test_skip_grads_kernel_matches_its_pytorch_form(with_D):
-    from attnlab.models.kernels.mamba2 import _skip_grads_torch
-    from attnlab.models.kernels.mamba2_grads import ssd_skip_grads
+    from attnlab.models.kernels.mamba2.core import _skip_grads_torch
+    from attnlab.models.kernels.mamba2.grads import ssd_skip_grads
 
     gen = torch.Generator().manual_seed(7)
     batch, seq_len, heads, head_dim = 2, 5, 3, 6  # head_dim not a power of two: masked columns

@@ -1,4 +1,4 @@
-"""Mamba-2's fused decoding step (`kernels/mamba2_step.py`) against the mixer's PyTorch step.
+"""Mamba-2's fused decoding step (`kernels/mamba2/step.py`) against the mixer's PyTorch step.
 
 On CPU the kernels run through Triton's interpreter on tiny shapes: outputs, the conv window and the
 SSM state after several steps in a row, with padding rows and one or two groups, and the mixer's
@@ -41,7 +41,7 @@ def make_mixer(hidden, heads, state_size, groups, conv_kernel, device="cpu", ker
 
 def fused(mixer, x, conv_state, ssm_state, keep):
     """The mixer's step output through the kernels (states advanced in place)."""
-    from attnlab.models.kernels.mamba2_step import mamba2_step_
+    from attnlab.models.kernels.mamba2.step import mamba2_step_
 
     z, xBC, dt = mixer.in_proj(x)[:, 0].split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
     y = mamba2_step_(xBC, z, dt, conv_state, ssm_state, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, mixer.dt_bias,
@@ -100,7 +100,7 @@ def test_fused_step_rounds_as_the_cuda_step_in_bf16():
 
 
 def test_fused_step_rejects_states_it_cannot_advance_in_place():
-    from attnlab.models.kernels.mamba2_step import mamba2_step_
+    from attnlab.models.kernels.mamba2.step import mamba2_step_
 
     mixer = make_mixer(*SHAPES["one group"])
     z, xBC, dt = torch.zeros(2, 32), torch.zeros(2, mixer.conv_dim), torch.zeros(2, 2)

@@ -1,4 +1,4 @@
-"""attnlab's NSA Triton kernels (`attnlab.models.kernels.nsa.parallel_nsa`) against the PyTorch
+"""attnlab's NSA Triton kernels (`attnlab.models.kernels.nsa.parallel.parallel_nsa`) against the PyTorch
 reference (`attnlab.models.ops.nsa.parallel_nsa`): outputs, selected blocks and the gradients of
 q, k, v, the compressed keys and values and the three gates. On CPU the kernels run through
 Triton's interpreter on tiny shapes, in fp32; on CUDA in bf16 against the fp32 reference at the
@@ -11,7 +11,7 @@ import torch
 
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 from attnlab.models.kernels import nsa_gap
-from attnlab.models.kernels.nsa import parallel_nsa as fused_nsa
+from attnlab.models.kernels.nsa.parallel import parallel_nsa as fused_nsa
 from attnlab.models.ops.nsa import mean_pool_blocks
 from attnlab.models.ops.nsa import parallel_nsa as reference_nsa
 from conftest import random_nsa_inputs
@@ -66,7 +66,7 @@ CPU_CASES = {
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_nsa_kernels_match_the_reference_outputs_selection_and_gradients(case, monkeypatch):
-    monkeypatch.setattr("attnlab.models.kernels.nsa.SELECT_CHUNK_ELEMENTS", 200)  # selection over several chunks
+    monkeypatch.setattr("attnlab.models.kernels.nsa.parallel.SELECT_CHUNK_ELEMENTS", 200)  # selection over several chunks
     batch, seq_len, heads, kv_heads, dim, block_size, block_counts, window, padding, keys = CPU_CASES[case]
     leaves, q_pos = nsa_case(batch, seq_len, heads, kv_heads, dim, block_size, padding, keys, seed=seq_len)
     options = dict(block_size=block_size, block_counts=block_counts, window_size=window)
@@ -156,7 +156,7 @@ def stats_case(batch, seq_len, heads, kv_heads, slots, cap, seed=0):
 
 @pytest.mark.parametrize("heads, kv_heads, slots, cap", [(4, 1, 5, 5), (6, 3, 4, 4), (16, 2, 16, 16)])
 def test_the_statistics_kernels_match_the_pytorch_statistics(heads, kv_heads, slots, cap):
-    from attnlab.models.kernels.nsa_stats import record_stats
+    from attnlab.models.kernels.nsa.stats import record_stats
     from attnlab.models.mixers.nsa import stats_values
 
     g, pos, idx, cap = stats_case(2, 70, heads, kv_heads, slots, cap)

@@ -1,4 +1,4 @@
-"""The NSA decoding step's Triton kernel (kernels/nsa_step.py) against `nsa_step`, the PyTorch
+"""The NSA decoding step's Triton kernel (kernels/nsa/step.py) against `nsa_step`, the PyTorch
 reference, on the static cache's buffers: through Triton's interpreter on CPU (tiny shapes), and
 in bf16 on CUDA at a realistic shape."""
 
@@ -33,7 +33,7 @@ def static_buffers(batch, heads, kv_heads, dim, block_size, capacity, lengths, d
 
 
 def check_against_reference(args, **options):
-    from attnlab.models.kernels.nsa_step import nsa_step_kernel
+    from attnlab.models.kernels.nsa.step import nsa_step_kernel
 
     o, idx = nsa_step_kernel(*args[:8], q_pos=args[8], **options)
     o_ref, idx_ref = nsa_step(*args[:8], q_pos=args[8], **options)
@@ -75,7 +75,7 @@ def test_nsa_step_kernel_fills_unused_slots_and_padding_rows():
     args[8] = torch.tensor([5, -1])
     idx = check_against_reference(args, block_size=4, block_counts=6, window_size=6)
     assert idx[1].eq(-1).all() and idx[0].eq(-1).sum() == 4  # row 0: blocks 0 and 1 only
-    from attnlab.models.kernels.nsa_step import nsa_step_kernel
+    from attnlab.models.kernels.nsa.step import nsa_step_kernel
 
     o, _ = nsa_step_kernel(*args[:8], q_pos=args[8], block_size=4, block_counts=6, window_size=6)
     assert o[1].eq(0).all()
@@ -83,7 +83,7 @@ def test_nsa_step_kernel_fills_unused_slots_and_padding_rows():
 
 def test_nsa_step_kernel_walks_many_tiles_of_compressed_keys_and_importances(monkeypatch):
     """40 complete blocks: two tiles of compressed keys, three of importances (16 at a time)."""
-    from attnlab.models.kernels import nsa_step as module
+    from attnlab.models.kernels.nsa import step as module
 
     monkeypatch.setattr(module, "SELECT_TILE", 16)
     args = static_buffers(2, 4, 2, 8, 4, 168, [163, 99], seed=11)
@@ -98,7 +98,7 @@ def test_nsa_step_kernel_breaks_importance_ties_toward_the_lower_block():
     """Equal compressed keys give equal importances: the kernel takes the lowest blocks first."""
     args = list(static_buffers(1, 1, 1, 8, 4, 48, [43], seed=9))
     args[3] = torch.zeros_like(args[3])  # every compressed key the same: uniform importance
-    from attnlab.models.kernels.nsa_step import nsa_step_kernel
+    from attnlab.models.kernels.nsa.step import nsa_step_kernel
 
     _, idx = nsa_step_kernel(*args[:8], q_pos=args[8], block_size=4, block_counts=5, window_size=6)
     assert idx[0, 0].tolist() == [0, 9, 10, 1, 2]  # forced 0, 9, 10; then 1 and 2 of the equal 1..8
@@ -150,7 +150,7 @@ def test_a_layer_the_step_kernel_does_not_cover_says_so_when_built():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kv_heads", [1, 4, 16])
 def test_nsa_step_kernel_in_bf16_matches_the_fp32_reference_on_cuda(kv_heads):
-    from attnlab.models.kernels.nsa_step import nsa_step_kernel
+    from attnlab.models.kernels.nsa.step import nsa_step_kernel
 
     capacity, lengths = 2304, [0, 15, 16, 100, 1023, 2047, 2100, 2303]
     args = static_buffers(8, 16, kv_heads, 64, 16, capacity, lengths, dtype=torch.bfloat16, device="cuda", seed=kv_heads)

@@ -1,4 +1,4 @@
-"""attnlab's chunked SSD kernels (`kernels/ssd.py`) against the PyTorch reference `ops.mamba2`:
+"""attnlab's chunked SSD kernels (`kernels/mamba2/ssd.py`) against the PyTorch reference `ops.mamba2`:
 on CPU through Triton's interpreter at tiny shapes, and in bf16 on CUDA at the benchmarked layer's."""
 
 import warnings
@@ -43,7 +43,7 @@ NAMES = ["dx", "ddt", "dA", "dB", "dC", "dh0"]
     (1, 8, 8, 1, True), (37, 16, 8, 2, False), (37, 8, 16, 1, True), (70, 16, 16, 2, True), (70, 8, 8, 1, False),
 ])
 def test_chunked_ssd_kernels_match_the_reference_forward_and_backward(seq_len, head_dim, state_size, groups, with_state):
-    from attnlab.models.kernels.ssd import chunk_ssd_triton
+    from attnlab.models.kernels.mamba2.ssd import chunk_ssd_triton
 
     inputs = ssd_inputs(2, seq_len, 4, head_dim, state_size, groups, with_state, seed=seq_len)
     gen = torch.Generator().manual_seed(1)
@@ -65,7 +65,7 @@ def test_chunked_ssd_kernels_match_the_reference_forward_and_backward(seq_len, h
 
 def test_chunked_ssd_kernels_without_a_state_gradient():
     """Only y is used: the final state's gradient arrives as None."""
-    from attnlab.models.kernels.ssd import chunk_ssd_triton
+    from attnlab.models.kernels.mamba2.ssd import chunk_ssd_triton
 
     inputs = ssd_inputs(2, 20, 4, 8, 8, 2, True, seed=3)
     leaves = [t.clone().requires_grad_() for t in inputs]
@@ -77,7 +77,7 @@ def test_chunked_ssd_kernels_without_a_state_gradient():
 
 
 def test_the_mixer_entry_adds_the_skip_and_falls_back_on_cpu():
-    from attnlab.models.kernels.ssd import ssd, use_triton_ssd
+    from attnlab.models.kernels.mamba2.ssd import ssd, use_triton_ssd
 
     x, dt, A, B, C, h0 = ssd_inputs(2, 20, 4, 8, 8, 1, True, seed=4)
     D = torch.randn(4)
@@ -90,7 +90,7 @@ def test_the_mixer_entry_adds_the_skip_and_falls_back_on_cpu():
 @pytest.mark.parametrize("seq_len, groups, with_state", [(37, 2, True), (20, 1, False)])
 def test_the_kernels_add_the_skip_and_give_its_gradient(seq_len, groups, with_state):
     """y = SSD + x * D from the output kernel; dD and the skip's share of dx from the backward kernels."""
-    from attnlab.models.kernels.ssd import _SSD
+    from attnlab.models.kernels.mamba2.ssd import _SSD
 
     x, dt, A, B, C, h0 = ssd_inputs(2, seq_len, 4, 16, 8, groups, with_state, seed=14)
     D = torch.randn(4, generator=torch.Generator().manual_seed(15))
@@ -114,7 +114,7 @@ def test_the_kernels_add_the_skip_and_give_its_gradient(seq_len, groups, with_st
 
 def test_the_mixer_entry_on_the_kernels_runs_other_chunk_sizes_at_64_and_says_so_once(monkeypatch):
     """Not a power of two, or above 128: the kernels run at 64, with one warning per chunk size."""
-    from attnlab.models.kernels import ssd as kernels
+    from attnlab.models.kernels.mamba2 import ssd as kernels
 
     monkeypatch.setattr(kernels, "use_triton_ssd", lambda choice, x: True)  # the kernels, through the interpreter
     monkeypatch.setattr(kernels, "_warned_chunks", set())
@@ -137,7 +137,7 @@ def test_the_mixer_entry_on_the_kernels_runs_other_chunk_sizes_at_64_and_says_so
 
 def test_the_state_kernels_split_the_state_over_programs(monkeypatch):
     """Few (batch * head)s: blocks of 16 head dims and of 32 state channels, the last ones partly masked."""
-    from attnlab.models.kernels import ssd as kernels
+    from attnlab.models.kernels.mamba2 import ssd as kernels
 
     monkeypatch.setattr(kernels, "_STATE_PROGRAMS", 10**6)
     assert kernels._state_blocks(2, 40, 40) == (16, 32)
@@ -155,7 +155,7 @@ def test_the_state_kernels_split_the_state_over_programs(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chunked_ssd_in_bf16_matches_the_fp32_reference(with_state):
-    from attnlab.models.kernels.ssd import chunk_ssd_triton
+    from attnlab.models.kernels.mamba2.ssd import chunk_ssd_triton
 
     inputs = ssd_inputs(2, 1000, 16, 128, 64, 1, with_state, device="cuda", seed=7)
     x, dt, A, B, C, h0 = inputs
@@ -180,7 +180,7 @@ def test_chunked_ssd_in_bf16_matches_the_fp32_reference(with_state):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chunked_ssd_in_fp32_on_cuda_matches_the_reference():
-    from attnlab.models.kernels.ssd import chunk_ssd_triton
+    from attnlab.models.kernels.mamba2.ssd import chunk_ssd_triton
 
     inputs = ssd_inputs(2, 300, 16, 128, 64, 2, True, device="cuda", seed=9)
     gen = torch.Generator(device="cuda").manual_seed(10)
@@ -196,7 +196,7 @@ def test_chunked_ssd_in_fp32_on_cuda_matches_the_reference():
 def test_chunked_ssd_kernels_with_the_head_dims_split_over_programs(monkeypatch):
     """The output and backward kernels loop over head dims in blocks of 16 (64 and 32 on the GPU), the
     last one partly masked: the sums over P add up across blocks."""
-    from attnlab.models.kernels import ssd as kernels
+    from attnlab.models.kernels.mamba2 import ssd as kernels
 
     monkeypatch.setattr(kernels, "_BLOCK_P", 16)
     monkeypatch.setattr(kernels, "_BWD_BLOCK_P", 16)
@@ -213,7 +213,7 @@ def test_chunked_ssd_kernels_with_the_head_dims_split_over_programs(monkeypatch)
 
 def test_chunked_ssd_kernels_read_views_of_the_convolutions_output():
     """x, B, C as the mixer has them: views of one [b, T, channels] tensor, with its time stride."""
-    from attnlab.models.kernels.ssd import chunk_ssd_triton
+    from attnlab.models.kernels.mamba2.ssd import chunk_ssd_triton
 
     x, dt, A, B, C, h0 = ssd_inputs(2, 37, 4, 8, 8, 2, True, seed=11)
     xBC = torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1).requires_grad_()
@@ -232,7 +232,7 @@ def test_chunked_ssd_kernels_read_views_of_the_convolutions_output():
 
 def test_chunked_ssd_kernels_keep_bf16_inputs_in_bf16():
     """y, dx, dB, dC come back in the inputs' dtype; what differs from the reference is their rounding."""
-    from attnlab.models.kernels.ssd import chunk_ssd_triton
+    from attnlab.models.kernels.mamba2.ssd import chunk_ssd_triton
 
     x, dt, A, B, C, h0 = ssd_inputs(2, 40, 4, 16, 16, 2, True, seed=12)
     low = [x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), h0]
@@ -252,7 +252,7 @@ def test_chunked_ssd_kernels_keep_bf16_inputs_in_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_mixer_entry_in_bf16_with_the_skip_matches_the_fp32_reference():
     """`ssd` as the mixer calls it: x, B, C views of one bf16 tensor, D, the final state asked for."""
-    from attnlab.models.kernels.ssd import ssd
+    from attnlab.models.kernels.mamba2.ssd import ssd
 
     x, dt, A, B, C, h0 = ssd_inputs(2, 1000, 16, 128, 64, 1, True, device="cuda", seed=20)
     D = torch.randn(16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(21))

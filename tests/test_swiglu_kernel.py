@@ -1,11 +1,11 @@
-"""SwiGLU's kernels (`kernels/swiglu.py`) against PyTorch: through Triton's interpreter on CPU, compiled
+"""SwiGLU's kernels (`kernels/common/swiglu.py`) against PyTorch: through Triton's interpreter on CPU, compiled
 on CUDA (bf16 under autocast, as the model trains)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.models.kernels.swiglu import swiglu, swiglu_linear
+from attnlab.models.kernels.common.swiglu import swiglu, swiglu_linear
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -135,7 +135,7 @@ class StaticStep:
         same in every beam of the prompt. With `group` (rows move only within groups of that many)
         one pass that touches only the rows that change; else a gather and a copy."""
         if group:
-            from attnlab.models.kernels.beam_reorder import reorder_rows_
+            from attnlab.models.kernels.common.beam_reorder import reorder_rows_
         for stacked, (name, _, _) in zip(self.stacks, self.shapes):
             prefix = self.prefix if name in self.columns else 0
             if group:

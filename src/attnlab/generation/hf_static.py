@@ -190,7 +190,7 @@ class HFStaticStep:
         place, over the slots written after the prompt: every beam of a prompt holds the same prompt.
         With `group` (rows move only within groups of that many) one pass over the rows that change."""
         if group:
-            from attnlab.models.kernels.beam_reorder import reorder_rows_
+            from attnlab.models.kernels.common.beam_reorder import reorder_rows_
         for buf in self._buffers():
             if group and buf.is_contiguous():  # [batch, heads, capacity, dim]
                 width = buf.shape[-1]

@@ -12,7 +12,7 @@ of the study are presets (see `attention_presets.py`). A layer computes, per hea
     y       = norm(sigma(W_out x) * silu(W_z x) * (o + D v)), then sigma(W_out x) * y if gated after the norm
 
 The parallel form is the quadratic one (training, prefill); a linearizable variant (power1 or power2
-without a clamp) also has a chunked, linear-time form (`kernels/attention_family_chunk.py`: the quadratic
+without a clamp) also has a chunked, linear-time form (`kernels/attention_family/chunk.py`: the quadratic
 form inside chunks, a fixed-size state across them), which `kernels.attention_family_chunked` chooses on
 CUDA from the lengths `kernels.CHUNKED_MIN_TOKENS` names (none yet: see there why).
 Decoding keeps, per layer, a recurrent state of fixed size where the variant is linearizable and a KV
@@ -247,7 +247,7 @@ class AttentionFamily(Mixer):
         silu = self.options["conv_activation"] == "silu"
         conv = kernels.causal_conv1d_fn(self.kernels, qkv)  # conv sizes 2 to 4: the CUDA kernel covers them all
         if conv is not None and conv_state is not None and qkv.shape[1] == 1 and not torch.is_grad_enabled():
-            from attnlab.models.kernels.conv import conv_step_
+            from attnlab.models.kernels.common.conv import conv_step_
 
             return conv_step_(qkv, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, silu), conv_state  # in place
         if conv is not None:
@@ -341,7 +341,7 @@ class AttentionFamily(Mixer):
         q, k, v = qkv.view(batch, seq_len, 3, heads, head_dim).unbind(2)  # each [B, T, H, D]
         if opts["rope"] and seq_len == 1 and cache and token_mask is None and kernels.use_triton(self.kernels, x):
             # a decode step: q and k rotated in one kernel (the eager form takes about twenty)
-            from attnlab.models.kernels.decode_attention import rope_
+            from attnlab.models.kernels.softmax.decode import rope_
 
             if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
                 self._inv_freq = rotary_inv_freq(head_dim, self.rope_theta, x.device)
@@ -490,7 +490,7 @@ class AttentionFamily(Mixer):
             raise ValueError("a static decode cache takes one token per row; prefill with a dynamic cache")
         if attention_mask is None and self.options["similarity"] in EXP_SIMILARITIES and kernels.use_triton(self.kernels, q):
             # the write in one kernel; the attention kernel advances each key's log-decay as it reads it
-            from attnlab.models.kernels.decode_attention import kv_write_
+            from attnlab.models.kernels.softmax.decode import kv_write_
 
             kv_write_(k[:, 0], v[:, 0], cache["length"], cache["position"], cache["key"], cache["value"],
                       cache["valid"].view(torch.uint8))
@@ -514,11 +514,11 @@ class AttentionFamily(Mixer):
         return o, cache
 
     def _static_kernel(self, q, cache, decays, step_decay=None):
-        """The exp similarities' step on attnlab's split-key kernel (`kernels/decode_attention.py`):
+        """The exp similarities' step on attnlab's split-key kernel (`kernels/softmax/decode.py`):
         softmax weights and the raw sum of exp(scores) and count of keys, from which each denominator
         follows as `attention_terms` defines it. With `step_decay` [B, H] the kernel first advances
         `decays` by it (the newest key's to 0). Returns o [B, 1, H, Dv] fp32."""
-        from attnlab.models.kernels.decode_attention import decode_attention
+        from attnlab.models.kernels.softmax.decode import decode_attention
         from attnlab.models.ops.attention_family import _divide, _finish_denominator
 
         kwargs = self._attention_kwargs()

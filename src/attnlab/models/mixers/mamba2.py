@@ -11,12 +11,12 @@ Parameter names match fla so checkpoints map one to one. The cache holds
     recurrent_state: [B, num_heads, head_dim, state_size] fp32
 Left padding neither writes the state (dt = 0) nor enters the convolution (input zeroed).
 On CUDA (kernels not "torch") the parallel form runs on attnlab's Triton kernels: the convolution
-(`kernels/conv.py`), the SSD (`kernels/ssd.py`) and the gated norm with the output projection
-(`kernels/gated_norm.py`); without a padding mask or a cache (training, scoring) all of it between the
-two projections is one autograd node (`kernels.mamba2.mamba2_core`) whose backward writes each
+(`kernels/common/conv.py`), the SSD (`kernels/mamba2/ssd.py`) and the gated norm with the output projection
+(`kernels/common/gated_norm.py`); without a padding mask or a cache (training, scoring) all of it between the
+two projections is one autograd node (`kernels.mamba2.core.mamba2_core`) whose backward writes each
 projection's gradient pieces into one buffer; a decoding step (one token, a cache, no
 gradient) runs between its two projections on two Triton kernels that advance the conv window and the
-SSM state in place (`attnlab.models.kernels.mamba2_step`), and elsewhere on `ssd_step`.
+SSM state in place (`attnlab.models.kernels.mamba2.step`), and elsewhere on `ssd_step`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
-from attnlab.models.kernels.mamba2 import gated_norm_linear, grouped_gated_rms_norm, mamba2_core, ssd, use_fast_ssd
+from attnlab.models.kernels.mamba2.core import gated_norm_linear, grouped_gated_rms_norm, mamba2_core, ssd, use_fast_ssd
 from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.modules import RMSNorm
 from attnlab.models.ops.mamba2 import ssd_step
@@ -135,7 +135,7 @@ class Mamba2(Mixer):
         if (seq_len > 1 and attention_mask is None and cache is None and not use_cache and not self.conv_gap
                 and type(self.out_proj) is nn.Linear and self.out_proj.bias is None and use_fast_ssd(self.kernels, x)):
             # training and scoring: the layer between its projections as one node on attnlab's kernels
-            from attnlab.models.kernels.ssd import kernel_chunk
+            from attnlab.models.kernels.mamba2.ssd import kernel_chunk
 
             dims = (self.intermediate_size, self.conv_dim, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size,
                     self.norm.group_size)
@@ -169,7 +169,7 @@ class Mamba2(Mixer):
         return self.out_proj(self.norm(y, z).to(x.dtype)), cached
 
     def fused_step_applies(self, x: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> bool:
-        """Whether a one-token step that continues a cache runs `kernels/mamba2_step.py`: CUDA tensors, kernels
+        """Whether a one-token step that continues a cache runs `kernels/mamba2/step.py`: CUDA tensors, kernels
         not "torch", a conv kernel size it covers, both states there (ssm_state fp32), no float64, and
         no gradient wanted (the kernels advance the states in place and have no backward)."""
         return (conv_state is not None and ssm_state is not None and ssm_state.dtype == torch.float32
@@ -180,7 +180,7 @@ class Mamba2(Mixer):
                    ssm_state: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The decoding step on two Triton kernels between the two projections, the conv window and the
         SSM state advanced where they lie (the engine's buffers: nothing to copy back)."""
-        from attnlab.models.kernels.mamba2_step import mamba2_step_
+        from attnlab.models.kernels.mamba2.step import mamba2_step_
 
         z, xBC, dt = self.in_proj(x)[:, 0].split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         keep = None if attention_mask is None else attention_mask[:, -1]  # [B]: 0 for a padding position

@@ -5,9 +5,9 @@ attention over compressed blocks (mean-pooled keys/values, or a small learned ML
 attention over the tokens of `block_counts` selected blocks per query and key/value head group,
 and sliding-window attention. The math lives in `attnlab.models.ops.nsa`; parameter names follow
 fla's `NativeSparseAttention`. On CUDA the parallel form (training, prefill) runs attnlab's Triton
-kernels (`attnlab.models.kernels.nsa`, memory linear in the sequence length) unless
+kernels (`attnlab.models.kernels.nsa.parallel`, memory linear in the sequence length) unless
 `config.kernels` is "torch"; decoding steps over the decode engine's static cache run one Triton
-kernel (`attnlab.models.kernels.nsa_step`), other decoding steps `nsa_step`.
+kernel (`attnlab.models.kernels.nsa.step`), other decoding steps `nsa_step`.
 
 Block selection is the paper's (section 3.3.2) and fla's (`naive_nsa_topk`, `parallel_nsa_topk`):
 the first `initial_blocks` blocks and the `local_blocks` blocks ending at the query's own block
@@ -198,7 +198,7 @@ class NativeSparseAttention(Mixer):
         g_cmp, g_slc, g_swa = self.g_proj(x).view(batch, self.num_heads, 3).sigmoid().unbind(-1)
         pos = cache["length"]  # each row's tokens so far: this token's position and column
         if kernels.use_triton(self.kernels, x):  # q and k rotated in one kernel (the eager form takes about twenty)
-            from attnlab.models.kernels.decode_attention import rope_
+            from attnlab.models.kernels.softmax.decode import rope_
 
             if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
                 self._inv_freq = rotary_inv_freq(self.head_dim, self.rope_theta, x.device)
@@ -348,8 +348,8 @@ class NativeSparseAttention(Mixer):
             self.last_stats = dict(zip(STAT_NAMES, buffer.unbind()))  # views of the buffer
             self.last_stats["nsa_k_max"] = float(self.block_counts)
         # in place: a forward captured in a CUDA graph updates the statistics on every replay
-        if kernels.use_triton(self.kernels, g):  # two launches (kernels/nsa_stats.py)
-            from attnlab.models.kernels.nsa_stats import record_stats
+        if kernels.use_triton(self.kernels, g):  # two launches (kernels/nsa/stats.py)
+            from attnlab.models.kernels.nsa.stats import record_stats
 
             record_stats(buffer, g.detach(), pos, block_indices, self.block_counts)
             return

@@ -90,7 +90,7 @@ def write_static_kv(cache: dict, k: torch.Tensor, v: torch.Tensor, is_token: tor
 
 def decode_attention(choice: str, q, key, value, valid, length, scale: float) -> torch.Tensor:
     """One query per row over a static cache: attnlab's split-key Triton kernel on CUDA, SDPA elsewhere."""
-    from attnlab.models.kernels.decode_attention import decode_attention as fused, decode_attention_reference
+    from attnlab.models.kernels.softmax.decode import decode_attention as fused, decode_attention_reference
 
     if kernels.use_triton(choice, q):
         return fused(q, key, value, valid.view(torch.uint8), length, scale)
@@ -188,7 +188,7 @@ class SoftmaxAttention(FusedProjections, Mixer):
         k = k.view(batch, self.num_kv_heads, self.head_dim)
         v = v.view(batch, self.num_kv_heads, self.head_dim)
         if attention_mask is None and kernels.use_triton(self.kernels, x):  # rotary and the cache write in one kernel
-            from attnlab.models.kernels.decode_attention import rope_write_
+            from attnlab.models.kernels.softmax.decode import rope_write_
 
             if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
                 self._inv_freq = rotary_inv_freq(self.head_dim, self.rope_theta, x.device)
