@@ -431,7 +431,8 @@ def test_config_rejects_hidden_size_not_divisible_by_heads():
 
 def test_config_fills_defaults():
     config = AttnLabConfig()
-    assert config.intermediate_size == 704  # round_up(8 / 3 * 256, 32)
+    assert config.hidden_size == 128  # the run config's model.hidden_size (tests/test_model_config.py)
+    assert config.intermediate_size == 352  # round_up(8 / 3 * 128, 32)
     assert config.mixer_options == {
         "expand_k": 0.5, "expand_v": 1.0, "gate_low_rank_dim": 16, "gate_logit_normalizer": 16, "chunk_size": 64,
     }

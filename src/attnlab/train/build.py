@@ -15,29 +15,19 @@ def default_vocab_size(cfg: RunConfig, tokenizer) -> int:
 
 
 def model_config_from(cfg: RunConfig, tokenizer):
+    """The model config of the run: the `model` section as it is (AttnLabConfig's architecture fields are its
+    fields), the vocabulary and special tokens from the tokenizer."""
     from attnlab.models import AttnLabConfig
 
-    m = cfg.model
-    vocab = m.vocab_size or default_vocab_size(cfg, tokenizer)
+    vocab = cfg.model.vocab_size or default_vocab_size(cfg, tokenizer)
     within = lambda token: token if token is not None and token < vocab else None  # noqa: E731  (an MQAR model has no text specials)
-    return AttnLabConfig(
-        vocab_size=vocab,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        mixer=m.mixer,
-        mixer_options=dict(m.mixer_options),
-        intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps,
-        tie_word_embeddings=m.tie_word_embeddings,
-        initializer_range=m.initializer_range,
-        kernels=m.kernels,
-        bos_token_id=within(tokenizer.bos_token_id),
-        eos_token_id=within(tokenizer.eos_token_id),
-        pad_token_id=within(tokenizer.pad_token_id),
-    )
+    return AttnLabConfig(**{
+        **cfg.model.model_dump(),
+        "vocab_size": vocab,
+        "bos_token_id": within(tokenizer.bos_token_id),
+        "eos_token_id": within(tokenizer.eos_token_id),
+        "pad_token_id": within(tokenizer.pad_token_id),
+    })
 
 
 # model.* fields and where an HF config keeps the same quantity

@@ -16,9 +16,11 @@ from attnlab.models.mixers.registry import (
     MIXERS,
     Mixer,
     build_mixer,
+    mixer_class,
     presets_markdown,
     register_mixer,
     register_preset,
+    resolve_mixer,
     unknown_mixer_message,
 )
 
@@ -26,4 +28,5 @@ from attnlab.models.mixers.registry import (
 from attnlab.models.mixers import attention_family, gla, mamba2, nsa, softmax  # noqa: F401
 from attnlab.models.mixers import attention_presets  # noqa: F401  (presets of attention_family)
 
-__all__ = ["MIXERS", "Mixer", "build_mixer", "presets_markdown", "register_mixer", "register_preset", "unknown_mixer_message"]
+__all__ = ["MIXERS", "Mixer", "build_mixer", "mixer_class", "presets_markdown", "register_mixer", "register_preset",
+           "resolve_mixer", "unknown_mixer_message"]

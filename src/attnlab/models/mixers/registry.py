@@ -99,6 +99,22 @@ def unknown_mixer_message(name: Any) -> str:
     return f"unknown mixer {name!r}; {hint}"
 
 
+def mixer_class(name: Any) -> type[Mixer]:
+    """The mixer registered as `name`; ValueError naming the closest registered names."""
+    if name not in MIXERS:
+        raise ValueError(unknown_mixer_message(name))
+    return MIXERS[name]
+
+
+def resolve_mixer(name: Any, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Every option of mixer `name`, `options` over its defaults: the one check of a model's mixer (its name, its
+    options' names and types), which `AttnLabConfig` runs when it is built."""
+    cls = mixer_class(name)
+    options = cls.resolve_options(options)
+    cls.check_option_types(options)
+    return options
+
+
 def register_mixer(name: str):
     """Class decorator adding a mixer to `MIXERS` under `name`."""
 
@@ -165,6 +181,6 @@ def presets_markdown(hidden_size: int = 1024, num_heads: int = 16) -> str:
 
 
 def build_mixer(config, layer_idx: int) -> nn.Module:
-    if config.mixer not in MIXERS:
-        raise ValueError(unknown_mixer_message(config.mixer))
-    return MIXERS[config.mixer](config, layer_idx)
+    """Layer `layer_idx`'s mixer, of the kind `config.mixer` names (an `AttnLabConfig`, whose mixer `resolve_mixer`
+    checked)."""
+    return mixer_class(config.mixer)(config, layer_idx)
