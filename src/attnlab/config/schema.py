@@ -17,7 +17,10 @@ from .tasks import TASK_NAMES, task_name
 
 
 class ModelSection(Section):
-    """The decoder LM: its token mixer and its size."""
+    """The decoder LM: its token mixer and its size.
+
+    These are also the fields of the model config: `attnlab.models.AttnLabConfig` takes each one over by name, with
+    its type, default and bounds, so a field added here is a field of every model (and of its config.json)."""
 
     mixer: str = Field("gla", description="token mixer or preset by registered name: gla, softmax, nsa, mamba2, 2mamba, ... (docs/mixers.md)")
     hidden_size: int = Field(128, gt=0, description="residual stream width")
