@@ -7,7 +7,8 @@ import torch
 
 from attnlab.generation.graphs import StaticRunner, kv_capacity, static_decoding
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM
-from attnlab.models.kernels.softmax.decode import decode_attention, decode_attention_reference, splits_for
+from attnlab.models.kernels.softmax.decode import decode_attention, splits_for
+from attnlab.models.ops.softmax import decode_attention as decode_attention_reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -9,8 +9,8 @@ from attnlab.models.kernels.common.gated_norm import (
     gated_rms_norm,
     gated_rms_norm_bwd,
     gated_rms_norm_fwd,
-    gated_rms_norm_reference,
 )
+from attnlab.models.ops.common import gated_rms_norm as gated_rms_norm_reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

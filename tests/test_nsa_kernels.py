@@ -157,7 +157,7 @@ def stats_case(batch, seq_len, heads, kv_heads, slots, cap, seed=0):
 @pytest.mark.parametrize("heads, kv_heads, slots, cap", [(4, 1, 5, 5), (6, 3, 4, 4), (16, 2, 16, 16)])
 def test_the_statistics_kernels_match_the_pytorch_statistics(heads, kv_heads, slots, cap):
     from attnlab.models.kernels.nsa.stats import record_stats
-    from attnlab.models.mixers.nsa import stats_values
+    from attnlab.models.ops.nsa import stats_values
 
     g, pos, idx, cap = stats_case(2, 70, heads, kv_heads, slots, cap)
     expected, tokens = stats_values(g, idx, pos, cap)

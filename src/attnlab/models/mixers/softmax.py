@@ -90,11 +90,13 @@ def write_static_kv(cache: dict, k: torch.Tensor, v: torch.Tensor, is_token: tor
 
 def decode_attention(choice: str, q, key, value, valid, length, scale: float) -> torch.Tensor:
     """One query per row over a static cache: attnlab's split-key Triton kernel on CUDA, SDPA elsewhere."""
-    from attnlab.models.kernels.softmax.decode import decode_attention as fused, decode_attention_reference
-
     if kernels.use_triton(choice, q):
+        from attnlab.models.kernels.softmax.decode import decode_attention as fused
+
         return fused(q, key, value, valid.view(torch.uint8), length, scale)
-    return decode_attention_reference(q, key, value, valid, length, scale)
+    from attnlab.models.ops.softmax import decode_attention as reference
+
+    return reference(q, key, value, valid, length, scale)
 
 
 @register_mixer("softmax")

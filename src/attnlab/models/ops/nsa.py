@@ -295,3 +295,29 @@ def naive_nsa(
                     o_swa, _ = softmax_attend(q[b, t, h], k[b, win_tokens, kh], v[b, win_tokens, kh])
                     o[b, t, h] = g_cmp[b, t, h] * outs_cmp[h] + g_slc[b, t, h] * o_slc + g_swa[b, t, h] * o_swa
     return o.to(in_dtype), selected
+
+
+BRANCHES = ("cmp", "slc", "swa")
+STAT_NAMES = [f"nsa_{name}" for name in ("gate_entropy_mean", "max_gate_mean", "collapse_fraction",
+                                         *(f"branch_share_{b}" for b in BRANCHES), "k_mean", "pct_at_k_max")]
+
+
+def stats_values(g: torch.Tensor, block_indices: torch.Tensor, pos: torch.Tensor, block_counts: int):
+    """The statistics of `NativeSparseAttention._record_stats` (`mixers/nsa.py`) in PyTorch, the oracle of
+    `kernels/nsa/stats.py`: (values [8] fp32 in `STAT_NAMES` order, real
+    tokens as a 0-d tensor). g [B, T, H, 3]; block_indices [B, T, Hkv, S]; pos [B, T] (< 0: padding)."""
+    heads, kv_heads = g.shape[2], block_indices.shape[2]
+    real = (pos >= 0).float()[..., None]  # [B, T, 1]
+    tokens = real.sum()
+    count = tokens.clamp_min(1)
+    gates = g.float()  # [B, T, H, 3]
+    share = gates / gates.sum(-1, keepdim=True)
+    entropy = (-(share * share.clamp_min(1e-12).log()).sum(-1) * real).sum() / (count * heads)
+    max_gate = (gates.max(-1).values * real).sum() / (count * heads)
+    head_means = (gates * real[..., None]).sum((0, 1)) / count  # [H, 3]
+    collapse = (head_means.max(-1).values > 0.99).float().mean()
+    branch_share = (share * real[..., None]).sum((0, 1, 2)) / (count * heads)  # [3]
+    k_selected = (block_indices >= 0).sum(-1).float()  # [B, T, Hkv]
+    k_mean = (k_selected * real).sum() / (count * kv_heads)
+    at_max = ((k_selected == block_counts).float() * real).sum() / (count * kv_heads) * 100
+    return torch.stack((entropy, max_gate, collapse, *branch_share, k_mean, at_max)), tokens

@@ -46,9 +46,10 @@ Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from attnlab.models.ops.common import causal_conv1d as reference
 
 MAX_KERNEL_SIZE = 8  # the forward unrolls K loads of its tile; the backward one dweight sum per tap, up to 8
 # Tiles by up to 128 channels. Forward: 32 steps, 4 warps. Backward: the dpre pass 8 steps by 8 warps (4 elements
@@ -234,15 +235,6 @@ def _final_state(x: torch.Tensor, h0: torch.Tensor | None, width: int, channel_m
     return state.copy_(last)
 
 
-def _reference(x, weight, bias, h0, silu: bool) -> torch.Tensor:
-    """The convolution in PyTorch (fp32) on a few rows: used for the initial state's gradient."""
-    C = x.shape[2]
-    padded = torch.cat((h0.to(x.dtype).float(), x.float()), dim=1)  # [B, width + T, C]
-    out = F.conv1d(padded.transpose(1, 2), weight.float()[:, None], None if bias is None else bias.float(), groups=C)
-    out = out.transpose(1, 2)  # [B, T, C]
-    return F.silu(out) if silu else out
-
-
 def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool, want_final: bool = True):
     """The forward on the kernels, outside autograd: (y [B, T, C] in x's dtype, the final state, or None
     without `want_final`)."""
@@ -332,7 +324,7 @@ def conv_backward(x, weight, bias, h0, silu: bool, dy, dfinal, want_h0_grad: boo
             n = min(T, width)
             with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
                 state = h0.detach().requires_grad_()
-                out = _reference(x[:, :n].detach(), weight.detach(), None if bias is None else bias.detach(), state, silu)
+                out = reference(x[:, :n].detach(), weight.detach(), None if bias is None else bias.detach(), state, silu)
                 (dh0,) = torch.autograd.grad(out, state, dy[:, :n].float())
         else:
             dh0 = torch.zeros_like(h0)

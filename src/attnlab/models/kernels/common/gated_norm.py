@@ -50,7 +50,6 @@ Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -243,16 +242,3 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     [D], for x, z [..., D]; [..., D] in x's dtype, differentiable in x, z and weight."""
     _groups(x, z, weight, group_size)
     return GatedRMSNorm.apply(x, z, weight, group_size, float(eps))
-
-
-def gated_rms_norm_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int | None,
-                             eps: float) -> torch.Tensor:
-    """The same in PyTorch (fp32 math, result in x's dtype): the oracle of the kernels' tests."""
-    D = x.shape[-1]
-    group_size = D if group_size is None else group_size
-    if D % group_size:
-        raise ValueError(f"gated_rms_norm_reference: group_size must divide D = {D} (got {group_size})")
-    h = x.float() * F.silu(z.float())
-    grouped = h.view(*h.shape[:-1], D // group_size, group_size)
-    normed = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)
-    return (normed.view(h.shape) * weight.float()).to(x.dtype)

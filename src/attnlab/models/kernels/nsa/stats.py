@@ -1,5 +1,5 @@
-"""NSA's training-health statistics of one forward in two Triton launches (`mixers/nsa.py`
-`_record_stats` computes the same values in PyTorch, which is the reference and the CPU path).
+"""NSA's training-health statistics of one forward in two Triton launches (`ops.nsa.stats_values`
+computes the same values in PyTorch: the reference, and the CPU path of `mixers/nsa.py` `_record_stats`).
 
 On every training forward that records them, the statistics are ~30 small PyTorch kernels per layer:
 measured on an H100 (12 layers, 2 x 2048, step captured as CUDA graphs) they took 4.4 % of the step.
@@ -108,7 +108,7 @@ def _finish_kernel(PART, OUT, programs, H: tl.constexpr, HKV: tl.constexpr, COLS
 
 def record_stats(out: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, block_indices: torch.Tensor, block_counts: int) -> None:
     """Write NSA's statistics of one forward into `out` ([8] fp32, in the order of
-    `mixers.nsa.STAT_NAMES`), in place; `out` keeps its values when no token is real (pos < 0 everywhere).
+    `ops.nsa.STAT_NAMES`), in place; `out` keeps its values when no token is real (pos < 0 everywhere).
     g [B, T, H, 3] gates; pos [B, T] (negative: padding); block_indices [B, T, Hkv, S] (negative: no block)."""
     batch, seq_len, heads, _ = g.shape
     kv_heads, slots = block_indices.shape[2], block_indices.shape[3]

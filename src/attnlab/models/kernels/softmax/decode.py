@@ -17,7 +17,7 @@ an H100 idle at batch 8, so the keys are split in `splits` ranges (flash-decodin
                           maximum and divided by the total weight.
 
 Grouped-query heads read their key/value head (head // (H / Hkv)). Scores and sums in fp32; the
-output in q's dtype. The PyTorch reference is `decode_attention_reference` (SDPA under the mask).
+output in q's dtype. The PyTorch reference is `attnlab.models.ops.softmax.decode_attention` (SDPA under the mask).
 """
 
 from __future__ import annotations
@@ -175,21 +175,6 @@ def decode_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, va
     _combine_kernel[(batch * heads,)](part_o, part_ml, o, summary, o.stride(0), o.stride(1), H=heads, D=head_dim, BD=block_d,
                                       NS=splits, BS=triton.next_power_of_2(splits), STATS=stats, num_warps=4)
     return (o, summary) if stats else o
-
-
-def decode_attention_reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
-                               length: torch.Tensor, scale: float) -> torch.Tensor:
-    """`decode_attention` in PyTorch: SDPA of the one query over the whole buffer, masked to the
-    valid columns among the first `length`."""
-    heads, kv_heads = q.shape[1], key.shape[2]
-    columns = torch.arange(key.shape[1], device=key.device)
-    allowed = (valid != 0) & (columns[None, :] < length[:, None])  # [B, capacity]
-    k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Hkv, capacity, D]
-    if heads > kv_heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    o = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None, :], scale=scale)
-    return o[:, :, 0]
 
 
 @triton.jit
