@@ -356,10 +356,13 @@ def _new_held_dir(path: Path) -> int:
     os.mkdir(path)
     try:
         fd = os.open(path, _DIRECTORY)
-    except BaseException:
-        remove_path(path)
-        raise
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new directory: no one else holds it
+    except FileNotFoundError:  # another publisher's clean-up removed it before it was held: take another name
+        raise FileExistsError(errno.EEXIST, "removed before it was held", str(path)) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # that clean-up holds it, to remove it: take another name
+        os.close(fd)
+        raise FileExistsError(errno.EEXIST, "held by another process's clean-up", str(path)) from None
     return fd
 
 
