@@ -220,6 +220,24 @@ def test_preflight_refuses_fsdp_with_evaluation_tasks_during_training(monkeypatc
     assert "eval.tasks" in [p.key for p in run_preflight(cfg, load_data=False).errors]
 
 
+def test_preflight_refuses_gradients_averaged_in_bf16_under_fsdp(monkeypatch):
+    from attnlab.config import load_config
+    from attnlab.train.preflight import run_preflight
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config(None, ["train.strategy=fsdp", "train.batch_size=4", "train.grad_reduce_dtype=bf16"])
+    assert "train.grad_reduce_dtype" in [p.key for p in run_preflight(cfg, load_data=False).errors]
+
+
+def test_ddp_on_two_gloo_processes_averages_gradients_in_bf16_when_asked(two_process_run, tmp_path):
+    run, overrides = two_process_run
+    proc = _train_under_torchrun(overrides + ["train.grad_reduce_dtype=bf16"], tmp_path / "bf16")
+    assert "gradients averaged over the processes in bfloat16" in proc.stdout + proc.stderr
+    assert "UserWarning" not in proc.stdout + proc.stderr
+    losses, reference = _losses(tmp_path / "bf16"), _losses(run)
+    assert losses == pytest.approx(reference, abs=2e-2) and losses != reference  # bf16's rounding, nothing more
+
+
 def test_fsdp_in_one_process_trains_as_one_process_with_a_warning():
     from attnlab.config import load_config
     from attnlab.train.preflight import run_preflight

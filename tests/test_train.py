@@ -342,6 +342,17 @@ for g in mean:
 assert all(torch.allclose(v, g, atol=1e-6) for v, g in zip(buckets.views, mean)), [(v, g) for v, g in zip(buckets.views, mean)]
 assert buckets.views[-1].eq(0).all()
 assert not any(p._backward_hooks for p in params)  # the hooks are gone after the backward
+# reduce_dtype=bf16: the buckets travel in bf16 (the gradients divided, then rounded, then summed, as DDP's
+# bf16_compress_hook does) and come back into the fp32 buffers
+buckets = GradientBuckets(params, bucket_bytes=64, reduce_dtype=torch.bfloat16)
+assert all(w.dtype == torch.bfloat16 for w in buckets.wire) and all(f.dtype == torch.float32 for f in buckets.flats)
+with buckets.reducing():
+    grads = torch.autograd.grad(layers(x).pow(2).sum(), params, allow_unused=True, materialize_grads=True)
+wire = [g.div(dist.get_world_size()).to(torch.bfloat16) for g in grads]
+for w in wire:
+    dist.all_reduce(w)
+assert all(torch.equal(v, w.float()) for v, w in zip(buckets.views, wire))
+assert all(torch.allclose(v, g, rtol=1e-2, atol=1e-2) for v, g in zip(buckets.views, mean))
 open(sys.argv[1] + f"/ok-{rank}", "w").close()  # one file per process: two processes' prints can interleave
 """
 

@@ -102,6 +102,7 @@ class TrainSection(Section):
     gradient_checkpointing: bool = Field(False, description="recompute block activations in backward (non-reentrant; captured with the step on CUDA)")
     cuda_graphs: bool = Field(True, description="on CUDA, capture the step's forward and backward as CUDA graphs and replay them (attnlab models, one process or DDP, with or without gradient checkpointing; FSDP and other runs train eagerly and say why)")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="how several processes under torchrun share the model: ddp replicates it, fsdp (CUDA only) shards parameters, gradients and optimizer state (FULL_SHARD); one process ignores it")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="under DDP, the dtype in which the processes average their gradients: bf16 halves the all-reduce's traffic (as DDP's bf16_compress_hook; the averaged gradients are fp32 again, with bf16's 8-bit mantissa); one process ignores it")
     eval_every: int = Field(200, ge=0, description="validate every N steps (and at the end); 0 = only at the end")
     eval_batches: int = Field(16, gt=0, description="validation batches per evaluation")
     save_every: int = Field(200, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")

@@ -88,6 +88,39 @@ def on_capture_stream(prepare_model):
     return prepare
 
 
+def averaging_in(dtype: torch.dtype):
+    """A DDP communication hook that averages each bucket in `dtype`: divided, rounded, all-reduced and copied
+    back, as torch's bf16_compress_hook does (which refuses gloo); the captured step does the same in
+    `GradientBuckets`."""
+    import torch.distributed as dist
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        wire = buffer.to(dtype).div_(group.size())
+        fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+        def back(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+        return fut.then(back)
+    return hook
+
+
+def compressing_gradients(prepare_model, dtype: torch.dtype, say=print):
+    """`prepare_model` (accelerate's) whose DDP model averages its gradients in `dtype` in an eager backward."""
+    def prepare(*args, **kwargs):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = prepare_model(*args, **kwargs)
+        if isinstance(model, DistributedDataParallel) and not getattr(model, "_attnlab_compressed", False):
+            model.register_comm_hook(None, averaging_in(dtype))
+            model._attnlab_compressed = True
+            say(f"gradients averaged over the processes in {str(dtype).removeprefix('torch.')} (train.grad_reduce_dtype)")
+        return model
+    return prepare
+
+
 def _checkpoints_capturably(model: nn.Module) -> bool:
     funcs = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
     return bool(funcs) and all(getattr(f, "keywords", {}) == CHECKPOINT_KWARGS for f in funcs)
@@ -137,13 +170,26 @@ class GradientBuckets:
     after it in the fixed order (the same on every process, so the collectives match) are all-reduced
     asynchronously; `reducing()` ends by launching what is left (a parameter without a gradient keeps
     zeros) and making the current stream wait for every all-reduce. Inside a CUDA graph capture the
-    all-reduces are captured with the backward and overlap it on replay."""
+    all-reduces are captured with the backward and overlap it on replay.
 
-    def __init__(self, params: list[torch.Tensor], bucket_bytes: int):
+    `reduce_dtype` (bf16, say): the hooks write into buckets of that dtype, which are all-reduced and then
+    copied into `flats` (half the traffic of fp32, as DDP's bf16_compress_hook)."""
+
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None = None):
         self.params = params
         self.layout = bucket_layout(params, bucket_bytes)
         self.flats, self.views = flat_views(params, bucket_bytes)
         self.bucket_of = {i: b for b, bucket in enumerate(self.layout) for i in bucket}
+        if reduce_dtype is None or all(f.dtype == reduce_dtype for f in self.flats):
+            self.wire, self.wire_views = self.flats, self.views
+        else:  # the buckets as sent: floating-point buckets in reduce_dtype, the others as they are
+            self.wire = [f.to(reduce_dtype) if f.is_floating_point() else f for f in self.flats]
+            self.wire_views = [None] * len(params)
+            for flat, wire, bucket in zip(self.flats, self.wire, self.layout):
+                offset = 0
+                for i in bucket:
+                    self.wire_views[i] = wire[offset:offset + params[i].numel()].view_as(params[i])
+                    offset += params[i].numel()
 
     @contextmanager
     def reducing(self):
@@ -157,7 +203,7 @@ class GradientBuckets:
         def launch_ready():
             nonlocal launched
             while launched < len(self.layout) and missing[launched] == 0:
-                works.append(dist.all_reduce(self.flats[launched], async_op=True))
+                works.append(dist.all_reduce(self.wire[launched], async_op=True))
                 launched += 1
 
         def hook(i):
@@ -165,7 +211,10 @@ class GradientBuckets:
                 if written[i]:  # a leaf's hook fires once per backward, with its summed gradient
                     raise RuntimeError(f"the gradient of parameter {i} arrived twice in one backward")
                 written[i] = True
-                torch.div(grad, world, out=self.views[i])
+                if self.wire_views[i].dtype == grad.dtype:
+                    torch.div(grad, world, out=self.wire_views[i])
+                else:  # the average of the gradients in reduce_dtype: divided before rounding, as DDP's hook does
+                    self.wire_views[i].copy_(grad.div(world))
                 missing[self.bucket_of[i]] -= 1
                 launch_ready()
                 return grad
@@ -176,11 +225,15 @@ class GradientBuckets:
             yield self
             for i, done in enumerate(written):
                 if not done:  # no gradient: zeros, as materialize_grads gives
-                    self.views[i].zero_()
+                    self.wire_views[i].zero_()
                     missing[self.bucket_of[i]] -= 1
             launch_ready()
             for work in works:
                 work.wait()
+            if self.wire is not self.flats:
+                for flat, wire in zip(self.flats, self.wire):
+                    if wire is not flat:
+                        flat.copy_(wire)
         finally:
             for handle in handles:
                 handle.remove()
@@ -208,14 +261,15 @@ class CapturedLoss:
     CUDA graphs. Call it with tensors of that shape; `matches` says whether a batch fits.
     `flat`: the gradients land in flat buffers (`all_reduce_grads` reduces them over processes); `reduce`:
     the backward graph itself averages them over the processes, bucket by bucket while it runs
-    (`GradientBuckets`), for steps of one micro-batch."""
+    (`GradientBuckets`), for steps of one micro-batch; `reduce_dtype`: the dtype they are averaged in."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype: torch.dtype | None,
-                 flat: bool = False, reduce: bool = False):
+                 flat: bool = False, reduce: bool = False, reduce_dtype: torch.dtype | None = None):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.reduce_dtype = reduce_dtype  # the dtype the processes average their gradients in (None: their own)
         # flat: the backward graph's gradients and, across micro-batches, their sums live in flat buffers
-        self.buckets = GradientBuckets(self.params, BUCKET_BYTES) if reduce else None
+        self.buckets = GradientBuckets(self.params, BUCKET_BYTES, reduce_dtype) if reduce else None
         self.bucket_bytes = BUCKET_BYTES if reduce else None
         if self.buckets is not None:
             self.flats, self.flat_grads = self.buckets.flats, self.buckets.views
@@ -317,8 +371,13 @@ class CapturedLoss:
             tensors = [p.grad for p in self.params if p.grad is not None]
         world = dist.get_world_size()
         for t in tensors:
-            dist.all_reduce(t)
-            t.div_(world)
+            if self.reduce_dtype is not None and t.is_floating_point() and t.dtype != self.reduce_dtype:
+                wire = t.to(self.reduce_dtype).div_(world)  # as DDP's bf16_compress_hook
+                dist.all_reduce(wire)
+                t.copy_(wire)
+            else:
+                dist.all_reduce(t)
+                t.div_(world)
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _Replay.apply(self, input_ids, labels, *self.params)

@@ -38,7 +38,7 @@ from .checkpoint import (
     OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
     torch_load_checked,
 )
-from .graphs import CHECKPOINT_KWARGS, CapturedLoss, graph_blocker, on_capture_stream
+from .graphs import CHECKPOINT_KWARGS, CapturedLoss, compressing_gradients, graph_blocker, on_capture_stream
 from .sampling import sample_continuation
 from .schedule import scheduler_spec
 from .telemetry import RunLogger, Throughput, read_jsonl
@@ -69,7 +69,7 @@ class AttnLabTrainer(Trainer):
     """
 
     def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, cuda_graphs: bool = False,
-                 say=print, train_sampler=None, data_state=None, **kwargs):
+                 grad_reduce_dtype: torch.dtype | None = None, say=print, train_sampler=None, data_state=None, **kwargs):
         self.train_sampler = train_sampler  # the block stream of a prepared corpus (data/blocks.py), else the Trainer's
         self.data_state = data_state  # step -> the data state a checkpoint records (data_state.json), or None
         super().__init__(*args, **kwargs)
@@ -81,9 +81,12 @@ class AttnLabTrainer(Trainer):
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
         self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
         self.finite = FiniteLossCheck()
+        self.grad_reduce_dtype = grad_reduce_dtype  # the dtype DDP's processes average their gradients in (None: fp32)
         if cuda_graphs and world_size() > 1 and graph_blocker(self.model, sharded=self.is_fsdp_enabled) is None:
             # only a step that will be captured: DDP on the capture stream makes an eager backward wait across streams
             self.accelerator.prepare_model = on_capture_stream(self.accelerator.prepare_model)
+        if grad_reduce_dtype is not None and world_size() > 1 and not self.is_fsdp_enabled:
+            self.accelerator.prepare_model = compressing_gradients(self.accelerator.prepare_model, grad_reduce_dtype, say)
 
     def _get_train_sampler(self, train_dataset=None):
         if self.train_sampler is not None:
@@ -110,7 +113,7 @@ class AttnLabTrainer(Trainer):
                 # one micro-batch a step: the backward graph averages the gradients over the processes as it runs
                 reduce = world_size() > 1 and self.args.gradient_accumulation_steps == 1
                 self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype,
-                                             flat=world_size() > 1, reduce=reduce)
+                                             flat=world_size() > 1, reduce=reduce, reduce_dtype=self.grad_reduce_dtype)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
                 blocker = f"capture failed ({str(err).splitlines()[0][:200]})"
                 torch.cuda.empty_cache()
@@ -680,6 +683,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
         cuda_graphs=cfg.train.cuda_graphs and report.device == "cuda",
+        grad_reduce_dtype=None if cfg.train.grad_reduce_dtype == "fp32" else getattr(torch, {"bf16": "bfloat16"}[cfg.train.grad_reduce_dtype]),
         say=say,
         train_sampler=sampler,
         data_state=data_state,
