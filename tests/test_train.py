@@ -373,6 +373,49 @@ def test_gradient_buckets_average_over_two_gloo_processes_while_the_backward_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
 
+def _tiny_hf(name: str, **options):
+    import transformers
+
+    config = getattr(transformers, name.replace("ForCausalLM", "Config"))(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, **options)
+    return getattr(transformers, name)(config)
+
+
+@pytest.mark.parametrize("name, options, hf, reason", [
+    ("LlamaForCausalLM", {}, False, "is not an attnlab model"),  # the benchmarks' HF peers train as HF trains them
+    ("LlamaForCausalLM", {}, True, "not on a CUDA device"),  # attnlab train captures it on CUDA
+    ("LlamaForCausalLM", {"attention_dropout": 0.1}, True, "dropout"),
+    ("Qwen2ForCausalLM", {}, True, "nor an HF model verified for capture"),
+])
+def test_which_hf_models_attnlab_train_may_capture(name, options, hf, reason):
+    from attnlab.train.graphs import graph_blocker
+
+    model = _tiny_hf(name, **options)
+    model.config._attn_implementation = "sdpa"
+    assert reason in graph_blocker(model, hf=hf)
+    if reason == "not on a CUDA device":
+        model.config._attn_implementation = "flex_attention"
+        assert "flex_attention attention is not verified" in graph_blocker(model, hf=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_hf_llama_trained_by_attnlab_is_captured_and_follows_its_eager_trajectory(tmp_path, tiny, capsys):
+    init = tmp_path / "llama"
+    torch.manual_seed(0)
+    _tiny_hf("LlamaForCausalLM", tie_word_embeddings=False).save_pretrained(init)
+    on_gpu = ([o for o in tiny if not o.startswith(("train.device", "model."))]
+              + ["train.device=cuda", "train.batch_size=2", "train.grad_accum=2", f"train.init_from={init}"])
+    runs = {}
+    for graphs in ("false", "true"):
+        run = tmp_path / f"graphs-{graphs}"
+        assert run_cli("train", *sets(on_gpu + [f"train.cuda_graphs={graphs}"]), "--run-dir", str(run)) == 0
+        runs[graphs] = [json.loads(line)["loss"] for line in (run / "heartbeat.jsonl").read_text().splitlines()]
+    assert "captured as CUDA graphs" in capsys.readouterr().out
+    assert runs["true"] == pytest.approx(runs["false"], abs=1e-4)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("checkpointing", ["false", "true"])

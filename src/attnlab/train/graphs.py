@@ -9,7 +9,8 @@ and the schedule stay eager (a few launches).
 What is captured is the summed token loss of one batch shape: the model's forward (under autocast
 when the run trains in bf16) and the gradients of every trainable parameter. A batch of another
 shape runs eagerly. Capture needs a step free of host synchronisation, so it applies only where
-that is known: mixers marked `train_graph_safe` (checked against the eager step on the GPU), and
+that is known: mixers marked `train_graph_safe` (checked against the eager step on the GPU), the HF
+causal LMs of `HF_CAPTURABLE` (in `attnlab train`), and
 gradient checkpointing only in its non-reentrant form without RNG bookkeeping (`CHECKPOINT_KWARGS`:
 the recomputation is then captured inside the backward graph). `graph_blocker` says why a run stays eager.
 
@@ -41,14 +42,32 @@ WARMUP_STEPS = 3  # forward and backward on a side stream before capture: fla's 
 CHECKPOINT_KWARGS = {"use_reentrant": False, "preserve_rng_state": False}
 
 
-def graph_blocker(model: nn.Module, sharded: bool = False) -> str | None:
-    """Why the training step of `model` cannot be captured, or None when it can. `sharded`: FSDP."""
+# HF causal LMs whose training step is verified under capture (the CUDA tests of tests/test_train.py): their
+# forward keeps no host-side state and never waits for the GPU with SDPA or eager attention, no attention mask,
+# no cache and no dropout.
+HF_CAPTURABLE = ("LlamaForCausalLM",)
+
+
+def graph_blocker(model: nn.Module, sharded: bool = False, hf: bool = False) -> str | None:
+    """Why the training step of `model` cannot be captured, or None when it can. `sharded`: FSDP; `hf`: HF
+    causal LMs of `HF_CAPTURABLE` may be captured too (`attnlab train` captures them; the benchmarks keep
+    their HF peers as HF trains them)."""
     from attnlab.models import AttnLabForCausalLM
     from attnlab.models.mixers import Mixer
 
     if not isinstance(model, AttnLabForCausalLM):
-        return f"{type(model).__name__} is not an attnlab model"
-    mixers = [m for m in model.modules() if isinstance(m, Mixer)]
+        name = type(model).__name__
+        if not hf or name not in HF_CAPTURABLE:
+            return f"{name} is not an attnlab model" + (" nor an HF model verified for capture" if hf else "")
+        config = model.config
+        attention = getattr(config, "_attn_implementation", None)
+        if attention not in ("sdpa", "eager"):
+            return f"{name} with {attention} attention is not verified for capture (sdpa and eager are)"
+        if any(getattr(config, key, 0) for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop")):
+            return f"{name} trains with dropout (not verified for capture)"
+        mixers = []
+    else:
+        mixers = [m for m in model.modules() if isinstance(m, Mixer)]
     unsafe = sorted({type(m).__name__ for m in mixers if not m.train_graph_safe})
     if unsafe:
         return f"mixer {', '.join(unsafe)} is not verified for capture"
@@ -268,6 +287,10 @@ class CapturedLoss:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.reduce_dtype = reduce_dtype  # the dtype the processes average their gradients in (None: their own)
+        from attnlab.models import AttnLabForCausalLM
+
+        # an HF model (HF_CAPTURABLE) would otherwise fill a key-value cache nobody reads
+        self.forward_extra = {} if isinstance(model, AttnLabForCausalLM) else {"use_cache": False}
         # flat: the backward graph's gradients and, across micro-batches, their sums live in flat buffers
         self.buckets = GradientBuckets(self.params, BUCKET_BYTES, reduce_dtype) if reduce else None
         self.bucket_bytes = BUCKET_BYTES if reduce else None
@@ -309,7 +332,7 @@ class CapturedLoss:
         with amp:
             # the class's forward: not a wrapper another library may have put on the instance
             return type(self.model).forward(self.model, input_ids=self.static_ids, labels=self.static_labels,
-                                            num_items_in_batch=1).loss
+                                            num_items_in_batch=1, **self.forward_extra).loss
 
     def matches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> bool:
         """The batch has the captured shape and the weights are where they were when captured."""

@@ -82,7 +82,7 @@ class AttnLabTrainer(Trainer):
         self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
         self.finite = FiniteLossCheck()
         self.grad_reduce_dtype = grad_reduce_dtype  # the dtype DDP's processes average their gradients in (None: fp32)
-        if cuda_graphs and world_size() > 1 and graph_blocker(self.model, sharded=self.is_fsdp_enabled) is None:
+        if cuda_graphs and world_size() > 1 and graph_blocker(self.model, sharded=self.is_fsdp_enabled, hf=True) is None:
             # only a step that will be captured: DDP on the capture stream makes an eager backward wait across streams
             self.accelerator.prepare_model = on_capture_stream(self.accelerator.prepare_model)
         if grad_reduce_dtype is not None and world_size() > 1 and not self.is_fsdp_enabled:
@@ -105,7 +105,7 @@ class AttnLabTrainer(Trainer):
         if self.graph_note is not None:
             return None
         model = self.accelerator.unwrap_model(model)
-        blocker = graph_blocker(model, sharded=self.is_fsdp_enabled)
+        blocker = graph_blocker(model, sharded=self.is_fsdp_enabled, hf=True)
         if blocker is None:
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
             self.captured = None  # moved weights: the old graphs' memory goes first
