@@ -42,7 +42,7 @@ def _ssd_step(xBC, dt, A, D):
     dy = torch.ones(batch, seq_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        y, _ = ssd.ssd(x, dt, A, B, C, D, 64, None, False, "auto")
+        y, _ = ssd.ssd_triton(x, dt, A, B, C, D, 64, None, False)
         y.backward(dy)
     return step
 

@@ -4,7 +4,8 @@ with attnlab's PyTorch GLA in place of fla's kernels: outputs, final state and e
 import pytest
 import torch
 
-from attnlab.models.kernels.mamba2.core import ReferenceGLA, chunk_ssd_gla, ssd, ssd_as_gla, state_from_gla
+from attnlab.models.kernels.mamba2.core import chunk_ssd_gla, ssd, ssd_as_gla, state_from_gla
+from attnlab.models.ops.gla import ReferenceGLA
 from attnlab.models.ops.gla import chunk_gla, naive_recurrent_gla
 from attnlab.models.ops.mamba2 import chunk_ssd, naive_recurrent_ssd
 
@@ -175,7 +176,7 @@ def test_mixer_fast_path_prefill_after_a_cache_and_decoding_match_the_reference(
 
 @pytest.mark.parametrize("with_D", [True, False])
 def test_skip_grads_kernel_matches_its_pytorch_form(with_D):
-    from attnlab.models.kernels.mamba2.core import _skip_grads_torch
+    from attnlab.models.ops.mamba2 import ssd_skip_grads as _skip_grads_torch
     from attnlab.models.kernels.mamba2.grads import ssd_skip_grads
 
     gen = torch.Generator().manual_seed(7)

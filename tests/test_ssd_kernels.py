@@ -77,11 +77,11 @@ def test_chunked_ssd_kernels_without_a_state_gradient():
 
 
 def test_the_mixer_entry_adds_the_skip_and_falls_back_on_cpu():
-    from attnlab.models.kernels.mamba2.ssd import ssd, use_triton_ssd
+    from attnlab.models.kernels.mamba2.core import ssd, use_fast_ssd
 
     x, dt, A, B, C, h0 = ssd_inputs(2, 20, 4, 8, 8, 1, True, seed=4)
     D = torch.randn(4)
-    assert not use_triton_ssd("auto", x)
+    assert not use_fast_ssd("auto", x)
     y, state = ssd(x, dt, A, B, C, D, 16, h0, True, "auto")
     y_ref, state_ref = chunk_ssd(x, dt, A, B, C, 16, h0)
     assert rel_err(y, y_ref + x * D[:, None]) < 1e-6 and rel_err(state, state_ref) < 1e-6
@@ -114,22 +114,23 @@ def test_the_kernels_add_the_skip_and_give_its_gradient(seq_len, groups, with_st
 
 def test_the_mixer_entry_on_the_kernels_runs_other_chunk_sizes_at_64_and_says_so_once(monkeypatch):
     """Not a power of two, or above 128: the kernels run at 64, with one warning per chunk size."""
+    from attnlab.models.kernels.mamba2 import core
     from attnlab.models.kernels.mamba2 import ssd as kernels
 
-    monkeypatch.setattr(kernels, "use_triton_ssd", lambda choice, x: True)  # the kernels, through the interpreter
+    monkeypatch.setattr(core, "use_fast_ssd", lambda choice, x: True)  # the kernels, through the interpreter
     monkeypatch.setattr(kernels, "_warned_chunks", set())
     x, dt, A, B, C, h0 = ssd_inputs(1, 70, 2, 8, 8, 1, True, seed=17)
     D = torch.randn(2)
     with pytest.warns(UserWarning, match="chunk_size 24 runs at 64"):
-        y, state = kernels.ssd(x, dt, A, B, C, D, 24, h0, True, "auto")
+        y, state = core.ssd(x, dt, A, B, C, D, 24, h0, True, "auto")
     y_ref, state_ref = chunk_ssd(x, dt, A, B, C, 24, h0)
     assert rel_err(y, y_ref + x * D[:, None]) < 1e-4 and rel_err(state, state_ref) < 1e-4
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert kernels.ssd(x, dt, A, B, C, D, 24, h0, False, "auto")[1] is None
+        assert core.ssd(x, dt, A, B, C, D, 24, h0, False, "auto")[1] is None
     assert not [w for w in caught if "chunk_size" in str(w.message)]
     with pytest.warns(UserWarning, match="chunk_size 256 runs at 64"):  # [256, 256] tiles would not fit
-        y, _ = kernels.ssd(x, dt, A, B, C, D, 256, h0, False, "auto")
+        y, _ = core.ssd(x, dt, A, B, C, D, 256, h0, False, "auto")
     assert rel_err(y, y_ref + x * D[:, None]) < 1e-4
     with pytest.raises(ValueError, match="from 16 to 128"):
         kernels.chunk_ssd_triton(x, dt, A, B, C, 256, h0)
@@ -252,7 +253,7 @@ def test_chunked_ssd_kernels_keep_bf16_inputs_in_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_mixer_entry_in_bf16_with_the_skip_matches_the_fp32_reference():
     """`ssd` as the mixer calls it: x, B, C views of one bf16 tensor, D, the final state asked for."""
-    from attnlab.models.kernels.mamba2.ssd import ssd
+    from attnlab.models.kernels.mamba2.core import ssd
 
     x, dt, A, B, C, h0 = ssd_inputs(2, 1000, 16, 128, 64, 1, True, device="cuda", seed=20)
     D = torch.randn(16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(21))

@@ -172,3 +172,32 @@ def chunk_gla(
 
     o = (o_intra + o_inter).reshape(batch, heads, padded_len, value_dim)[:, :, :seq_len]
     return o.transpose(1, 2).to(out_dtype), state
+
+
+class ReferenceGLA:
+    """`chunk_gla` behind the interface of a GLA backend of the SSD (`kernels.mamba2.core.FlaGLA`): scale 1, the
+    backward differentiates the reference again. For tests of the SSD's mapping onto a GLA on CPU."""
+
+    @staticmethod
+    def _run(q, k, v, g, h0):
+        return chunk_gla(q, k, v, g, initial_state=h0, scale=1.0)
+
+    @classmethod
+    def forward(cls, q, k, v, g, h0, output_final_state: bool):
+        o, final_state = cls._run(q, k, v, g, h0)
+        return o, (final_state if output_final_state else None), None
+
+    @classmethod
+    def backward(cls, q, k, v, g, h0, saved, do, dht):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
+            h0_leaf = None if h0 is None else h0.detach().requires_grad_()
+            o, final_state = cls._run(*leaves, h0_leaf)
+            outputs, grads = [o], [do]
+            if dht is not None:
+                outputs.append(final_state)
+                grads.append(dht)
+            inputs = leaves + ([] if h0_leaf is None else [h0_leaf])
+            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        found = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, found)]
+        return (*found[:4], found[4] if h0 is not None else None)

@@ -112,3 +112,28 @@ def chunk_ssd(
     y = y + torch.einsum("bnihs,bnhps,bhni->bnihp", C, states_before, from_start)
     y = y.reshape(batch, padded, heads, head_dim)[:, :seq_len]
     return y, state
+
+
+def ssd_with_skip(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+    chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: (y [b, T, H, P] fp32, the
+    final state). The reference of `kernels.mamba2.core.ssd`."""
+    y, state = chunk_ssd(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
+    return y + x.float() * D.float()[:, None], state
+
+
+def ssd_skip_grads(dv, dy, x, dt, D):
+    """(dx, sum_p dv * x, sum_p dy * x) through v = x * dt and y = o + x * D, from dv and dy [b, T, H, P] (dv is
+    overwritten): the backward's elementwise part of the SSD through a GLA (`kernels.mamba2.core`), the oracle of
+    `kernels/mamba2/grads.py`."""
+    dv, x32 = dv.float(), x.float()
+    ddt = (dv * x32).sum(-1)
+    dx = dv.mul_(dt.float()[..., None])
+    dD = None
+    if D is not None:
+        dy = dy.float()
+        dD = (dy * x32).sum(-1)
+        dx.addcmul_(dy, D.float()[:, None])
+    return dx.to(x.dtype), ddt, dD

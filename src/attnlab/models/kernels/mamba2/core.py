@@ -1,5 +1,5 @@
-"""Mamba-2 on CUDA: `ssd` runs its state-space recurrence (SSD) on attnlab's chunked kernels
-(`kernels/mamba2/ssd.py`); `chunk_ssd_gla` computes the same through fla's chunked GLA kernels (the path
+"""Mamba-2 on CUDA: `ssd` (the one entry of Mamba-2's parallel form, which chooses between the kernels and the
+PyTorch reference) runs its state-space recurrence (SSD) on attnlab's chunked kernels (`kernels/mamba2/ssd.py`); `chunk_ssd_gla` computes the same through fla's chunked GLA kernels (the path
 those kernels replaced, 2.1-3.0x slower on an H100, kept as a second implementation to compare
 against); the gated norm and the output projection run on fla's fused norm kernel.
 
@@ -16,7 +16,7 @@ head and step). The expanded q, k, the product v = x * dt, the fp32 log gate [B,
 kernel's intra-chunk scores are rebuilt in the backward; the D skip y + x * D is added inside, and
 the backward's elementwise part is one Triton kernel (`kernels/mamba2/grads.py`), so no fp32
 [B, T, H, P] tensor outlives the call. The tests run the same function on CPU with the PyTorch GLA
-reference as backend (`ReferenceGLA`), which checks the mapping and its gradients in CI.
+reference as backend (`ops.gla.ReferenceGLA`), which checks the mapping and its gradients in CI.
 
 The gated norm rmsnorm(y * silu(z)) per group and the output projection run on fla's port of
 mamba_ssm's gated norm kernels (`grouped_gated_rms_norm`, `gated_norm_linear`).
@@ -84,50 +84,6 @@ class FlaGLA:
                              do=do, dht=dht, chunk_size=chunk_size)
 
 
-class ReferenceGLA:
-    """attnlab's PyTorch GLA (`ops.gla.chunk_gla`) behind the same interface: the backward
-    differentiates the reference again. For tests of the mapping on CPU."""
-
-    @staticmethod
-    def _run(q, k, v, g, h0):
-        from attnlab.models.ops.gla import chunk_gla
-
-        return chunk_gla(q, k, v, g, initial_state=h0, scale=1.0)
-
-    @classmethod
-    def forward(cls, q, k, v, g, h0, output_final_state: bool):
-        o, final_state = cls._run(q, k, v, g, h0)
-        return o, (final_state if output_final_state else None), None
-
-    @classmethod
-    def backward(cls, q, k, v, g, h0, saved, do, dht):
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v, g)]
-            h0_leaf = None if h0 is None else h0.detach().requires_grad_()
-            o, final_state = cls._run(*leaves, h0_leaf)
-            outputs, grads = [o], [do]
-            if dht is not None:
-                outputs.append(final_state)
-                grads.append(dht)
-            inputs = leaves + ([] if h0_leaf is None else [h0_leaf])
-            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-        found = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, found)]
-        return (*found[:4], found[4] if h0 is not None else None)
-
-
-def _skip_grads_torch(dv, dy, x, dt, D):
-    """(dx, sum_p dv * x, sum_p dy * x) through v = x * dt and y = o + x * D; see `kernels/mamba2/grads.py`."""
-    dv, x32 = dv.float(), x.float()
-    ddt = (dv * x32).sum(-1)
-    dx = dv.mul_(dt.float()[..., None])
-    dD = None
-    if D is not None:
-        dy = dy.float()
-        dD = (dy * x32).sum(-1)
-        dx.addcmul_(dy, D.float()[:, None])
-    return dx.to(x.dtype), ddt, dD
-
-
 class _ChunkSSD(torch.autograd.Function):
     """y = SSD(x, dt, A, B, C) + x * D in x's dtype, and the final state (fp32) when asked for."""
 
@@ -156,9 +112,10 @@ class _ChunkSSD(torch.autograd.Function):
             return d.to(like.dtype)
 
         dC, dB = per_group(dq, C), per_group(dk, B)
-        skip_grads = _skip_grads_torch
         if x.is_cuda and triton_installed():
             from attnlab.models.kernels.mamba2.grads import ssd_skip_grads as skip_grads
+        else:
+            from attnlab.models.ops.mamba2 import ssd_skip_grads as skip_grads
         dx, ddt, dD = skip_grads(dv, dy, x, dt, D)  # through v = x * dt and y = o + x * D
         da = dg.float().sum(-1)  # [b, T, H]: the log gate dt * A is shared by the N channels
         ddt = ddt + da * A.float()
@@ -180,7 +137,8 @@ def chunk_ssd_gla(
 
 def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
     """Whether Mamba-2's parallel form runs on attnlab's kernels (SSD, convolution, gated norm): a CUDA
-    tensor, Triton installed, kernels not 'torch' (as `use_triton`)."""
+    tensor, Triton installed, kernels not 'torch' (as `use_triton`; 'fla' insists on Triton). The one
+    fast-or-reference decision of `ssd`."""
     from attnlab.models.kernels import use_triton
 
     return use_triton(choice, x)
@@ -190,19 +148,18 @@ def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D: attnlab's chunked
-    SSD kernels for CUDA tensors (`kernels/mamba2/ssd.py`, y in x's dtype), else the PyTorch reference
-    `chunk_ssd` (y fp32). Returns (y [b, T, H, P], final state [b, H, P, N] fp32; None on the fast
-    path unless asked for). `chunk_ssd_gla` computes the same through fla's GLA kernels."""
-    from attnlab.models.kernels import use_triton
-    from attnlab.models.kernels.mamba2.ssd import ssd as chunked
+    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, the one entry every caller
+    uses: attnlab's chunked SSD kernels where `use_fast_ssd` says so (`kernels.mamba2.ssd.ssd_triton`, y in
+    x's dtype; a chunk size the kernels do not take runs at 64, with a warning), else the PyTorch reference
+    `ops.mamba2.ssd_with_skip` (y fp32). Returns (y [b, T, H, P], final state [b, H, P, N] fp32; None on the
+    fast path unless asked for). `chunk_ssd_gla` computes the same through fla's GLA kernels."""
+    if use_fast_ssd(choice, x):
+        from attnlab.models.kernels.mamba2.ssd import ssd_triton
 
-    if use_triton(choice, x):
-        return chunked(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state, choice)
-    from attnlab.models.ops.mamba2 import chunk_ssd
+        return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state)
+    from attnlab.models.ops.mamba2 import ssd_with_skip
 
-    y, state = chunk_ssd(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
-    return y + x.float() * D.float()[:, None], state
+    return ssd_with_skip(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
 def grouped_gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ gradients dv (from the GLA's backward) and dy (of y), for every (token, head) ro
     dD  = sum_p dy * x                fp32, one per row (summed over rows per head by the caller)
 
 In PyTorch these are about ten passes over [B, T, H, P] fp32 temporaries; here one pass reads
-dv, dy and x and writes dx. The PyTorch form is `_skip_grads_torch` in `kernels/mamba2/core.py`.
+dv, dy and x and writes dx. The PyTorch form is `attnlab.models.ops.mamba2.ssd_skip_grads`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Mamba-2's SSD with one scalar decay per head, as chunked Triton kernels of attnlab's own.
 
-Computes `attnlab.models.ops.mamba2.chunk_ssd` and, through `ssd`, the D skip too: per head h, with
+Computes `attnlab.models.ops.mamba2.chunk_ssd` and, through `ssd_triton`, the D skip too: per head h, with
 a_t = dt_t * A_h and the group g = h // (heads / groups) it reads B, C from,
 
     S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t + D_h x_t.
@@ -48,7 +48,7 @@ fp32 inputs are for accuracy, not speed: in IEEE fp32 the output and backward ke
 
 Timing against the fla path (`kernels/mamba2/core.py`), on a GPU, forward and backward of one layer's SSD
 (measured on an H100 at 16x1024 / 4x4096 / 1x16384: 1.40 / 1.22 / 1.78 ms, the fla path 3.26 / 3.66 / 3.74):
-    # python -c "import torch, triton; from attnlab.models.kernels.mamba2 import ssd as s, core as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); paths={'fla GLA': lambda: m.chunk_ssd_gla(x,dt,A,B,C,D)[0], 'attnlab SSD': lambda: s.ssd(x,dt,A,B,C,D,64,None,False,'auto')[0]}; [print(k, triton.testing.do_bench(lambda: f().sum().backward()), 'ms fwd+bwd') for k, f in paths.items()]"
+    # python -c "import torch, triton; from attnlab.models.kernels.mamba2 import ssd as s, core as m; b,T,H,P,N=4,4096,16,128,64; xBC=torch.randn(b,T,H*P+2*N,device='cuda',dtype=torch.bfloat16,requires_grad=True); x,B,C=xBC.split([H*P,N,N],-1); x,B,C=x.view(b,T,H,P),B.view(b,T,1,N),C.view(b,T,1,N); dt=torch.rand(b,T,H,device='cuda',requires_grad=True); A=-torch.rand(H,device='cuda'); D=torch.ones(H,device='cuda',requires_grad=True); paths={'fla GLA': lambda: m.chunk_ssd_gla(x,dt,A,B,C,D)[0], 'attnlab SSD': lambda: s.ssd_triton(x,dt,A,B,C,D,64,None,False)[0]}; [print(k, triton.testing.do_bench(lambda: f().sum().backward()), 'ms fwd+bwd') for k, f in paths.items()]"
 """
 
 from __future__ import annotations
@@ -466,13 +466,6 @@ def chunk_ssd_triton(
     return _SSD.apply(x, dt, A, B, C, None, chunk_size, initial_state)
 
 
-def use_triton_ssd(choice: str, x: torch.Tensor) -> bool:
-    """Whether Mamba-2's parallel form can run on these kernels: a CUDA tensor, kernels not 'torch'."""
-    from attnlab.models.kernels import triton_installed
-
-    return choice != "torch" and x.is_cuda and triton_installed()
-
-
 _warned_chunks: set[int] = set()
 
 
@@ -488,21 +481,15 @@ def kernel_chunk(chunk_size: int) -> int:
     return 64
 
 
-def ssd(
+def ssd_triton(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
+    chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, with the signature
-    of `kernels.mamba2.core.ssd`: these kernels for CUDA tensors (y in x's dtype, the skip added in fp32
-    inside the output kernel), else the PyTorch reference (y fp32). A chunk size that is not a power
-    of two from 16 to 128 runs at 64 on the kernels (with a warning, once): that changes nothing but
-    rounding."""
-    if use_triton_ssd(choice, x):
-        chunk = kernel_chunk(chunk_size)
-        _check(x, B, chunk)
-        y, state = _SSD.apply(x, dt, A, B, C, D, chunk, initial_state)
-        return y, (state if output_final_state else None)
-    from attnlab.models.ops.mamba2 import chunk_ssd
-
-    y, state = chunk_ssd(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
-    return y + x.float() * D.float()[:, None], state
+    """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, on these kernels (the fast path
+    that `kernels.mamba2.core.ssd` chooses): y in x's dtype, the skip added in fp32 inside the output kernel; the
+    final state [b, H, P, N] fp32 when asked for, else None. A chunk size that is not a power of two from 16 to
+    128 runs at 64 (with a warning, once): that changes nothing but rounding."""
+    chunk = kernel_chunk(chunk_size)
+    _check(x, B, chunk)
+    y, state = _SSD.apply(x, dt, A, B, C, D, chunk, initial_state)
+    return y, (state if output_final_state else None)
