@@ -80,7 +80,8 @@ def _decode_zoo() -> str:
         lines.append(line(label, _result(f"h100-decode-attnlab-{name}.json")["results"][0], bold))
     llama = _result("h100-decode-hf-llama.json")["results"][0]
     lines.append(line("HF Llama (SDPA) through attnlab's engine", llama, False))
-    lines.append(_row(["HF `generate` on the same Llama", _fixed(llama["hf_generate_new_tok_per_s"], 1), "", "", "", ""]))
+    hf_generate = _fixed(llama["hf_generate_new_tok_per_s"], 1)
+    lines.append(_row(["HF `generate` on the same Llama", hf_generate, "", "", "", ""]))
     return "\n".join(lines)
 
 
@@ -100,7 +101,8 @@ def _power2_state_precision() -> str:
 def _zoo_ops() -> str:
     """The token mixing alone, forward + backward ms: `attnlab bench zoo`'s `ops`, one run per shape, and the
     later run of the published taylor code."""
-    runs = {"16x1024": "h100-zoo-ops-16x1024.json", "4x4096": "h100-zoo-ops-4x4096.json", "1x16384": "h100-zoo-1x16384.json"}
+    runs = {"16x1024": "h100-zoo-ops-16x1024.json", "4x4096": "h100-zoo-ops-4x4096.json",
+            "1x16384": "h100-zoo-1x16384.json"}
     ops = {shape: _result(name)["ops"] for shape, name in runs.items()}
     taylor = _result("h100-zoo-taylor-ops.json")["ops"]
     rows = [  # label, ops (several: one cell "a / b"), source per shape
@@ -123,7 +125,8 @@ def _zoo_nsa() -> str:
     """The 12-layer NSA model beside its peers: tokens/s (peak allocated GiB), two `attnlab bench zoo` runs."""
     train = {**_result("h100-zoo-nsa.json")["train"], **_result("h100-zoo-nsa-long.json")["train"]}
     shapes = ["2x2048", "1x8192", "1x32768", "1x65536"]
-    models = [("HF Llama (SDPA)", "hf-llama"), ("fla `NSAForCausalLM` (window 0)", "fla-nsa"), ("attnlab `nsa`", "attnlab-nsa")]
+    models = [("HF Llama (SDPA)", "hf-llama"), ("fla `NSAForCausalLM` (window 0)", "fla-nsa"),
+              ("attnlab `nsa`", "attnlab-nsa")]
     lines = [_row(["model", *map(_shape, shapes)]), "|---|---|---|---|---|"]
     for label, model in models:
         runs = [train.get(f"{model}@{shape}") for shape in shapes]
