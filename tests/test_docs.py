@@ -134,3 +134,17 @@ def test_every_relative_link_leads_to_a_file(page):
         elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
             broken.append(target)
     assert not broken, f"{_name(page)} links to nothing at: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_source_file_a_page_names_exists(page):
+    """`attnlab/models/kernels/nsa/step.py`, `kernels/common/conv.py`, `models/ops/gla.py`: a file of the package
+    named in the text is there (a move that forgets the docs fails here)."""
+    package = ROOT / "src" / "attnlab"
+    missing = []
+    for named in re.findall(r"`((?:attnlab/)?[\w/]+\.py)[`:, ]", page.read_text()):
+        relative = named.removeprefix("attnlab/")
+        candidates = [package / relative, package / "models" / relative, ROOT / relative]  # or tests/, benchmarks/
+        if "/" in relative and not any(c.is_file() for c in candidates):
+            missing.append(named)
+    assert not missing, f"{_name(page)} names files attnlab does not have: {missing}"
