@@ -16,7 +16,7 @@
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
 # recall (issue 37: the suite `recall` on GPU 0, RECALL_PER_GPU jobs at a time (default 11), stopped at RECALL_LIMIT seconds
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
-# random ~250M softmax model (1024 x 20 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
+# random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
 # on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
@@ -108,7 +108,7 @@ PY
         --set train.device=cpu); niah=(--lengths 1k,2k --depths 0,1 --samples 1)
     else
       where=(--gpus 0 --per-gpu "${RECALL_PER_GPU:-11}"); toy=()
-      niah_model=(--set model.hidden_size=1024 --set model.num_layers=20 --set model.num_heads=16 --set model.max_position_embeddings=8192
+      niah_model=(--set model.hidden_size=1024 --set model.num_layers=24 --set model.num_heads=16 --set model.max_position_embeddings=8192
         --set train.cuda_graphs=false); niah=(--lengths 1k,2k,4k,6k,8k --depths 0,0.25,0.5,0.75,1 --samples 20)
     fi
     suite_s=0; if [ "${RECALL_SUITE:-1}" = 1 ]; then
