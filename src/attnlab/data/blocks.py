@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from attnlab.data.prepare import MANIFEST
+from attnlab.data.prepare import MANIFEST, tokenizer_identity
 from attnlab.data.prepared import PreparedCorpus
 from attnlab.errors import DataError
 
@@ -251,8 +251,6 @@ def build_prepared(directory: str | Path, tokenizer, seq_len: int, seed: int, ev
 
 def check_tokenizer(manifest: dict, tokenizer, spec: str, directory: Path) -> None:
     """DataError unless the corpus in `directory` was tokenized by this tokenizer (same vocabulary and EOS)."""
-    from attnlab.data.prepare import tokenizer_identity
-
     theirs, ours = manifest["tokenizer"], tokenizer_identity(tokenizer, spec)
     if theirs.get("vocab_sha256") == ours["vocab_sha256"] and theirs.get("eos_id") == ours["eos_id"]:
         return

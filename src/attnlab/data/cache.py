@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from attnlab.data import corpus, prepare  # prepare.prepare_corpus is looked up when called
 from attnlab.data.prepare import FORMAT_VERSION, MANIFEST, source_units, tokenizer_identity
 from attnlab.outputs import open_lock_file
 
@@ -38,8 +39,6 @@ def _sizes(fingerprint: dict) -> int:
 
 def source_size(source: str, text_field: str) -> tuple[int | None, list[dict]]:
     """(bytes of the source's files, None when unknown (hf://, the built-in corpus); its fingerprints)."""
-    from attnlab.data import corpus
-
     units = source_units(source, text_field)
     fingerprints = [u.fingerprint for u in units]
     if str(source) == corpus.SHAKESPEARE or str(source).startswith(corpus.HF_PREFIX):
@@ -64,8 +63,6 @@ def prepared_cache(source: str, tokenizer, tokenizer_spec: str, text_field: str,
                    cache_dir: str | None, fingerprints: list[dict], workers: int, say: Callable[[str], None],
                    progress=None) -> Path:
     """The cache directory holding `source` prepared with these settings, preparing it first if needed."""
-    from attnlab.data.prepare import prepare_corpus
-
     key = cache_key(fingerprints, tokenizer, tokenizer_spec, text_field, val_fraction, seed)
     out = cache_path(source, key, cache_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +72,6 @@ def prepared_cache(source: str, tokenizer, tokenizer_spec: str, text_field: str,
             say(f"data: reusing the prepared corpus {out}")
             return out
         say(f"data: preparing {source} once into {out} (tokens in memory-mapped shards; later runs reuse it)")
-        prepare_corpus(source, out, tokenizer_spec, workers=workers, text_field=text_field, val_fraction=val_fraction,
-                       seed=seed, progress=progress)
+        prepare.prepare_corpus(source, out, tokenizer_spec, workers=workers, text_field=text_field,
+                               val_fraction=val_fraction, seed=seed, progress=progress)
     return out

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from attnlab.config.schema import DataSection
+from attnlab.console import console, err_console
 from attnlab.data.prepare import DEFAULT_SHARD_TOKENS, prepare_corpus
 from attnlab.data.prepare import Progress as PrepareProgress
 from attnlab.data.progress import PrepareReporter
@@ -35,8 +36,6 @@ def prepare_command(
     Local files are read one at a time (JSON Lines line by line, Parquet by batches of rows); the built-in corpus, saved datasets and hf:// sources are still read whole. Interrupted? Run the same command again: complete shards are kept.
     """
     from rich.table import Table
-
-    from attnlab.console import console, err_console
 
     reporter = PrepareReporter(console)
     try:

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .packing import PackedData
+
 TRAIN, EVAL = 0, 1
 MQAR = "mqar"
 
@@ -81,8 +83,6 @@ class MqarDataset(Dataset):
 def build_mqar(data_section, rows: int):
     """The training data of a run on data.source=mqar: `rows` fresh examples (one per sequence the run trains on),
     no validation split (the mqar eval task measures accuracy on the evaluation stream)."""
-    from .packing import PackedData
-
     train = MqarDataset(data_section.mqar, data_section.seq_len, rows, TRAIN)
     stats = {"seq_len": data_section.seq_len, "train_documents": rows, "train_tokens": rows * data_section.seq_len, "train_bytes": 0,
              "train_blocks": rows, "val_documents": 0, "val_tokens": 0, "val_bytes": 0, "val_blocks": 0, "val_bytes_per_token": None,

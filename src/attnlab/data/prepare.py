@@ -56,8 +56,9 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.data import corpus
+from attnlab.data.pretokenized import WordCachedEncoder
 from attnlab.errors import DataError
-from attnlab.outputs import replace_file
+from attnlab.outputs import open_lock_file, replace_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -219,8 +220,6 @@ _WORD_CACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _word_cached(tokenizer, backend):
     """The `WordCachedEncoder` of a tokenizer's `tokenizers` backend, one per tokenizer so that its cache of
     pieces lasts as long as the tokenizer; None where the pipeline is not one it reproduces."""
-    from attnlab.data.pretokenized import WordCachedEncoder
-
     kept = _WORD_CACHED.get(tokenizer)
     if kept is None or kept[0] is not backend:
         kept = _WORD_CACHED[tokenizer] = (backend, WordCachedEncoder.of(backend))
@@ -524,8 +523,6 @@ def prepare_corpus(source: str, out_dir: str | Path, *args, **kwargs) -> dict:
 def _exclusive(out_dir: Path):
     """Hold `out_dir`'s preparation lock (flock on out_dir/.prepare.lock, holding the preparer's process id)."""
     import fcntl
-
-    from attnlab.outputs import open_lock_file
 
     fd = open_lock_file(out_dir / LOCK)  # never through a planted link
     try:

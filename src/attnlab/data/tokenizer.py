@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizer
 from transformers.tokenization_utils_base import AddedToken
 
 from attnlab.errors import DataError
+from attnlab.outputs import staged_files
 
 BYTE_VOCAB_SIZE = 256
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<bos>", "<eos>", "<pad>"
@@ -74,8 +75,6 @@ class ByteTokenizer(PreTrainedTokenizer):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained into a new staging directory, each file then renamed into
         `save_directory`: a symlink planted at one of its names is replaced, never written through."""
-        from attnlab.outputs import staged_files
-
         with staged_files(save_directory) as staging:
             files = super().save_pretrained(staging, *args, **kwargs)
             # The base class drops add_bos_token from the saved config; keep it.

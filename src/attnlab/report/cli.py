@@ -11,6 +11,9 @@ from rich.markup import escape
 from attnlab.console import make_console
 from attnlab.errors import AttnLabError
 
+from .load import load_runs
+from .recall import find_niah
+
 
 def report(
     run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR...", help="Run directories, or a sweep's output directory (all runs in it)."),
@@ -20,8 +23,6 @@ def report(
     """Compare runs: loss and bits per byte against steps, tokens and wall time, tokens/s, peak memory,
     eval metrics, config differences and samples, in one HTML page that needs no network. Needle-in-a-haystack
     evaluations (attnlab eval --task niah) show as heatmaps side by side; MQAR runs as accuracy against length."""
-    from .load import load_runs
-    from .recall import find_niah
     from .render import write_report
 
     console = make_console()

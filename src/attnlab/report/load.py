@@ -11,7 +11,9 @@ from typing import Any
 
 import yaml
 
+from attnlab.data.corpus import telemetry_records
 from attnlab.errors import AttnLabError
+from attnlab.eval import niah
 
 
 @dataclass
@@ -91,8 +93,6 @@ def _text(path: Path) -> str:
 
 def _jsonl(path: Path) -> list[dict]:
     """The records of a JSONL file; a last line cut short by a kill is left out, any other bad line is an error."""
-    from attnlab.data.corpus import telemetry_records
-
     if not path.exists():
         return []
     try:
@@ -196,9 +196,7 @@ def unreadable(path: Path, name: str, reason: str) -> RunRecord:
 
 
 def read_niah(directory: Path) -> dict[str, Any] | None:
-    from attnlab.eval.niah import read_niah as read
-
-    return read(directory)
+    return niah.read_niah(directory)
 
 
 def _subdirs(path: Path) -> list[Path]:

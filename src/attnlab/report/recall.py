@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnlab.eval.niah import draw_heatmap
+
 from .load import RunRecord, _section, niah_dirs_in, read_niah
+from .style import run_styles
 
 
 @dataclass
@@ -46,8 +49,6 @@ def find_niah(paths: list[Path]) -> list[NiahRecord]:
 def niah_figure(records: list[NiahRecord]):
     """One heatmap per eval, side by side (four to a row), one colour scale."""
     import matplotlib.pyplot as plt
-
-    from attnlab.eval.niah import draw_heatmap
 
     cols = min(4, len(records))
     rows = math.ceil(len(records) / cols)
@@ -116,8 +117,6 @@ def mqar_series(runs: list[RunRecord]) -> dict[str, list[tuple[int, float]]]:
 
 def mqar_figure(series: dict[str, list[tuple[int, float]]]):
     import matplotlib.pyplot as plt
-
-    from .style import run_styles
 
     fig, ax = plt.subplots(figsize=(7.0, 4.2), layout="constrained")
     for (label, points), style in zip(sorted(series.items()), run_styles(len(series))):

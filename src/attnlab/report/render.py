@@ -16,6 +16,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
 
+from attnlab.outputs import prepare_output_file, write_bytes_atomic, write_text_atomic  # noqa: E402
+
+from . import recall  # noqa: E402
 from .load import RunRecord, config_differences  # noqa: E402
 from .style import run_colors, run_styles  # noqa: E402
 
@@ -189,8 +192,6 @@ pre{white-space:pre-wrap;margin:0;font-size:0.85em} h2{border-bottom:1px solid #
 
 def recall_sections(runs: list[RunRecord], niah: list, pngs: dict[str, bytes]) -> list[str]:
     """HTML of the recall sections: NIAH heatmaps side by side (pngs["niah"]), MQAR accuracy against length (pngs["mqar"])."""
-    from . import recall
-
     parts = []
     if "niah" in pngs:
         header, rows = recall.niah_rows(niah)
@@ -205,8 +206,6 @@ def recall_sections(runs: list[RunRecord], niah: list, pngs: dict[str, bytes]) -
 
 
 def recall_pngs(runs: list[RunRecord], niah: list) -> dict[str, bytes]:
-    from . import recall
-
     pngs = {}
     if niah:
         pngs["niah"] = _fig_png(recall.niah_figure(niah))
@@ -265,10 +264,6 @@ def render_html(runs: list[RunRecord], main_png: bytes, title: str, niah: list |
 def write_report(runs: list[RunRecord], out: Path, title: str, niah: list | None = None) -> dict[str, Path]:
     """Write OUT.html, OUT.png (the main loss plot) and OUT.md (the summary table); with needle-in-a-haystack
     evaluations or MQAR runs, also OUT-niah.png (the heatmaps) and OUT-mqar.png (accuracy against length)."""
-    from attnlab.outputs import prepare_output_file, write_bytes_atomic, write_text_atomic
-
-    from . import recall
-
     out = prepare_output_file(Path(out), what="--out")
     readable = [r for r in runs if r.error is None]
     main_png = loss_plot(readable) if readable else b""

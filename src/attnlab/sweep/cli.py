@@ -12,8 +12,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from attnlab.config import load_config
 from attnlab.console import make_console
-from attnlab.errors import ConfigError
+from attnlab.errors import AttnLabError, ConfigError
 from attnlab.outputs import replace_file
 
 from .suite import base_config_path, expand, load_suite, resolve_suite_path
@@ -31,9 +32,7 @@ def _parse_gpus(gpus: Optional[str]) -> list[str] | None:
 def _refuse_in_dry_run(state, base: Path | None) -> None:
     """Preflight a job that a dry run would start, resume or restart, as its `attnlab train` would: a job whose
     preflight finds errors is marked `refused`, with the errors as its note, instead of reporting it as started."""
-    from attnlab.config import load_config
     from attnlab.train.preflight import run_preflight
-    from attnlab.errors import AttnLabError
 
     resume = state.action == "resume"
     run_dir = None if state.action == "restart" else state.job.run_dir  # a restart moves the old run aside first

@@ -31,6 +31,9 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from attnlab.config import load_config
+from attnlab.config.loader import diff_configs
+from attnlab.config.schema import RESUME_LOCKED
 from attnlab.errors import AttnLabError
 from attnlab.outputs import open_for_append
 from attnlab.train.checkpoint import CheckpointManager
@@ -89,8 +92,6 @@ def read_run_status(run_dir: Path) -> dict:
 
 def decide(job: Job, base: Path | None) -> JobState:
     """What to do with a job, from its run directory (nothing is changed here)."""
-    from attnlab.config import load_config
-
     try:
         cfg = load_config(base, job.overrides)
     except AttnLabError as e:
@@ -122,10 +123,6 @@ def _changed_since(run_dir: Path, cfg, everything: bool) -> list[str]:
     """How the job's config differs from the one saved in its run directory: every key for a run
     that has ended (its results are the old config's), the keys a resume locks for one that will
     resume. An unreadable saved config counts as a difference."""
-    from attnlab.config import load_config
-    from attnlab.config.loader import diff_configs
-    from attnlab.config.schema import RESUME_LOCKED
-
     saved = run_dir / "config.yaml"
     if not saved.exists():
         return []
