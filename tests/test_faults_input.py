@@ -22,6 +22,7 @@ import yaml
 from conftest import run_cli, sets
 
 from attnlab.eval.tasks import BUNDLED
+from attnlab.outputs import MANIFEST
 
 SPIDER = BUNDLED["spider"]
 LIBRARY_DB = SPIDER / "database" / "library" / "library.sqlite"
@@ -818,7 +819,7 @@ def test_finetune_refuses_a_base_with_a_damaged_safetensors_file_before_loading_
 
 
 @pytest.mark.parametrize("name", ["adapter_model.safetensors", "control_tokens.safetensors"])
-@pytest.mark.parametrize("damage, words", [(truncate, ["lie outside"]), (header_length_2_62, ["header length"])])
+@pytest.mark.parametrize("damage, words", [(truncate, ["truncated"]), (header_length_2_62, ["checksum"])])
 def test_an_adapter_with_a_damaged_safetensors_file_is_refused_before_its_base_loads(adapter_dir, tmp_path, capsys, monkeypatch,
                                                                                       name, damage, words):
     broken = tmp_path / "adapter"
@@ -826,7 +827,20 @@ def test_an_adapter_with_a_damaged_safetensors_file_is_refused_before_its_base_l
     damage(broken / name)
     _never_build(monkeypatch)
     assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
-    assert_one_error(capsys, name, *words)
+    assert_one_error(capsys, name, *words, "write the directory again")  # the adapter's manifest finds the damage
+
+
+@pytest.mark.parametrize("damage, words", [(truncate, ["lie outside"]), (header_length_2_62, ["header length"])])
+def test_an_adapter_without_a_manifest_and_a_damaged_safetensors_file_is_refused_before_its_base_loads(
+        adapter_dir, tmp_path, capsys, monkeypatch, damage, words):
+    """An adapter written before adapters had manifests: the safetensors checks find the damage."""
+    broken = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, broken)
+    (broken / MANIFEST).unlink()
+    damage(broken / "adapter_model.safetensors")
+    _never_build(monkeypatch)
+    assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
+    assert_one_error(capsys, "adapter_model.safetensors", *words)
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe{", b"[1]"], ids=["not_utf8", "a_list"])
@@ -841,6 +855,7 @@ def test_an_adapter_whose_adapter_config_is_not_a_json_object_is_refused_naming_
 def test_an_adapter_whose_metadata_gives_an_absurd_vocabulary_is_refused_naming_the_field(adapter_dir, tmp_path, capsys):
     broken = tmp_path / "adapter"
     shutil.copytree(adapter_dir, broken)
+    (broken / MANIFEST).unlink()  # past the manifest (it would refuse the edited file): the metadata's own checks
     meta = json.loads((broken / "attnlab_adapter.json").read_text())
     (broken / "attnlab_adapter.json").write_text(json.dumps({**meta, "embedding_rows": 10**12}))
     assert run_cli("generate", str(broken), "--prompt", "x", "--device", "cpu") == 1
@@ -908,6 +923,7 @@ def test_an_adapter_whose_base_is_in_neither_place_is_refused_naming_both(attnla
 def test_an_adapter_written_with_an_absolute_base_path_still_loads(adapter_dir, attnlab_dir, tmp_path):
     old = tmp_path / "old-adapter"
     shutil.copytree(adapter_dir, old)
+    (old / MANIFEST).unlink()  # adapters of that time had no manifest
     meta = json.loads((old / "attnlab_adapter.json").read_text())
     meta["base_model"] = str(Path(attnlab_dir).resolve())
     del meta["base_model_hint"]

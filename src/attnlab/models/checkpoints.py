@@ -55,10 +55,11 @@ def verify_checkpoint(directory: Path, require: tuple[str, ...] = ()) -> int:
         elif file_sha256(p) != sums[rel]:
             problem = "does not match its checksum (corrupted)"
         if problem:
-            raise CheckpointError(
-                f"checkpoint {directory} is damaged: {rel} {problem}. "
-                f"Delete {directory} to resume from the previous checkpoint, or restore the file."
-            )
+            if "step" in manifest:  # a training checkpoint: the run has earlier ones
+                advice = f"Delete {directory} to resume from the previous checkpoint, or restore the file."
+            else:  # a directory published once (an adapter, a merged or converted model)
+                advice = "Restore the file, or write the directory again with the command that made it."
+            raise CheckpointError(f"{'checkpoint' if 'step' in manifest else 'directory'} {directory} is damaged: {rel} {problem}. {advice}")
     return step
 
 
