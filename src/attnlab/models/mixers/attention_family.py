@@ -190,7 +190,7 @@ class AttentionFamily(Mixer):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        opts = self.resolve_options(config.mixer_options)
+        opts = self.options_of(config)
         self.options = opts
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads

@@ -28,7 +28,7 @@ class GatedLinearAttention(FusedProjections, Mixer):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        options = self.resolve_options(config.mixer_options)
+        options = self.options_of(config)
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.key_dim = int(config.hidden_size * options["expand_k"])

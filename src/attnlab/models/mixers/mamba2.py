@@ -80,7 +80,7 @@ class Mamba2(Mixer):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        options = self.resolve_options(config.mixer_options)
+        options = self.options_of(config)
         self.layer_idx = layer_idx
         hidden = config.hidden_size
         self.intermediate_size = options["expand"] * hidden

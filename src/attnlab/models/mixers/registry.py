@@ -52,6 +52,13 @@ class Mixer(nn.Module):
         `static_kv`)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no KV cache in static buffers (static_kv is false)")
 
+    @staticmethod
+    def options_of(config) -> dict[str, Any]:
+        """The layer's options as `config` holds them: every option of `config.mixer`, resolved and checked once, when
+        the config was built (`AttnLabConfig` runs `resolve_mixer`, which calls the mixer's `resolve_options`). A
+        family's `__init__` reads its options here rather than resolving them again per layer."""
+        return dict(config.mixer_options)
+
     @classmethod
     def resolve_options(cls, options: dict[str, Any] | None) -> dict[str, Any]:
         options = dict(options or {})

@@ -116,7 +116,7 @@ class SoftmaxAttention(FusedProjections, Mixer):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        options = self.resolve_options(config.mixer_options)
+        options = self.options_of(config)
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.num_kv_heads = options["num_kv_heads"] or config.num_heads
