@@ -16,8 +16,19 @@ from rich.syntax import Syntax
 from rich.markup import escape
 from rich.table import Table
 
+import attnlab
+import attnlab.bench.data as bench_data
+import attnlab.bench.scale as bench_scale
+from attnlab.config import GenerateConfig, config_to_yaml, load_config
+from attnlab.config.loader import validate_section
+from attnlab.config.presets import settings_for_prompt
 from attnlab.console import console, err_console, make_console
-from attnlab.errors import AttnLabError, PreflightError
+from attnlab.data.corpus import jsonl_records, text_lines
+from attnlab.errors import AttnLabError, CheckpointError, DataError, PreflightError
+from attnlab.finetune.presets import generate_with_presets
+from attnlab.launch import rank, world_size
+from attnlab.noise import held_until_done, silence
+from attnlab.outputs import prepare_output_file, write_text_atomic
 
 app = typer.Typer(
     name="attnlab",
@@ -33,8 +44,6 @@ RUN_DIR_OPT = typer.Option(None, "--run-dir", help="Run directory. Default: runs
 
 def _version(value: bool):
     if value:
-        import attnlab
-
         console.print(f"attnlab {attnlab.__version__}")
         raise typer.Exit()
 
@@ -45,8 +54,6 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[Path], resume: bool):
-    from attnlab.config import load_config
-
     if resume and config is None:
         if run_dir is None:
             raise PreflightError("--resume needs --run-dir pointing at the run to continue")
@@ -82,7 +89,6 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its newest complete checkpoint. Refuses if there is none."),
 ):
     """Train a language model. With no argument: the built-in default on CPU."""
-    from attnlab.launch import rank, world_size
     from attnlab.train.rundir import RunLock
 
     lock = None
@@ -120,8 +126,6 @@ def train(
 
 def _train(cfg, run_dir: Path, resume: bool):
     """Preflight, then training, in a run directory this process holds."""
-    from attnlab.config import config_to_yaml
-    from attnlab.launch import rank, world_size
     from attnlab.train import run_training
     from attnlab.train.preflight import run_preflight
 
@@ -171,7 +175,6 @@ def convert(
     to: str = typer.Option("attnlab", "--to", help="attnlab: an attnlab model directory with the same outputs; fla: the fla checkpoint of an attnlab model whose mixer matches an fla architecture."),
 ):
     """Convert a checkpoint into an attnlab model (or an attnlab model into fla's format), weights mapped one to one."""
-    from attnlab.errors import CheckpointError
     from attnlab.models.convert import convert as to_attnlab
     from attnlab.models.convert import export_fla
 
@@ -184,8 +187,6 @@ def convert(
 def _check_text(prompt: str, where: str) -> None:
     """Refuse a prompt that is not text: a lone surrogate (a JSON escape such as \\ud800, or an argument whose bytes
     were not UTF-8) cannot be encoded, so no tokenizer can read it."""
-    from attnlab.errors import DataError
-
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -194,8 +195,6 @@ def _check_text(prompt: str, where: str) -> None:
 
 
 def _read_prompts(path: Path) -> list[dict]:
-    from attnlab.errors import DataError
-
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
     try:
@@ -207,16 +206,12 @@ def _read_prompts(path: Path) -> list[dict]:
         raise DataError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
     rows = []
     if path.suffix in (".jsonl", ".json"):
-        from attnlab.data.corpus import jsonl_records
-
         for n, row in jsonl_records(text, path):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise DataError(f'{path}, line {n}: expected an object with a "prompt" string, e.g. {{"id": 1, "prompt": "..."}}')
             _check_text(row["prompt"], f"{path}, line {n}")
             rows.append(row)
     else:
-        from attnlab.data.corpus import text_lines
-
         rows = [{"prompt": line} for line in text_lines(text) if line.strip()]
     if not rows:
         raise DataError(f"{path} holds no prompts")
@@ -249,9 +244,6 @@ def generate(
 ):
     """Generate text from a model: greedy, sampling or beam search."""
     # Everything that can be refused is checked before torch and transformers are imported (seconds of imports).
-    from attnlab.config import GenerateConfig
-    from attnlab.config.loader import validate_section
-    from attnlab.outputs import prepare_output_file, write_text_atomic
 
     if not prompt and input_file is None:
         raise PreflightError("give at least one --prompt or an --input file")
@@ -276,14 +268,10 @@ def generate(
     presets = getattr(lm, "attnlab_generation_presets", None) or {}  # per-control-token settings of a fine-tuned adapter
     chat = chat or bool(getattr(lm, "attnlab_chat_template", False))
     if presets:
-        from attnlab.config.presets import settings_for_prompt
-
         cfg = settings_for_prompt(rows[0]["prompt"], presets, settings) if len(rows) == 1 else cfg
     prompts = [_chat_ids(tokenizer, r["prompt"]) if chat else r["prompt"] for r in rows]
     single = len(rows) == 1 and cfg.num_beams == 1 and cfg.num_return_sequences == 1 and output is None
     if single:
-        from attnlab.noise import held_until_done
-
         console.print(rows[0]["prompt"], style="dim", end="" if not chat else "\n", highlight=False, soft_wrap=True)
         with held_until_done():  # library warnings after the answer, never between its words
             result = run_generate(lm, tokenizer, prompts, cfg, stream=lambda piece: console.print(piece, end="", highlight=False, markup=False, soft_wrap=True))
@@ -295,8 +283,6 @@ def generate(
     with Progress(console=err_console, transient=True) as bar:
         task = bar.add_task("generating", total=len(rows))
         if presets:
-            from attnlab.finetune.presets import generate_with_presets
-
             results = generate_with_presets(lm, tokenizer, [r["prompt"] for r in rows], presets, explicit=settings, chat=chat)
             bar.advance(task, len(rows))
         else:
@@ -410,7 +396,6 @@ def bench_decode_cmd(
         tokenizer = IdTokenizer(vocab)
         name = f"{arch} {hidden}x{layers} (untrained)" + "".join(f" {o}" for o in mixer_option or [])
     elif model is None:
-        from attnlab.config import load_config
         from attnlab.data import load_tokenizer
         from attnlab.models import AttnLabForCausalLM
         from attnlab.train.build import model_config_from
@@ -456,8 +441,6 @@ def bench_decode_cmd(
             for kname, ms in prof["top_kernels_ms"]:
                 console.print(f"    {ms:8.3f} ms  {kname}", highlight=False)
     if out is not None:
-        from attnlab.outputs import prepare_output_file, write_text_atomic
-
         write_text_atomic(prepare_output_file(out, "--out"), json.dumps({
             "model": name, "device": dev, "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1), what="--out")
@@ -511,8 +494,6 @@ def bench_train_cmd(
                 for kname, ms in row["profile"]["top_kernels_ms"]:
                     console.print(f"    {ms:8.2f} ms  {kname}", highlight=False, soft_wrap=True)
             if out is not None:  # after every row, so that an interrupted run keeps what it measured
-                from attnlab.outputs import prepare_output_file, write_text_atomic
-
                 write_text_atomic(prepare_output_file(out, "--out"),
                                   json.dumps({"device": torch.cuda.get_device_name(), "results": rows + [row]}, indent=1), what="--out")
             rows.append(row)
@@ -524,8 +505,6 @@ def bench_train_cmd(
         table.add_row(*(str(r.get(c)) for c in columns))
     console.print(table)
     if out is not None:
-        from attnlab.outputs import prepare_output_file, write_text_atomic
-
         write_text_atomic(prepare_output_file(out, "--out"), json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["attnlab", *sys.argv[1:]]), "results": rows}, indent=1), what="--out")
@@ -656,47 +635,44 @@ def bench_scale_cmd(
 
     import torch
 
-    from attnlab.bench.scale import (DEFAULTS, STRATEGIES, TOKENIZERS, Size, default_gpu_counts, model_names, prepare_bench, results_table,
-                                     run_scale, variants)
-
-    if device not in DEFAULTS:
+    if device not in bench_scale.DEFAULTS:
         raise PreflightError(f"--device takes cuda or cpu, not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise PreflightError("bench scale measures training on CUDA GPUs and no CUDA device is visible; "
                              "pass --device cpu for a functional check with CPU processes (gloo) at tiny sizes")
     for name in strategy:
-        if name not in STRATEGIES:
-            raise PreflightError(f"--strategy takes {' or '.join(STRATEGIES)}, not {name!r}")
-    defaults = DEFAULTS[device]
+        if name not in bench_scale.STRATEGIES:
+            raise PreflightError(f"--strategy takes {' or '.join(bench_scale.STRATEGIES)}, not {name!r}")
+    defaults = bench_scale.DEFAULTS[device]
     tokenizer = tokenizer or defaults["tokenizer"]
-    if tokenizer not in TOKENIZERS:
-        raise PreflightError(f"--tokenizer takes {' or '.join(TOKENIZERS)}, not {tokenizer!r}")
+    if tokenizer not in bench_scale.TOKENIZERS:
+        raise PreflightError(f"--tokenizer takes {' or '.join(bench_scale.TOKENIZERS)}, not {tokenizer!r}")
     visible = torch.cuda.device_count() if device == "cuda" else 0
-    counts = gpus or default_gpu_counts(visible if device == "cuda" else 2)
+    counts = gpus or bench_scale.default_gpu_counts(visible if device == "cuda" else 2)
     if any(g < 1 for g in counts):
         raise PreflightError("--gpus takes counts of 1 or more")
     if device == "cuda" and max(counts) > visible:
         raise PreflightError(f"--gpus {max(counts)} asks for more GPUs than the {visible} visible")
-    size = Size(hidden or defaults["hidden"], layers or defaults["layers"], heads or defaults["heads"],
-                intermediate or defaults["intermediate"], vocab if tokenizer == "bpe" else None)
+    size = bench_scale.Size(hidden or defaults["hidden"], layers or defaults["layers"], heads or defaults["heads"],
+                            intermediate or defaults["intermediate"], vocab if tokenizer == "bpe" else None)
     if size.hidden % size.heads:
         raise PreflightError(f"--hidden {size.hidden} is not a multiple of --heads {size.heads}")
-    names = model_names(models or list(SCALE_MODELS))
+    names = bench_scale.model_names(models or list(SCALE_MODELS))
     steps = steps or defaults["steps"]
-    plan = variants(names, counts, list(dict.fromkeys(strategy)), batch_per_gpu or defaults["batch_per_gpu"], seq_len or defaults["seq_len"], ckpt, eager)
+    plan = bench_scale.variants(names, counts, list(dict.fromkeys(strategy)), batch_per_gpu or defaults["batch_per_gpu"], seq_len or defaults["seq_len"], ckpt, eager)
     log = lambda line: console.print(line, highlight=False, soft_wrap=True, markup=False)  # noqa: E731
     temporary = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="attnlab-bench-scale-")) if temporary else work_dir
     try:
-        bench = prepare_bench(names, size, device, tokenizer, steps, work, set_, log)
+        bench = bench_scale.prepare_bench(names, size, device, tokenizer, steps, work, set_, log)
         log(f"{len(plan)} runs of {steps} steps: {', '.join(names)} on {', '.join(map(str, sorted(set(counts))))} "
             f"{'GPU(s)' if device == 'cuda' else 'CPU process(es)'}")
-        result, finished = run_scale(bench, plan, work, out.parent / f"{out.stem}-logs", out, timeout_s, log,
-                                     side_by_side=visible if side_by_side and device == "cuda" else 1)
+        result, finished = bench_scale.run_scale(bench, plan, work, out.parent / f"{out.stem}-logs", out, timeout_s, log,
+                                                 side_by_side=visible if side_by_side and device == "cuda" else 1)
     finally:
         if temporary:
             shutil.rmtree(work, ignore_errors=True)
-    grid, errors = results_table(result)
+    grid, errors = bench_scale.results_table(result)
     _print_table(grid)
     for line in errors:
         console.print(line, highlight=False, soft_wrap=True, markup=False)
@@ -718,13 +694,11 @@ def bench_data_cmd(
 ):
     """What a corpus costs: prepare throughput (MB/s of text per worker), time from launch to the first training step,
     peak resident memory (against the same run on Shakespeare) and resume time, per corpus size and tokenizer."""
-    from attnlab.bench.data import TOKENIZERS, default_work_dir, parse_size, run_bench, size_name
-
     for name in tokenizer:
-        if name not in TOKENIZERS:
-            raise PreflightError(f"--tokenizer takes {' or '.join(TOKENIZERS)}, not {name!r}")
-    sizes = [parse_size(spec) for spec in size]
-    result = run_bench(sizes, list(dict.fromkeys(tokenizer)), workers, work_dir or default_work_dir(), out, console)
+        if name not in bench_data.TOKENIZERS:
+            raise PreflightError(f"--tokenizer takes {' or '.join(bench_data.TOKENIZERS)}, not {name!r}")
+    sizes = [bench_data.parse_size(spec) for spec in size]
+    result = bench_data.run_bench(sizes, list(dict.fromkeys(tokenizer)), workers, work_dir or bench_data.default_work_dir(), out, console)
     base = result["baseline"]
     grid = Table(title=f"data: prepare, start and resume on {result['env']['cpu']} ({result['env']['cores']} cores)")
     for col in ("corpus", "tokens", "prepare MB/s (per worker; per CPU s)", "first step s (imports; data+checks; CPU s)",
@@ -743,7 +717,7 @@ def bench_data_cmd(
     _print_table(grid)
     console.print(f"import floor: {result['import_floor_s']} s from launch to `import torch; from transformers import Trainer` in a "
                   "fresh interpreter (median of 3), under every first step above", highlight=False)
-    names = [size_name(s) for s in sizes]
+    names = [bench_data.size_name(s) for s in sizes]
     if len(names) > 1:
         for name in dict.fromkeys(tokenizer):
             small, large = result["results"].get(f"{name}@{names[0]}"), result["results"].get(f"{name}@{names[-1]}")
@@ -846,8 +820,6 @@ _help_width()
 
 def main() -> None:
     import contextlib
-
-    from attnlab.noise import silence
 
     silence()  # again: a caller's warnings.catch_warnings around the first import of attnlab would have undone it
 

@@ -16,17 +16,18 @@ from pathlib import Path
 
 import torch
 
+import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
+from attnlab.data import load_tokenizer
 from attnlab.errors import CheckpointError, ConfigError
+from attnlab.finetune.adapter import base_reference, load_adapter
+from attnlab.finetune.model import _complete, _gguf_hf_target, gguf_hf_dir
+from attnlab.models.files import check_model_files
 from attnlab.models.references import refuse_pickled_only, resolve_model_dir
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
     """(model, tokenizer) ready for generation, on `device` in eval mode."""
-    import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
     from transformers import AutoModelForCausalLM
-
-    from attnlab.data import load_tokenizer
-    from attnlab.models.files import check_model_files
 
     import transformers
 
@@ -34,8 +35,6 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remo
     where = resolve_model_dir(path)
     device = resolve_device(device)
     if (where / "attnlab_adapter.json").is_file():  # fine-tuned: base + control-token resize + adapter, in one call
-        from attnlab.finetune.adapter import load_adapter
-
         return load_adapter(where, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
                    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -106,8 +105,6 @@ def _dequantised_once(where: Path) -> Path:
     """The HF model directory holding the GGUF file `where` dequantised (finetune.model.gguf_hf_dir): read from the
     cache when an earlier call wrote it, else converted now (without conversion bars) and written there atomically.
     A truncated or damaged GGUF file is a CheckpointError, whatever the GGUF reader tripped on."""
-    from attnlab.finetune.model import _complete, _gguf_hf_target, gguf_hf_dir
-
     _check_gguf_signature(where)
     if _complete(_gguf_hf_target(where.resolve())):
         return _gguf_hf_target(where.resolve())
@@ -147,8 +144,6 @@ def describe(path: str | Path) -> str:
     if where.suffix == ".gguf":
         return f"GGUF {where.name}"
     if (where / "attnlab_adapter.json").is_file():
-        from attnlab.finetune.adapter import base_reference
-
         meta = _read_json(where / "attnlab_adapter.json")
         base = base_reference(where, meta) if isinstance(meta.get("base_model"), str) and meta["base_model"] else None
         return f"adapter {where} on {base}"

@@ -46,6 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab.data.cache import default_cache_dir
+from attnlab.data.prepare import prepare_corpus
+from attnlab.data.progress import PrepareReporter
 from attnlab.errors import PreflightError
 from attnlab.outputs import fresh_dir, open_fresh_file, prepare_output_file, replace_file, staged_files, write_text_atomic
 
@@ -73,8 +76,6 @@ def size_name(size: int) -> str:
 
 
 def default_work_dir() -> Path:
-    from attnlab.data.cache import default_cache_dir
-
     return default_cache_dir().parent / "bench-data"
 
 
@@ -266,8 +267,6 @@ def run_bench(sizes: list[int], tokenizers: list[str], workers: int, work_dir: P
     """Every measurement for every size and tokenizer; `out` is rewritten after every row."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from attnlab.data.progress import PrepareReporter
-    from attnlab.data.prepare import prepare_corpus
     from attnlab.data.tokenizer import load_tokenizer
 
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,8 @@ import torch
 
 from attnlab.bench.timing import median_time, profile_step
 from attnlab.generation import generate_ids
+from attnlab.generation.graphs import StaticRunner, make_runner, static_decoding
+from attnlab.generation.hf_static import HFStaticRunner
 
 
 class IdTokenizer:
@@ -50,9 +52,6 @@ def _graph_step_ms(model, prompts: torch.Tensor, new_tokens: int, replays: int =
     """Milliseconds per replay of the captured one-token step (CUDA: attnlab models that decode over
     static buffers, HF causal LMs over a static KV cache), else None. attnlab's KV buffers are sized
     for `new_tokens` after the prompts and the replays rewrite one column (the step's time at that fill)."""
-    from attnlab.generation.graphs import StaticRunner, make_runner
-    from attnlab.generation.hf_static import HFStaticRunner
-
     runner = make_runner(model)
     if not isinstance(runner, (StaticRunner, HFStaticRunner)):
         return None
@@ -79,9 +78,6 @@ def _graph_step_ms(model, prompts: torch.Tensor, new_tokens: int, replays: int =
 def _step_kernels(model, prompts: torch.Tensor, new_tokens: int) -> dict | None:
     """The one-token step run eagerly under the CUDA profiler: how many kernels it launches and
     their summed GPU time (what the captured graph replays, without the gaps between kernels)."""
-    from attnlab.generation.graphs import StaticRunner, make_runner, static_decoding
-    from attnlab.generation.hf_static import HFStaticRunner
-
     if prompts.device.type != "cuda":
         return None
     if static_decoding(model):

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from attnlab.bench.scale import parse_key  # noqa: E402
 from attnlab.outputs import writing  # noqa: E402
 
 
@@ -133,8 +134,6 @@ def plot_scale(result: dict, path: Path) -> Path:
     """`attnlab bench scale`: per model and variant (strategy, checkpointing, eager), one bar per GPU count:
     efficiency against one GPU, tokens/s of all GPUs together, and peak memory when measured. A one-GPU run
     stands in every strategy's group (one process has no strategy)."""
-    from attnlab.bench.scale import parse_key
-
     runs = result.get("runs", {})
     keys = [(parse_key(key), row) for key, row in runs.items()]
     models = list(dict.fromkeys(v.model for v, _ in keys))

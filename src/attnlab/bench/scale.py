@@ -44,6 +44,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnlab.bench.data import train_bpe
+from attnlab.data import read_documents
+from attnlab.errors import PreflightError
+from attnlab.outputs import open_fresh_file, prepare_output_file, publishing, write_text_atomic
+
 HF_LLAMA = "hf-llama"
 STRATEGIES = ("ddp", "fsdp")
 TOKENIZERS = ("bpe", "byte")
@@ -252,7 +257,6 @@ def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout
     """Run `command` in its own process group, its output into the two files; at `timeout_s`, SIGTERM to
     the group, SIGKILL after KILL_GRACE_S. The group is stopped the same way if this process is interrupted."""
     t0 = time.perf_counter()
-    from attnlab.outputs import open_fresh_file
 
     with open_fresh_file(stdout_path) as out, open_fresh_file(stderr_path) as err:  # never through a planted link
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -286,13 +290,9 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
 def corpus_bpe_tokenizer(work_dir: Path, vocab: int) -> Path:
     """A byte-level BPE tokenizer of `vocab` ids trained on the built-in corpus (written once into
     `work_dir`, then reused)."""
-    from attnlab.bench.data import train_bpe
-    from attnlab.data import read_documents
-
     out = work_dir / f"bpe-{vocab}-{CORPUS}"
     if not (out / "tokenizer.json").is_file():
         lines = [line for doc in read_documents(CORPUS) for line in doc.split("\n")]
-        from attnlab.outputs import publishing
 
         with publishing(out) as part:
             train_bpe(lines, vocab, part)
@@ -313,7 +313,6 @@ def hf_llama_init(work_dir: Path, size: Size, vocab: int) -> Path:
         transformers.utils.logging.disable_progress_bar()  # no bar for writing one shard
         torch.manual_seed(0)
         model = build(HF_LLAMA, size.hidden, size.layers, size.heads, vocab, size.intermediate)
-        from attnlab.outputs import publishing
 
         with publishing(out) as part:
             model.save_pretrained(part, safe_serialization=True)
@@ -425,8 +424,6 @@ def environment(device: str) -> dict:
 
 def write(result: dict, out: Path) -> None:
     """The JSON, replaced whole (an interrupted bench leaves the runs measured so far, never half a file)."""
-    from attnlab.outputs import prepare_output_file, write_text_atomic
-
     write_text_atomic(prepare_output_file(out, "--out"), json.dumps(result, indent=1) + "\n", what="--out")
 
 
@@ -500,7 +497,6 @@ def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: P
 def model_names(names: list[str]) -> list[str]:
     """Bench names (`attnlab-<mixer>`, or hf-llama) of the models asked for, given with or without the
     attnlab- prefix; one error naming the choices for anything else."""
-    from attnlab.errors import PreflightError
     from attnlab.models.mixers import MIXERS
 
     out = []

@@ -31,10 +31,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from attnlab.bench.timing import median_time, peak_gib, profile_step, release, sync
 from attnlab.bench.names import OP_PEERS, OP_PRESETS, PRESETS, STATS_SUFFIX, TRAIN_PEERS
+from attnlab.bench.timing import median_time, peak_gib, profile_step, release, sync
 from attnlab.bench.train import build, train_step
+from attnlab.config.loader import parse_override
 from attnlab.errors import PreflightError
+from attnlab.outputs import prepare_output_file, write_text_atomic
 
 
 
@@ -74,7 +76,6 @@ def op_names(names: list[str] | None) -> list[str]:
 def mixer_options(items: list[str]) -> dict[str, dict]:
     """['nsa.block_size=64', ...] -> {'nsa': {'block_size': 64}}, each mixer's options checked as a model
     would check them (one error naming the mixer and option otherwise)."""
-    from attnlab.config.loader import parse_override
     from attnlab.models.mixers import MIXERS
 
     options: dict[str, dict] = {}
@@ -264,8 +265,6 @@ def describe(section: str, key: str, row: dict) -> str:
 
 def write(result: dict, out: Path) -> None:
     """The JSON, replaced whole (an interrupted run leaves the rows measured so far, never half a file)."""
-    from attnlab.outputs import prepare_output_file, write_text_atomic
-
     write_text_atomic(prepare_output_file(out, "--out"), json.dumps(result, indent=1), what="--out")
 
 

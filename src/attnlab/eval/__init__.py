@@ -6,12 +6,6 @@
 
 from __future__ import annotations
 
+from .runner import EvalResult, evaluate, evaluate_perplexity, score
+
 __all__ = ["EvalResult", "evaluate", "evaluate_perplexity", "score"]
-
-
-def __getattr__(name: str):  # imported on first use, so that `attnlab --help` stays fast
-    if name in __all__:
-        from . import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module 'attnlab.eval' has no attribute {name!r}")

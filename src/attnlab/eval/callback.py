@@ -17,11 +17,14 @@ import torch
 from transformers import TrainerCallback
 
 from attnlab.config.schema import EvalSection
+from attnlab.data.mqar import EVAL, MqarDataset, mqar_accuracy
+from attnlab.errors import ConfigError
 from attnlab.generation import release_graphs
 from attnlab.outputs import open_for_append, replace_file
 
 from .runner import EvalResult, evaluate, evaluate_perplexity, resolve_data
 from .tasks import get_task
+from .tasks.perplexity import load_texts
 
 
 MQAR_EXAMPLES = 256  # held-out examples of the mqar task when its limit is not given
@@ -38,15 +41,10 @@ class EvalDuringTraining(TrainerCallback):
         self.jobs: list[tuple[Any, Any, Any]] = []
         for spec in section.tasks:
             if spec.task == "mqar":
-                from attnlab.data.mqar import EVAL, MqarDataset
-                from attnlab.errors import ConfigError
-
                 if data is None or data.source != "mqar":
                     raise ConfigError("eval task mqar needs a run on data.source=mqar (its options are data.mqar)")
                 self.jobs.append((spec, "mqar", MqarDataset(data.mqar, data.seq_len, spec.limit or MQAR_EXAMPLES, EVAL)))
             elif spec.task == "perplexity":
-                from .tasks.perplexity import load_texts
-
                 load_texts(resolve_data("perplexity", spec.data), spec.split)
                 self.jobs.append((spec, None, None))
             else:
@@ -84,8 +82,6 @@ class EvalDuringTraining(TrainerCallback):
             with torch.no_grad():
                 for spec, task, examples in self.jobs:
                     if task == "mqar":
-                        from attnlab.data.mqar import mqar_accuracy
-
                         result = EvalResult("mqar", mqar_accuracy(model, examples, self.section.generation.get("batch_size", 32)))
                     elif task is None:
                         result = evaluate_perplexity(model, self.tokenizer, resolve_data("perplexity", spec.data), spec.split, spec.limit,

@@ -11,8 +11,14 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from attnlab.console import make_console
+from attnlab.console import make_console, progress
 from attnlab.errors import ConfigError
+from attnlab.outputs import prepare_output_dir, write_text_atomic
+
+from .lmeval import require_lm_eval, run_lm_eval
+from .niah_cli import is_niah, niah_command
+from .runner import evaluate, evaluate_perplexity, generation_config, resolve_data, score, write_outputs
+from .tasks import get_task, task_name
 
 console = make_console()
 err_console = make_console(stderr=True)
@@ -83,12 +89,7 @@ def eval_command(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow a model directory's own Python code to run."),
 ):
     """Evaluate a model on text-to-SQL, data-to-text, summarisation, perplexity or needle in a haystack; write metrics.json and predictions.jsonl (niah: and heatmap.png)."""
-    from attnlab.console import progress
     from attnlab.loading import describe, load
-    from attnlab.outputs import prepare_output_dir
-
-    from .runner import evaluate, evaluate_perplexity, generation_config, resolve_data, write_outputs
-    from .tasks import get_task, task_name
 
     if output_dir is not None:
         prepare_output_dir(output_dir)  # before the model loads: no compute spent on results that cannot be written
@@ -96,7 +97,6 @@ def eval_command(
         return _lm_eval(model, lm_eval, lm_eval_include, limit, output_dir, batch_size or 8, device, trust_remote_code)
     if task is None:
         raise ConfigError("give --task (spider, dart, samsum, perplexity or niah), or --lm-eval TASKS")
-    from .niah_cli import is_niah, niah_command
 
     if is_niah(task):
         if do_sample or (num_beams or 1) > 1:
@@ -148,9 +148,6 @@ def eval_command(
 def _lm_eval(model: str, tasks: str, include: Optional[Path], limit: Optional[int], output_dir: Optional[Path],
              batch_size: int, device: str, trust_remote_code: bool) -> None:
     from attnlab.loading import describe, load
-    from attnlab.outputs import prepare_output_dir, write_text_atomic
-
-    from .lmeval import require_lm_eval, run_lm_eval
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
@@ -176,15 +173,10 @@ def score_command(
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Also write metrics.json and predictions.jsonl (with per-example scores) here."),
 ):
     """Score predictions made elsewhere with attnlab's scorer, for comparison on identical scoring."""
-    from .runner import resolve_data, score, write_outputs
-    from .tasks import task_name
-
     name = task_name(task)
     if name == "perplexity":
         raise ConfigError("perplexity scores a model, not predictions; use attnlab eval MODEL --task perplexity")
     if output_dir is not None:
-        from attnlab.outputs import prepare_output_dir
-
         prepare_output_dir(output_dir)
     where = resolve_data(name, data)
     result = score(name, predictions, where, split, limit)

@@ -32,7 +32,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from attnlab.config import load_config
+from attnlab.data import read_documents
+from attnlab.data.prepare import encoder
 from attnlab.errors import ConfigError, DataError
+from attnlab.outputs import write_bytes_atomic
+
+from .metrics import clean_prediction
+from .runner import EvalResult, write_outputs
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -129,8 +136,6 @@ class Haystack:
     """The token ids of a corpus, its documents joined by a blank line, read as a ring: the text of every haystack."""
 
     def __init__(self, tokenizer, documents: Sequence[str], min_tokens: int):
-        from attnlab.data.prepare import encoder
-
         self.tokenizer = tokenizer
         self.encode = encoder(tokenizer)
         gap = self.ids_of("\n\n")
@@ -251,11 +256,7 @@ def _needle_position(haystack: Haystack, hay: np.ndarray, depth: float, ends: tu
 
 def haystack_documents(source: str, text_field: str = "text") -> tuple[list[str], str]:
     """(documents, description) of a haystack source: any `data.source`, or a training config's data.source."""
-    from attnlab.data import read_documents
-
     if str(source).endswith((".yaml", ".yml")) and Path(source).is_file():
-        from attnlab.config import load_config
-
         cfg = load_config(source)
         if cfg.data.source == "mqar":
             raise ConfigError(f"{source} trains on data.source=mqar, which has no text to build haystacks from; pass a text source")
@@ -300,8 +301,6 @@ def cell_metrics(cases: Sequence[NeedleCase], correct: Sequence[bool]) -> dict[s
 
 def answer_tokens(tokenizer, cases: Sequence[NeedleCase]) -> int:
     """Tokens to generate: enough for the longest value after a space, and two more."""
-    from attnlab.data.prepare import encoder
-
     encode = encoder(tokenizer)
     return max(len(ids) for ids in encode([" " + c.value for c in cases])) + 2
 
@@ -310,9 +309,6 @@ def run_niah(model, tokenizer, cases: Sequence[NeedleCase], batch_size: int = 8,
              progress: Callable[[int], None] | None = None):
     """Greedy answers for every case through the engine, scored; an `EvalResult` of task 'niah'."""
     from attnlab.generation import generate
-
-    from .metrics import clean_prediction
-    from .runner import EvalResult
 
     if not cases:
         raise ConfigError("no needle-in-a-haystack cases to evaluate")
@@ -397,10 +393,6 @@ def heatmap_png(cells: Sequence[dict], title: str) -> bytes:
 
 def write_niah_outputs(result, out_dir: Path, extra: dict[str, Any], title: str) -> dict[str, Path]:
     """metrics.json, predictions.jsonl and heatmap.png in `out_dir`, each written whole or not at all."""
-    from attnlab.outputs import write_bytes_atomic
-
-    from .runner import write_outputs
-
     metrics_path, predictions_path = write_outputs(result, out_dir, extra)
     heatmap = write_bytes_atomic(Path(out_dir) / "heatmap.png", heatmap_png(result.metrics["cells"], title), what="the eval output")
     return {"metrics": metrics_path, "predictions": predictions_path, "heatmap": heatmap}

@@ -11,6 +11,15 @@ from typing import Any, Optional
 
 from rich.table import Table
 
+from attnlab.console import progress
+from attnlab.errors import ConfigError
+from attnlab.outputs import prepare_output_dir
+
+from .niah import (
+    grid, haystack_documents, length_label, make_cases, needle_form, parse_depths, parse_lengths, run_niah, short_name,
+    write_niah_outputs,
+)
+
 NIAH_NAMES = ("niah", "needle", "needle-in-a-haystack")
 
 
@@ -20,8 +29,6 @@ def is_niah(task: Optional[str]) -> bool:
 
 def cell_table(cells: list[dict]) -> Table:
     """Proportion correct: one row per depth, one column per length (as the heatmap)."""
-    from .niah import grid, length_label
-
     lengths, depths, acc = grid(cells)
     table = Table()
     table.add_column("depth")
@@ -35,11 +42,7 @@ def cell_table(cells: list[dict]) -> Table:
 def niah_command(model: str, data: Optional[Path], lengths: str, depths: str, samples: int, seed: int, needle: str,
                  batch_size: int, max_new_tokens: Optional[int], output_dir: Optional[Path], device: str,
                  trust_remote_code: bool, console, err_console) -> None:
-    from attnlab.console import progress
     from attnlab.loading import describe, load
-    from attnlab.outputs import prepare_output_dir
-
-    from .niah import haystack_documents, make_cases, needle_form, parse_depths, parse_lengths, write_niah_outputs
 
     length_list, depth_list = parse_lengths(lengths), parse_depths(depths)
     form = needle_form(needle)
@@ -50,8 +53,6 @@ def niah_command(model: str, data: Optional[Path], lengths: str, depths: str, sa
     lm, tokenizer = load(model, device=device, trust_remote_code=trust_remote_code)
     limit = getattr(getattr(lm, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and max(length_list) > limit:
-        from attnlab.errors import ConfigError
-
         raise ConfigError(f"--lengths asks for {max(length_list)} tokens but the model is configured for {limit} positions "
                           f"(max_position_embeddings); ask for lengths of at most {limit}")
     t0 = time.perf_counter()
@@ -59,7 +60,6 @@ def niah_command(model: str, data: Optional[Path], lengths: str, depths: str, sa
     build_s = time.perf_counter() - t0
     err_console.print(f"niah: {len(cases)} prompts ({len(length_list)} lengths x {len(depth_list)} depths x {samples} samples, "
                       f"{form.name} needle) from {described} in {build_s:.1f} s", highlight=False, soft_wrap=True)
-    from .niah import run_niah, short_name
 
     with progress(err_console, "niah", len(cases), "prompts") as advance:
         result = run_niah(lm, tokenizer, cases, batch_size=batch_size, max_new_tokens=max_new_tokens, progress=advance)

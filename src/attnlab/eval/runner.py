@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from attnlab.config import GenerateConfig
+from attnlab.config import GenerateConfig, load_config
+from attnlab.config.presets import token_in
 from attnlab.data.corpus import jsonl_records, text_lines
 from attnlab.errors import DataError
+from attnlab.outputs import prepare_output_dir, write_text_atomic
 
 from .metrics import clean_prediction
 from .tasks import BUNDLED, Example, Task, get_task, task_name
@@ -56,7 +58,6 @@ def generation_config(task: Task, settings: GenerateConfig | dict[str, Any] | No
 def _generate_with_presets(model, tokenizer, task, examples, prompts, presets, generation, progress):
     """Prompts carrying a control token decode with that token's preset: task defaults, then the
     adapter's 'default' and token presets, then the settings given explicitly."""
-    from attnlab.config.presets import token_in
     from attnlab.generation import generate
 
     explicit = ({k: getattr(generation, k) for k in generation.model_fields_set} if isinstance(generation, GenerateConfig)
@@ -190,8 +191,6 @@ def evaluate_perplexity(model, tokenizer, data: str | Path | None = None, split:
 
 def _default_seq_len(model, path: Path) -> int:
     if path.suffix in (".yaml", ".yml"):
-        from attnlab.config import load_config
-
         return load_config(path).data.seq_len
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1024
     return int(min(limit, 1024))
@@ -199,8 +198,6 @@ def _default_seq_len(model, path: Path) -> int:
 
 def write_outputs(result: EvalResult, out_dir: Path, extra: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """metrics.json and predictions.jsonl in `out_dir`, each written to a temporary name and renamed."""
-    from attnlab.outputs import prepare_output_dir, write_text_atomic
-
     out_dir = prepare_output_dir(out_dir)
     metrics_path, predictions_path = out_dir / "metrics.json", out_dir / "predictions.jsonl"
     payload = {"task": result.task, "data": result.data, "metrics": result.metrics, **(extra or {})}

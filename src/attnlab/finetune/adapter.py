@@ -30,6 +30,8 @@ import torch
 from attnlab.errors import CheckpointError
 from attnlab.outputs import publishing
 
+from .config import FinetuneConfig
+
 META = "attnlab_adapter.json"
 ROWS = "control_tokens.safetensors"
 
@@ -178,7 +180,6 @@ def load_adapter(path: str | Path, device: str = "cpu", dtype: str = "auto", tru
         check_safetensors(weights)
     quant = None
     if meta.get("method") == "qlora" and not merged:  # the adapter was trained on the 4-bit base: rebuild that base
-        from .config import FinetuneConfig
         from .model import quantization_config
 
         import yaml

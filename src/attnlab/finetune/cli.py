@@ -12,6 +12,9 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from attnlab.console import make_console
+from attnlab.errors import CheckpointError, PreflightError
+
+from .config import finetune_config_to_yaml, load_finetune_config
 
 console = make_console()
 
@@ -25,9 +28,6 @@ def finetune_command(
                                 "config (--set may change only train.max_steps and cadence). Refuses if there is none."),
 ):
     """Fine-tune a causal LM (LoRA, DoRA, QLoRA or every parameter) on prompt–completion or chat data; writes an adapter directory."""
-    from attnlab.errors import PreflightError
-
-    from .config import finetune_config_to_yaml, load_finetune_config
     from .run import run_finetune
 
     extra = ["finetune.merge=true"] if merge else []
@@ -109,8 +109,6 @@ def merge_command(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the base model directory's own code to run."),
 ):
     """Fold an adapter into its base model and save the result as a standalone model."""
-    from attnlab.errors import CheckpointError
-
     from .adapter import is_adapter_dir, merge_adapter
 
     if not is_adapter_dir(adapter_dir):

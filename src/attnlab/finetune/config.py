@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from attnlab.config.loader import _format_validation_error, _read_yaml, apply_overrides
+from attnlab.config.loader import _flatten, _format_validation_error, _read_yaml, apply_overrides
 from attnlab.config.schema import EvalSection, GenerateConfig, Section, TrainSection
 from attnlab.errors import ConfigError
 from attnlab.outputs import replace_file
@@ -121,8 +121,6 @@ RESUME_FREE = ("train.max_steps", "train.epochs", "train.save_every", "train.kee
 
 def resume_changes(old: FinetuneConfig, new: FinetuneConfig) -> list[str]:
     """The fields outside RESUME_FREE whose values differ, as 'key: old -> new'."""
-    from attnlab.config.loader import _flatten
-
     flat_old, flat_new = _flatten(old.model_dump(mode="json")), _flatten(new.model_dump(mode="json"))
     out = []
     for k in sorted(set(flat_old) | set(flat_new)):

@@ -10,7 +10,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
+from attnlab.data import load_tokenizer
+from attnlab.data.tokenizer import _prepare_for_lm
 from attnlab.errors import CheckpointError, ConfigError
+from attnlab.models.files import check_model_files, read_json_object
 from attnlab.models.references import refuse_pickled_only, resolve_model_dir
 from attnlab.models.smollm2 import cache_dir, packaged_model
 from attnlab.outputs import publishing
@@ -94,8 +98,6 @@ def read_gguf(gguf: Path, tokenizer=None):
     """(model in fp32, tokenizer) read from a GGUF file by transformers (the dequantisation: a minute for SmolLM2)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnlab.data.tokenizer import _prepare_for_lm
-
     common = {"local_files_only": True}
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **common)
     if tokenizer is None:
@@ -151,10 +153,6 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
-    from attnlab.data import load_tokenizer
-    from attnlab.data.tokenizer import _prepare_for_lm
-
     transformers.utils.logging.disable_progress_bar()
     where = resolve_base(path)
     td = torch_dtype(dtype, device)
@@ -162,8 +160,6 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
     extra = {"quantization_config": quantization, "device_map": {"": device}} if quantization is not None else {}
     try:
         if where.suffix == ".gguf" and _complete(_gguf_hf_target(where.resolve())):
-            from attnlab.models.files import check_model_files
-
             where = _gguf_hf_target(where.resolve())  # dequantised earlier (reading the GGUF's tokenizer alone takes seconds)
             check_model_files(where)  # a cached copy cut short by a full disk is refused, not half-loaded
             model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
@@ -178,8 +174,6 @@ def load_base(path: str, device: str = "cpu", dtype: str = "auto", trust_remote_
             model = AutoModelForCausalLM.from_pretrained(where, dtype=td, use_safetensors=True, **common, **extra)
             tokenizer = load_tokenizer(str(where))
         else:
-            from attnlab.models.files import check_model_files, read_json_object
-
             config = read_json_object(where / "config.json")
             check_model_files(where)  # sizes and safetensors headers, before anything is built from them
             if config.get("model_type") == "gla":

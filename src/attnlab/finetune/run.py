@@ -20,7 +20,8 @@ import transformers
 from rich.console import Console
 
 import attnlab
-from attnlab.console import make_console
+from attnlab.config.presets import token_in
+from attnlab.console import make_console, progress
 from attnlab.errors import (
     AttnLabError,
     CheckpointError,
@@ -29,15 +30,22 @@ from attnlab.errors import (
     RunInterrupted,
     TrainingDivergedError,
 )
-from attnlab.train.loop import AttnLabTrainer
+from attnlab.eval.callback import EvalDuringTraining
+from attnlab.train.checkpoint import RESUME_FILES, CheckpointManager
+from attnlab.train.loop import AttnLabTrainer, StopOnSignal, TelemetryCallback, _elapsed_at, training_arguments
+from attnlab.train.telemetry import RunLogger
 from attnlab.outputs import replace_file
 
+from .adapter import merge_adapter, save_adapter, save_full_model
 from .config import (
     FinetuneConfig,
     finetune_config_to_yaml,
     resume_changes,
     save_finetune_config,
 )
+from .data import ExampleDataset, PadCollator, encode_rows, pack_examples, read_rows
+from .model import add_control_tokens, load_base, quantization_config, trainable_parameters, wrap_with_peft
+from .presets import metric_budget, style_separation
 
 MIB = 1024 * 1024
 CONTROL_FILE = "style_control.json"  # the style metric of the untuned base, measured once when the run starts
@@ -66,14 +74,6 @@ def _precision(cfg: FinetuneConfig, device: str) -> str:
 
 def prepare(cfg: FinetuneConfig, console: Console | None = None):
     """Everything before training: base model, control tokens, data, peft wrapping. Fails early with one message."""
-    from .data import encode_rows, pack_examples, read_rows
-    from .model import (
-        add_control_tokens,
-        load_base,
-        quantization_config,
-        wrap_with_peft,
-    )
-
     console = console or Console(quiet=True)
     device = _device(cfg)
     quant = quantization_config(cfg.finetune, device) if cfg.finetune.method == "qlora" else None
@@ -125,8 +125,6 @@ def eval_prompts(rows: list[dict]) -> list[str]:
 
 def metric_prompts(cfg: FinetuneConfig, rows: list[dict]) -> list[str]:
     """The held-out prompts of the style metric: the first finetune.eval_max_prompts of each control token."""
-    from attnlab.config.presets import token_in
-
     tokens = cfg.finetune.control_tokens
     taken: dict[str, int] = {t: 0 for t in tokens}
     out = []
@@ -141,10 +139,6 @@ def metric_prompts(cfg: FinetuneConfig, rows: list[dict]) -> list[str]:
 def measure_style(cfg: FinetuneConfig, p, model, console: Console | None = None, which: str = "") -> dict[str, Any] | None:
     """The style metric (presets.style_separation) of `model` on the held-out prompts, or None without them;
     `console`: a line saying how many prompts, and progress while they are generated."""
-    from attnlab.console import progress
-
-    from .presets import metric_budget, style_separation
-
     if not p.eval_rows or len(cfg.finetune.control_tokens) < 2:
         return None
     budget = cfg.finetune.eval_max_new_tokens or metric_budget(p.tokenizer, p.eval_rows, cfg.data.chat_template)
@@ -174,16 +168,12 @@ def check_resume(cfg: FinetuneConfig, run_dir: Path) -> Path:
     """The checkpoint a strict resume continues from; CheckpointError / ConfigError when there is none or the config changed."""
     import yaml
 
-    from attnlab.train.checkpoint import RESUME_FILES, CheckpointManager
-
-    from .config import FinetuneConfig as Schema
-
     # the newest complete, verified checkpoint, or a refusal; an adapter's checkpoint holds the adapter's weights
     weights = "model*.safetensors" if cfg.finetune.method == "full" else "adapter_model.safetensors"
     resume_from = CheckpointManager(run_dir).resume_point(require=(weights, *(f for f in RESUME_FILES if f != "model.safetensors")))
     own = resume_from / "run_config.yaml"
     try:
-        saved = Schema.model_validate(yaml.safe_load(own.read_text(encoding="utf-8")))
+        saved = FinetuneConfig.model_validate(yaml.safe_load(own.read_text(encoding="utf-8")))
     except FileNotFoundError:
         raise CheckpointError(f"{resume_from} records no run_config.yaml: it was not written by attnlab finetune. "
                               "Start a new run in another --run-dir.") from None
@@ -242,14 +232,6 @@ def _carried(previous: dict) -> dict:
 
 
 def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path | None, report: dict, state: dict) -> FinetuneResult:
-    from attnlab.train.checkpoint import CheckpointManager
-    from attnlab.train.loop import StopOnSignal, TelemetryCallback, _elapsed_at, training_arguments
-    from attnlab.train.telemetry import RunLogger
-
-    from .adapter import merge_adapter, save_adapter, save_full_model
-    from .data import ExampleDataset, PadCollator
-    from .model import trainable_parameters
-
     p = prepare(cfg, console)
     steps = planned_steps(cfg, len(p.examples))
     run_cfg = cfg.model_copy(deep=True)
@@ -301,8 +283,6 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     callbacks: list[transformers.TrainerCallback] = [telemetry, _PeakRss(), stopper]
     evaluator = None
     if cfg.eval.tasks:
-        from attnlab.eval.callback import EvalDuringTraining
-
         evaluator = EvalDuringTraining(cfg.eval, p.tokenizer, logger, run_dir=run_dir, console=console)
         callbacks.append(_PlainModelEval(evaluator))
     args = training_arguments(run_cfg, SimpleNamespace(device=p.device, precision=p.precision), checkpoints.staging, has_val)

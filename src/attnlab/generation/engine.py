@@ -15,7 +15,9 @@ import torch
 from attnlab.config import GenerateConfig
 from attnlab.config.loader import validate_section
 from attnlab.errors import ConfigError, DataError
+from attnlab.models.kernels import triton_installed
 
+from .beam import beam_search
 from .graphs import make_runner
 from .processors import repetition_penalty, suppress_eos, warp_for_sampling
 from .results import Candidate, GenerationResult, StopStrings, finish_candidate
@@ -111,8 +113,6 @@ def generate(
             batch = order[start:start + cfg.batch_size]
             batch_prompts = [encoded[i] for i in batch]
             if cfg.num_beams > 1:
-                from .beam import beam_search
-
                 outs = beam_search(runner, batch_prompts, cfg, eos, pad_id, stops)
             elif getattr(runner, "keeps_finished_rows", False) and not stops.stops and stream is None:
                 outs = _greedy_or_sample_on_device(runner, batch_prompts, cfg, eos, pad_id, stops, generator)
@@ -228,8 +228,6 @@ def _fused_greedy_step(cfg: GenerateConfig, seen: torch.Tensor | None, logits: t
     """greedy_kernel.greedy_step_ where it stands in for this step's `_choose` and the bookkeeping
     after it: plain greedy (no repetition penalty, no scores, no EOS suppression left) on CUDA logits
     it reads. On CPU the PyTorch ops stay: Triton's interpreter would be far slower than they are."""
-    from attnlab.models.kernels import triton_installed
-
     if (not FUSED_GREEDY or cfg.do_sample or seen is not None or cfg.output_scores or not logits.is_cuda
             or (step < cfg.min_new_tokens and len(eos_t)) or not triton_installed()):
         return None

@@ -22,10 +22,13 @@ from typing import Any
 
 import torch
 
+from attnlab.models import AttnLabForCausalLM
 from attnlab.models.cache import AttnLabCache
+from attnlab.models.modeling import AttnLabPreTrainedModel
 from attnlab.models.modules import fused_projections
 from attnlab.models.weights import weights_fingerprint
 
+from .hf_static import hf_static_runner
 from .runner import KEPT_RUNNERS, DecodeState, ModelRunner
 
 GRAPH_CHOICES = ("auto", "off")
@@ -34,8 +37,6 @@ CAPACITY_STEP = 256  # KV buffers are sized up to a multiple of this, so one cap
 
 def fixed_size_decoding(model) -> bool:
     """Whether every layer of `model` decodes over a fixed-size state (no KV cache that grows)."""
-    from attnlab.models import AttnLabForCausalLM
-
     if not isinstance(model, AttnLabForCausalLM):
         return False
     return all(block.attn.fixed_size_state for block in model.model.layers)
@@ -44,8 +45,6 @@ def fixed_size_decoding(model) -> bool:
 def static_decoding(model) -> bool:
     """Whether every layer of `model` decodes over static buffers: a fixed-size state, or a KV cache
     the mixer can keep in preallocated buffers (`static_kv`, `static_state`)."""
-    from attnlab.models import AttnLabForCausalLM
-
     if not isinstance(model, AttnLabForCausalLM):
         return False
     return all(block.attn.fixed_size_state or block.attn.static_kv for block in model.model.layers)
@@ -243,10 +242,7 @@ def make_runner(model, cuda_graphs: str = "auto") -> ModelRunner:
     on_cuda = next(model.parameters()).device.type == "cuda"
     if cuda_graphs == "auto" and on_cuda and static_decoding(model) and not model.training:
         return cached_static_runner(model, capture=True)
-    from attnlab.models.modeling import AttnLabPreTrainedModel
 
     if cuda_graphs == "auto" and on_cuda and not model.training and not isinstance(model, AttnLabPreTrainedModel):
-        from .hf_static import hf_static_runner
-
         return hf_static_runner(model, capture=True)
     return ModelRunner(model)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from attnlab.models.hf_names import CACHE_KEY
+from attnlab.models.modeling import AttnLabPreTrainedModel
 from attnlab.models.weights import weights_fingerprint
 
 from .runner import KEPT_RUNNERS, DecodeState, ModelRunner
@@ -47,8 +48,6 @@ def static_cache_problem(model) -> str | None:
     """Why `model` cannot decode through a static cache and a 4D mask here, or None."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
-
-    from attnlab.models.modeling import AttnLabPreTrainedModel
 
     if isinstance(model, AttnLabPreTrainedModel):
         return "an attnlab model (its own cache)"

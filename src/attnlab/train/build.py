@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from attnlab.config import RunConfig
+from attnlab.errors import AttnLabError, CheckpointError
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+from attnlab.models.files import check_model_files
+from attnlab.models.references import refuse_pickled_only, resolve_model_dir
 
 
 def default_vocab_size(cfg: RunConfig, tokenizer) -> int:
@@ -17,8 +21,6 @@ def default_vocab_size(cfg: RunConfig, tokenizer) -> int:
 def model_config_from(cfg: RunConfig, tokenizer):
     """The model config of the run: the `model` section as it is (AttnLabConfig's architecture fields are its
     fields), the vocabulary and special tokens from the tokenizer."""
-    from attnlab.models import AttnLabConfig
-
     vocab = cfg.model.vocab_size or default_vocab_size(cfg, tokenizer)
     within = lambda token: token if token is not None and token < vocab else None  # noqa: E731  (an MQAR model has no text specials)
     return AttnLabConfig(**{
@@ -55,9 +57,7 @@ def init_from_config(cfg: RunConfig, tokenizer, resume_from: Path | None = None
     errors and warnings as (config key, message). model.* fields left at their defaults are taken from the
     checkpoint; any other value must agree with it. A resumed run (`resume_from`, its checkpoint) builds the
     model from that checkpoint, which holds the same architecture: `train.init_from` need not exist any more."""
-    from attnlab.errors import AttnLabError
     from attnlab.models.convert import converted_config
-    from attnlab.models.references import resolve_model_dir
 
     errors: list[tuple[str, str]] = []
     warnings: list[tuple[str, str]] = []
@@ -113,8 +113,6 @@ def build_model(cfg: RunConfig, report):
     """The model a run trains: random weights from the model config, or the model `train.init_from` points at."""
     import torch
 
-    from attnlab.models import AttnLabForCausalLM
-
     if report.init_from is None:
         return AttnLabForCausalLM(report.model_config)
     kind, where = report.init_from
@@ -123,10 +121,6 @@ def build_model(cfg: RunConfig, report):
 
         return load_converted(where, torch.float32, kernels=cfg.model.kernels)
     from transformers import AutoModelForCausalLM
-
-    from attnlab.errors import CheckpointError
-    from attnlab.models.files import check_model_files
-    from attnlab.models.references import refuse_pickled_only
 
     refuse_pickled_only(Path(where))
     check_model_files(Path(where))  # sizes and safetensors headers, before transformers builds anything from them

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from attnlab.errors import CheckpointError
 from attnlab.models.checkpoints import RunCheckpoints, step_dir_name, verify_checkpoint
+from attnlab.models.files import check_safetensors
 from attnlab.outputs import fsync_dir, publish_dir, remove_path, replace_file, replace_symlink
 
 
@@ -105,7 +106,6 @@ def load_model_state(model, checkpoint: Path) -> None:
     path = Path(checkpoint) / MODEL_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint} has no {MODEL_FILE}. Resume from a checkpoint written by attnlab train.")
-    from attnlab.models.files import check_safetensors
 
     check_safetensors(path)  # the header fits the file, before safetensors maps or allocates anything
     try:
@@ -192,7 +192,6 @@ def load_full_model_state(model, checkpoint: Path) -> None:
     path = Path(checkpoint) / MODEL_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint} has no {MODEL_FILE}. Resume from a checkpoint written by attnlab train.")
-    from attnlab.models.files import check_safetensors
 
     check_safetensors(path)  # the header fits the file, before safetensors maps or allocates anything
     full = load_file(path)

@@ -32,6 +32,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn as nn
 
+from attnlab.models import AttnLabForCausalLM
+from attnlab.models.mixers import Mixer
 from attnlab.models.weights import weights_fingerprint
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb=25)
@@ -52,9 +54,6 @@ def graph_blocker(model: nn.Module, sharded: bool = False, hf: bool = False) -> 
     """Why the training step of `model` cannot be captured, or None when it can. `sharded`: FSDP; `hf`: HF
     causal LMs of `HF_CAPTURABLE` may be captured too (`attnlab train` captures them; the benchmarks keep
     their HF peers as HF trains them)."""
-    from attnlab.models import AttnLabForCausalLM
-    from attnlab.models.mixers import Mixer
-
     if not isinstance(model, AttnLabForCausalLM):
         name = type(model).__name__
         if not hf or name not in HF_CAPTURABLE:
@@ -287,7 +286,6 @@ class CapturedLoss:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.reduce_dtype = reduce_dtype  # the dtype the processes average their gradients in (None: their own)
-        from attnlab.models import AttnLabForCausalLM
 
         # an HF model (HF_CAPTURABLE) would otherwise fill a key-value cache nobody reads
         self.forward_extra = {} if isinstance(model, AttnLabForCausalLM) else {"use_cache": False}

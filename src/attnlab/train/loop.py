@@ -28,12 +28,16 @@ import attnlab
 from attnlab.config import RunConfig, config_to_yaml, save_config
 from attnlab.config.preflight import PreflightReport
 from attnlab.console import make_console
-from attnlab.data.blocks import DATA_STATE
+from attnlab.data import BlockDataset
+from attnlab.data.blocks import DATA_STATE, PositionSampler, PreparedBlocks
 from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
+from attnlab.eval.callback import EvalDuringTraining
 from attnlab.launch import rank, world_size
 from attnlab.models import AttnLabForCausalLM
+from attnlab.models.modeling import AttnLabBlock
 from attnlab.outputs import publishing, replace_file
 
+from .build import build_model
 from .checkpoint import (
     OPTIMIZER_FILE, CheckpointManager, full_optimizer_state, load_full_model_state, load_full_optimizer_state, load_model_state,
     torch_load_checked,
@@ -594,7 +598,6 @@ def _strategy_arguments(cfg: RunConfig, block_classes: list[str] | None = None) 
     """FSDP2 through accelerate: every decoder block its own shard group, full (unsharded) state dicts on save."""
     if not fsdp_active(cfg):
         return {}
-    from attnlab.models.modeling import AttnLabBlock
 
     return {"fsdp": True, "fsdp_config": {
         "version": 2,
@@ -606,11 +609,6 @@ def _strategy_arguments(cfg: RunConfig, block_classes: list[str] | None = None) 
 
 def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console: Console | None = None) -> TrainResult:
     """Train as `cfg` says into `run_dir`. `report` is a passed preflight (it holds the tokenizer and data)."""
-    from attnlab.data import BlockDataset
-    from attnlab.data.blocks import PositionSampler, PreparedBlocks
-
-    from .build import build_model
-
     is_main = rank() == 0
     console = console or make_console(quiet=not is_main)
     resume_from = report.resume_from
@@ -668,8 +666,6 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
             f"seeded order, from position {start:,}")
     callbacks: list[TrainerCallback] = [telemetry, stopper]
     if cfg.eval.tasks and is_main:
-        from attnlab.eval.callback import EvalDuringTraining
-
         callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console, data=cfg.data))
     trainer = AttnLabTrainer(
         model=model,

@@ -14,8 +14,17 @@ from pathlib import Path
 from attnlab.config.loader import diff_configs, load_config
 from attnlab.config.preflight import PreflightReport, check_config, resolve_device
 from attnlab.config.schema import RESUME_LOCKED, RunConfig
+from attnlab.data import build_datasets, load_tokenizer
+from attnlab.data.blocks import build_prepared, check_tokenizer, is_prepared
+from attnlab.data.cache import MB, prepared_cache, source_size
+from attnlab.data.corpus import read_documents
+from attnlab.data.mqar import build_mqar
+from attnlab.data.packing import _blocks, tokenize_documents
+from attnlab.data.prepared import _read_manifest
+from attnlab.data.progress import PrepareReporter
 from attnlab.errors import AttnLabError
 
+from .build import default_vocab_size, init_from_config, model_config_from
 from .checkpoint import CheckpointManager
 from .schedule import resume_lr_note
 from .telemetry import check_telemetry
@@ -108,8 +117,6 @@ def _check_mqar_vocab(cfg: RunConfig, tokenizer, report: PreflightReport) -> Non
     """An MQAR run's ids come from the task, not the tokenizer, so its model may be smaller than the tokenizer
     (model.vocab_size null: data.mqar.vocab_size); then only the mqar task can evaluate it: a text task would feed
     it token ids beyond its embedding."""
-    from .build import default_vocab_size
-
     vocab = cfg.model.vocab_size or default_vocab_size(cfg, tokenizer)
     text_tasks = [t.task for t in cfg.eval.tasks if t.task != "mqar"]
     if vocab < len(tokenizer) and text_tasks:
@@ -134,10 +141,6 @@ def _checkpoint_config(checkpoint: Path, report: PreflightReport) -> RunConfig |
 
 
 def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bool, console=None) -> None:
-    from attnlab.data import load_tokenizer
-
-    from .build import init_from_config, model_config_from
-
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
     except AttnLabError as e:
@@ -169,8 +172,6 @@ def _check_model_and_data(cfg: RunConfig, report: PreflightReport, load_data: bo
     if not load_data:
         return
     if cfg.data.source == "mqar":  # synthetic: generated on the fly, accuracy measured by the mqar eval task
-        from attnlab.data.mqar import build_mqar
-
         report.data = build_mqar(cfg.data, cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum)
         return
     try:
@@ -199,10 +200,6 @@ def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
     data.prepare_above_mb, prepared once into the cache), else the documents packed in memory."""
     import os
 
-    from attnlab.data import build_datasets
-    from attnlab.data.blocks import build_prepared, check_tokenizer, is_prepared
-    from attnlab.data.cache import MB, prepared_cache, source_size
-
     d = cfg.data
     say = (lambda text: console.print(text, highlight=False, soft_wrap=True)) if console is not None else (lambda text: None)
     directory = None
@@ -215,8 +212,6 @@ def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
                 "training reads it from a prepared corpus")
             reporter = None
             if console is not None:
-                from attnlab.data.progress import PrepareReporter
-
                 reporter = PrepareReporter(console)
             try:
                 directory = prepared_cache(
@@ -229,8 +224,6 @@ def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
         return build_datasets(d.source, tokenizer, d.seq_len, d.val_fraction, cfg.train.seed,
                               text_field=d.text_field, val_source=d.val_source)
 
-    from attnlab.data.prepared import _read_manifest
-
     manifest = _read_manifest(directory)
     try:
         check_tokenizer(manifest, tokenizer, d.tokenizer, directory)
@@ -239,9 +232,6 @@ def _load_data(cfg: RunConfig, tokenizer, report: PreflightReport, console):
         return None
     val_blocks, val_docs = None, []
     if d.val_source:
-        from attnlab.data.corpus import read_documents
-        from attnlab.data.packing import _blocks, tokenize_documents
-
         val_docs = read_documents(d.val_source, text_field=d.text_field)
         val_blocks = _blocks(tokenize_documents(val_docs, tokenizer), d.seq_len, f"validation data in {d.val_source!r}")
         val_blocks = val_blocks[: cfg.train.eval_batches * cfg.train.batch_size]

@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 import torch
 
+from attnlab.data.corpus import telemetry_records
 from attnlab.errors import RunDirError
 from attnlab.outputs import open_for_append, replace_file
 
@@ -148,8 +149,6 @@ def _fmt(v: Any) -> str:
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSONL telemetry file. A torn last line (no newline: a process killed while writing it)
     is dropped; any other line that is not a JSON object is real damage, refused as a RunDirError."""
-    from attnlab.data.corpus import telemetry_records
-
     if not path.exists():
         return []
     try:

@@ -19,6 +19,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from attnlab.config import load_config
+from attnlab.data import read_documents, split_documents, tokenize_documents
 from attnlab.errors import DataError
 
 LAYOUT = "a text file (or a .jsonl/.parquet file or directory that data.source accepts), or a training config .yaml (its validation split)"
@@ -26,14 +28,10 @@ LAYOUT = "a text file (or a .jsonl/.parquet file or directory that data.source a
 
 def load_texts(data: Path, split: str = "dev") -> tuple[list[str], str]:
     """(documents, description): the file's documents, or a training config's validation documents."""
-    from attnlab.data import read_documents, split_documents
-
     data = Path(data)
     if not data.exists():
         raise DataError(f"perplexity data not found: {data}. Pass {LAYOUT}.")
     if data.suffix in (".yaml", ".yml"):
-        from attnlab.config import load_config
-
         cfg = load_config(data)
         if cfg.data.val_source:
             return read_documents(cfg.data.val_source, cfg.data.text_field), f"{cfg.data.val_source} (validation source of {data})"
@@ -65,8 +63,6 @@ def perplexity(model, tokenizer, texts: list[str], seq_len: int = 1024, batch_si
 
     `limit` caps the number of windows scored; bytes per token are those of the whole text.
     """
-    from attnlab.data import tokenize_documents
-
     ids = tokenize_documents(texts, tokenizer)
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     spans = windows(len(ids), seq_len)
