@@ -8,10 +8,16 @@ module belongs to the most specific entry that names it or a package above it (`
 command, the rest of `attnlab.data` is core). Within a layer the entries may import one another, one way
 only: no cycle between entries, nor between modules. Function-level imports remain for optional or heavy
 dependencies (`attnlab --help` imports neither torch nor transformers); they are edges here all the same.
+
+An import of an attnlab module inside a function stays there only when importing it at module level would load a
+heavy third-party package that the importing module does not load already; every other one is at the top of its
+module (test_function_level_imports_are_lazy_for_a_reason).
 """
 
 from __future__ import annotations
 
+import ast
+import sys
 from pathlib import Path
 
 import grimp  # the dev extra installs it
@@ -224,3 +230,151 @@ def test_no_import_cycle_between_packages(graph):
             report += [f"      {_where(graph, a, b)} imports {b}" for a, b in imports[:SHOWN]]
             report += [f"      ... and {len(imports) - SHOWN} more imports of {q} by {p}"] if len(imports) > SHOWN else []
     assert not report, "import cycles between packages (each edge with the imports that make it):\n" + "\n".join(report)
+
+
+# Function-level imports. Whether importing a module at module level would load a heavy package is read from the
+# source: a module loads what its top-level statements import (inside try/except too; `if TYPE_CHECKING:` blocks
+# aside), the attnlab modules among them followed through their own top-level imports, each with the packages
+# above it (`import attnlab.a.b` runs attnlab/a/__init__.py first).
+
+HEAVY = {  # third-party packages that take seconds to import, or bring a GPU stack with them
+    "torch", "transformers", "triton", "fla", "peft", "accelerate", "datasets", "matplotlib", "safetensors",
+    "bitsandbytes", "tensorboard", "sacrebleu", "rouge_score", "sqlglot",
+}
+HELP_LOADS = {"numpy", "pydantic", "rich", "typer", "yaml"}  # the third-party packages `attnlab --help` imports
+# (python -X importtime -m attnlab.cli --help): for attnlab.cli and every module it loads, any other package is heavy
+
+LAZY_ALLOWED: dict[tuple[str, str], str] = {  # (importer, imported): why the import stays in a function
+    ("attnlab", "attnlab.config"): "the facade: `import attnlab`, which every `import attnlab.x` runs first, loads "
+                                   "attnlab.noise only, so that attnlab.errors and the other utilities stay light",
+    **{pair: "models/: hoisted in a following change" for pair in [
+        ("attnlab.models.convert", "attnlab.models"),
+        ("attnlab.models.convert", "attnlab.models.mixers"),
+        ("attnlab.models.convert", "attnlab.models.mixers.attention_family"),
+        ("attnlab.models.convert", "attnlab.models.mixers.attention_presets"),
+        ("attnlab.models.kernels", "attnlab.models.ops.attention_family"),
+        ("attnlab.models.kernels", "attnlab.models.ops.nsa"),
+        ("attnlab.models.kernels.attention_family.chunk", "attnlab.models.ops.attention_family"),
+        ("attnlab.models.kernels.attention_family.parallel", "attnlab.models.ops.attention_family"),
+        ("attnlab.models.kernels.attention_family.step", "attnlab.models.ops.attention_family"),
+        ("attnlab.models.kernels.mamba2.core", "attnlab.models.ops.mamba2"),
+        ("attnlab.models.kernels.mamba2.core", "attnlab.models.kernels"),
+        ("attnlab.models.mixers.attention_family", "attnlab.models.ops.attention_family"),
+        ("attnlab.models.mixers.softmax", "attnlab.models.ops.softmax"),
+    ]},
+}
+
+
+MODULES = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+THIRD_PARTY_EXCLUDED = set(sys.stdlib_module_names) | {"__future__"}
+
+
+def _split_imports(tree: ast.Module) -> tuple[list[ast.stmt], list[ast.stmt]]:
+    """(the imports a module runs when it is loaded, the imports inside its functions)."""
+    top: list[ast.stmt] = []
+    inner: list[ast.stmt] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and not in_function and ast.unparse(child.test) in ("TYPE_CHECKING",
+                                                                                              "typing.TYPE_CHECKING"):
+                children = child.orelse  # what a type checker alone reads is never imported
+            else:
+                children = [child]
+            for c in children:
+                if isinstance(c, (ast.Import, ast.ImportFrom)):
+                    (inner if in_function else top).append(c)
+                visit(c, in_function or isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return top, inner
+
+
+TREES = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in MODULES.items()}
+IMPORTS = {m: _split_imports(tree) for m, tree in TREES.items()}
+
+
+def _bound_at_top(module: str, imported_too: bool) -> set[str]:
+    """Names a module's top level binds: defined (def, class, assignment), and imported if `imported_too`."""
+    names = set()
+    for node in TREES[module].body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif imported_too and isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _with_packages(module: str) -> set[str]:
+    """`module` and the packages above it: what `import module` runs."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & set(MODULES)
+
+
+def _targets(node: ast.stmt, importer: str) -> tuple[set[str], set[str]]:
+    """(the attnlab modules an import statement names, the third-party packages it imports)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = importer.split(".") if MODULES[importer].name == "__init__.py" else importer.split(".")[:-1]
+        base = base[:len(base) - node.level + 1] if node.level else []
+        names = [".".join(base + ([node.module] if node.module else []))]
+    ours = {n for n in names if n.split(".")[0] == PACKAGE}
+    third = {n.split(".")[0] for n in names} - {PACKAGE} - THIRD_PARTY_EXCLUDED
+    if isinstance(node, ast.ImportFrom) and ours:
+        (package,) = ours
+        for alias in node.names:
+            if f"{package}.{alias.name}" in MODULES:
+                ours.add(f"{package}.{alias.name}")  # from attnlab.x import submodule
+            elif MODULES[package].name == "__init__.py" and alias.name not in _bound_at_top(package, True):
+                # a lazy export (the package's __getattr__ imports it on first use): the submodules that define it
+                ours |= {m for m in MODULES if m.startswith(package + ".") and alias.name in _bound_at_top(m, False)}
+    return ours, third
+
+
+def _load_closure(modules: set[str]) -> tuple[set[str], set[str]]:
+    """(the attnlab modules, the third-party packages) that importing `modules` loads, through module-level imports."""
+    seen: set[str] = set()
+    third: set[str] = set()
+    stack = [p for m in modules for p in _with_packages(m)]
+    while stack:
+        module = stack.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for node in IMPORTS[module][0]:
+            ours, theirs = _targets(node, module)
+            third |= theirs
+            stack += [p for m in ours for p in _with_packages(m)]
+    return seen, third
+
+
+def test_function_level_imports_are_lazy_for_a_reason():
+    """An attnlab module imported inside a function would load, at module level, a heavy package that the
+    importing module does not load already (for attnlab.cli and what it loads: any package `attnlab --help` does
+    not import); any other such import belongs at the top of its module. LAZY_ALLOWED names the exceptions."""
+    help_modules, _ = _load_closure({"attnlab.cli"})
+    flagged, used = [], set()
+    for importer in sorted(MODULES):
+        _, loaded = _load_closure({importer})
+        for node in IMPORTS[importer][1]:
+            ours, _ = _targets(node, importer)
+            if not ours:
+                continue
+            added = _load_closure(ours)[1] - loaded
+            heavy = added - HELP_LOADS if importer in help_modules else added & HEAVY
+            named = {m for m in ours if not any(o.startswith(m + ".") for o in ours)}  # the most specific names
+            allowed = {(importer, m) for m in named} & set(LAZY_ALLOWED)
+            used |= allowed
+            if not heavy and not allowed:
+                flagged.append(f"  {MODULES[importer].relative_to(SRC.parent)}:{node.lineno}: {ast.unparse(node)}")
+    stale = sorted(set(LAZY_ALLOWED) - used)
+    assert not flagged, ("imports inside functions that load nothing heavy the module does not load already; move "
+                         "them to the top of the module (or name them in LAZY_ALLOWED with the reason):\n"
+                         + "\n".join(flagged))
+    assert not stale, "LAZY_ALLOWED entries that match no import inside a function; remove them: " + ", ".join(
+        map(str, stale))
