@@ -43,8 +43,10 @@ class GroupedGatedRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps=eps, kernels=kernels)
         self.group_size = group_size
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if use_fast_ssd(self.kernels, x):  # attnlab's kernel, in x's dtype, keeping no fp32 copy of x or z
+    def forward(self, x: torch.Tensor, z: torch.Tensor, fast: bool | None = None) -> torch.Tensor:
+        """`fast`: the layer's choice of attnlab's kernels (`Mamba2.forward` makes it once); None: `use_fast_ssd`
+        chooses here, for the norm on its own."""
+        if use_fast_ssd(self.kernels, x) if fast is None else fast:  # attnlab's kernel, in x's dtype, no fp32 copy of x or z
             return grouped_gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
         h = x.float() * F.silu(z.float())
         groups = h.unflatten(-1, (-1, self.group_size))
@@ -131,9 +133,11 @@ class Mamba2(Mixer):
         conv_state = cache["conv_state"] if cache is not None else None
         ssm_state = cache["recurrent_state"] if cache is not None else None
         if seq_len == 1 and use_cache and self.fused_step_applies(x, conv_state, ssm_state):  # the caller takes the new state
-            return self.fused_step(x, attention_mask, conv_state, ssm_state)
-        if (seq_len > 1 and attention_mask is None and cache is None and not use_cache and not self.conv_gap
-                and type(self.out_proj) is nn.Linear and self.out_proj.bias is None and use_fast_ssd(self.kernels, x)):
+            return self.fused_step(x, attention_mask, conv_state, ssm_state)  # the step's kernels, chosen by that check
+        # the one choice of this forward: attnlab's kernels (SSD, gated norm, the one-node core) or the PyTorch reference
+        fast = use_fast_ssd(self.kernels, x)
+        plain_out_proj = type(self.out_proj) is nn.Linear and self.out_proj.bias is None
+        if fast and plain_out_proj and seq_len > 1 and attention_mask is None and cache is None and not use_cache and not self.conv_gap:
             # training and scoring: the layer between its projections as one node on attnlab's kernels
             from attnlab.models.kernels.mamba2.ssd import kernel_chunk
 
@@ -160,21 +164,22 @@ class Mamba2(Mixer):
             y, ssm_state = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], ssm_state)
             y = y[:, None] + xs.float() * self.D.float()[:, None]  # [B, 1, H, P]
         else:  # attnlab's chunked kernels on CUDA (y in the compute dtype), else the reference (y fp32)
-            y, ssm_state = ssd(xs, dt, A, B, C, self.D, self.chunk_size, ssm_state, use_cache, self.kernels)
+            y, ssm_state = ssd(xs, dt, A, B, C, self.D, self.chunk_size, ssm_state, use_cache, fast=fast)
         y = y.reshape(batch, seq_len, self.intermediate_size)
         cached = {"conv_state": conv_state, "recurrent_state": ssm_state} if use_cache else None
-        if seq_len > 1 and type(self.out_proj) is nn.Linear and self.out_proj.bias is None and use_fast_ssd(self.kernels, x):
+        if fast and plain_out_proj and seq_len > 1:
             # the norm and the projection in one autograd node that does not keep the normed tensor
             return gated_norm_linear(y, z, self.norm.weight, self.out_proj.weight, self.norm.group_size, self.norm.eps), cached
-        return self.out_proj(self.norm(y, z).to(x.dtype)), cached
+        return self.out_proj(self.norm(y, z, fast).to(x.dtype)), cached
 
     def fused_step_applies(self, x: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None) -> bool:
-        """Whether a one-token step that continues a cache runs `kernels/mamba2/step.py`: CUDA tensors, kernels
-        not "torch", a conv kernel size it covers, both states there (ssm_state fp32), no float64, and
-        no gradient wanted (the kernels advance the states in place and have no backward)."""
+        """Whether a one-token step that continues a cache runs `kernels/mamba2/step.py`: attnlab's kernels chosen
+        (`use_fast_ssd`: CUDA tensors, kernels not "torch"), a conv kernel size they cover, both states there
+        (ssm_state fp32), no float64, and no gradient wanted (the kernels advance the states in place and have no
+        backward). The forward asks this first; its other paths make their one choice after it."""
         return (conv_state is not None and ssm_state is not None and ssm_state.dtype == torch.float32
-                and x.dtype != torch.float64 and not torch.is_grad_enabled()
-                and kernels.use_triton(self.kernels, x, covered=not self.conv_gap))
+                and x.dtype != torch.float64 and not torch.is_grad_enabled() and not self.conv_gap
+                and use_fast_ssd(self.kernels, x))
 
     def fused_step(self, x: torch.Tensor, attention_mask: torch.Tensor | None, conv_state: torch.Tensor,
                    ssm_state: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -136,9 +136,10 @@ def chunk_ssd_gla(
 
 
 def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
-    """Whether Mamba-2's parallel form runs on attnlab's kernels (SSD, convolution, gated norm): a CUDA
-    tensor, Triton installed, kernels not 'torch' (as `use_triton`; 'fla' insists on Triton). The one
-    fast-or-reference decision of `ssd`."""
+    """Whether Mamba-2 runs on attnlab's kernels (the SSD, the gated norm, the layer as one node, the decoding step):
+    a CUDA tensor, Triton installed, kernels not 'torch' (as `use_triton`; 'fla' insists on Triton). Mamba-2's one
+    fast-or-reference decision: `Mamba2.forward` makes it once and passes it down (to `ssd`, the gated norm); `ssd`
+    called on its own makes it itself. The convolution keeps its shared dispatch (`kernels.causal_conv1d_fn`)."""
     from attnlab.models.kernels import use_triton
 
     return use_triton(choice, x)
@@ -146,14 +147,16 @@ def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
 
 def ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str,
+    chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool, choice: str = "auto", *,
+    fast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mamba-2's parallel form with its D skip, y = SSD(x, dt, A, B, C) + x * D, the one entry every caller
-    uses: attnlab's chunked SSD kernels where `use_fast_ssd` says so (`kernels.mamba2.ssd.ssd_triton`, y in
-    x's dtype; a chunk size the kernels do not take runs at 64, with a warning), else the PyTorch reference
+    uses: attnlab's chunked SSD kernels where `fast` (the caller's choice: `Mamba2.forward` makes it once per
+    forward) or, without it, `use_fast_ssd(choice, x)` says so (`kernels.mamba2.ssd.ssd_triton`, y in x's dtype;
+    a chunk size the kernels do not take runs at 64, with a warning), else the PyTorch reference
     `ops.mamba2.ssd_with_skip` (y fp32). Returns (y [b, T, H, P], final state [b, H, P, N] fp32; None on the
     fast path unless asked for). `chunk_ssd_gla` computes the same through fla's GLA kernels."""
-    if use_fast_ssd(choice, x):
+    if use_fast_ssd(choice, x) if fast is None else fast:
         from attnlab.models.kernels.mamba2.ssd import ssd_triton
 
         return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state)
