@@ -17,8 +17,6 @@ import torch
 
 from attnlab.models.kernels.limits import attention_family_gap, causal_conv1d_gap, nsa_gap, nsa_step_gap  # noqa: F401
 
-KERNEL_CHOICES = ("auto", "torch", "fla")
-
 
 @functools.cache
 def fla_installed() -> bool:
