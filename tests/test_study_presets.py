@@ -5,7 +5,7 @@ Each study layer is written here again, in float64, from the formulas of the stu
 one), in its own layout [batch, heads, time, dim], from the weights of an attnlab layer; attnlab's
 layer (fp32, the PyTorch reference) must give the same output. The `_clean` presets are the
 functions the names describe where the published code computes another; they are checked against
-the clean formula, and the README table states what they change.
+the clean formula, and the presets table of docs/mixers.md states what they change.
 """
 
 import json

@@ -168,8 +168,8 @@ class AttentionFamily(Mixer):
         # the decoding state of a linearizable variant: auto | float32 | bfloat16. bf16 halves the bytes a
         # step of power2 reads; the steps sum in fp32 and round only what they store. Where the state is
         # rewritten every step the rounding adds up; power2's windowed step (CUDA) rewrites it once per
-        # window, and its bf16 state strays no further from fp32 arithmetic than an fp32 one (README, decode
-        # section). auto: bf16 where the windowed step runs on a 16-bit model, else fp32
+        # window, and its bf16 state strays no further from fp32 arithmetic than an fp32 one (docs/speed.md,
+        # decoding). auto: bf16 where the windowed step runs on a 16-bit model, else fp32
         "state_dtype": "auto",
     }
 
