@@ -36,7 +36,7 @@ from attnlab.train.loop import AttnLabTrainer, StopOnSignal, TelemetryCallback, 
 from attnlab.train.telemetry import RunLogger
 from attnlab.outputs import replace_file
 
-from .adapter import merge_adapter, save_adapter, save_full_model
+from . import adapter  # its functions looked up when called (tests replace them)
 from .config import (
     FinetuneConfig,
     finetune_config_to_yaml,
@@ -335,9 +335,9 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
             "method": cfg.finetune.method, "control_tokens": p.token_ids, "generation_presets": cfg.finetune.generation,
             "chat_template": cfg.data.chat_template, "attnlab_version": attnlab.__version__}
     if cfg.finetune.method == "full":
-        save_full_model(p.model, p.tokenizer, adapter_dir, meta, finetune_config_to_yaml(cfg))
+        adapter.save_full_model(p.model, p.tokenizer, adapter_dir, meta, finetune_config_to_yaml(cfg))
     else:
-        save_adapter(p.model, p.tokenizer, adapter_dir, meta, finetune_config_to_yaml(cfg))
+        adapter.save_adapter(p.model, p.tokenizer, adapter_dir, meta, finetune_config_to_yaml(cfg))
     style = measure_style(cfg, p, _plain(p.model), console, "the tuned model")
     if style is not None:
         report["style"] = style
@@ -346,7 +346,7 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     if control is not None and "style_separation" in control:
         report["style_separation_untuned"] = control["style_separation"]
     if cfg.finetune.merge and cfg.finetune.method != "full":
-        report["merged_model"] = str(merge_adapter(adapter_dir, run_dir / "merged", cfg.base.trust_remote_code))
+        report["merged_model"] = str(adapter.merge_adapter(adapter_dir, run_dir / "merged", cfg.base.trust_remote_code))
     state["status"] = "finished"
     return FinetuneResult(run_dir, adapter_dir, report)
 
