@@ -180,7 +180,7 @@ def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_p
         assert set(row) == {"tokens_per_s", "per_gpu_tokens_per_s", "efficiency", "peak_allocated_gib", "cuda_graphs", "wall_s"}, row
         assert row["tokens_per_s"] > 0 and row["peak_allocated_gib"] is None and row["cuda_graphs"] is False
     assert one["efficiency"] == 1.0 and one["per_gpu_tokens_per_s"] == one["tokens_per_s"]
-    assert two["per_gpu_tokens_per_s"] == round(two["tokens_per_s"] / 2)
+    assert abs(two["per_gpu_tokens_per_s"] - two["tokens_per_s"] / 2) <= 1  # each rounded from the unrounded figure
     assert two["efficiency"] == pytest.approx(two["per_gpu_tokens_per_s"] / one["per_gpu_tokens_per_s"], abs=2e-3)
     assert out.with_suffix(".png").read_bytes()[:8] == PNG
     assert (tmp_path / "scale-logs" / "attnlab-softmax-2x2x32-ddp.log").is_file()
