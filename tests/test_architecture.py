@@ -378,3 +378,17 @@ def test_function_level_imports_are_lazy_for_a_reason():
                          + "\n".join(flagged))
     assert not stale, "LAZY_ALLOWED entries that match no import inside a function; remove them: " + ", ".join(
         map(str, stale))
+
+
+def test_attnlab_help_loads_no_heavy_package():
+    """`attnlab --help` stays fast: importing the CLI in a fresh interpreter loads none of the heavy packages
+    (HEAVY, and the data stack that datasets would bring)."""
+    import json
+    import subprocess
+    import sys
+
+    code = "import sys, json; import attnlab.cli; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                           cwd=SRC).stdout))
+    heavy = loaded & (HEAVY | {"pyarrow", "pandas", "scipy", "PIL", "gguf", "psutil"})
+    assert not heavy, f"importing attnlab.cli loads {sorted(heavy)}: import them inside the commands that use them"
