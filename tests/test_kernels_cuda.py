@@ -33,7 +33,8 @@ def fresh_inputs(B, T, H, K, V, seed):
 
 @pytest.mark.parametrize("kernel, T", [("chunk", 300), ("chunk", 2048), ("recurrent", 1), ("recurrent", 37)])
 def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kernel):
-    from attnlab.models import kernels
+    from attnlab.models.kernels.gla.chunk import gla_chunk_gated
+    from attnlab.models.kernels.gla.fused_recurrent import gla_recurrent
 
     # Head dims of the benchmarked model (hidden 1024, 4 heads): fla autotunes per (K, V), once.
     q, k, v, _, h0 = fresh_inputs(2, T, 4, 128, 256, seed=T)
@@ -45,10 +46,10 @@ def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kern
     leaves = [t.clone().requires_grad_() for t in (q, k, v, logits)]
     bf16 = [t.bfloat16() for t in leaves]
     if kernel == "chunk":  # the log forget gate is computed inside, from its bf16 logits
-        o, ht = kernels.gla_chunk_gated(*bf16, 16, 128 ** -0.5, h0, output_final_state=True, keep=keep)
+        o, ht = gla_chunk_gated(*bf16, 16, 128 ** -0.5, h0, output_final_state=True, keep=keep)
     else:  # the gate is passed in fp32 (decoding)
         gate = torch.nn.functional.logsigmoid(bf16[3].float()) / 16
-        o, ht = kernels.gla_recurrent(*bf16[:3], gate, 128 ** -0.5, h0, output_final_state=True)
+        o, ht = gla_recurrent(*bf16[:3], gate, 128 ** -0.5, h0, output_final_state=True)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, logits)]
     ref_gate = torch.nn.functional.logsigmoid(ref_leaves[3]) / 16 * (keep if kernel == "chunk" else 1)
     ref_o, ref_ht = reference_chunk_gla(*ref_leaves[:3], ref_gate, initial_state=h0, scale=128 ** -0.5)
@@ -62,7 +63,7 @@ def test_fla_gla_in_bf16_matches_the_fp32_reference_forward_and_backward(T, kern
 
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_add_rms_norm_matches_the_fp32_reference_forward_and_backward(with_residual):
-    from attnlab.models import kernels
+    from attnlab.models.kernels.common.norm import add_rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(4, 300, 1024, device="cuda", generator=g)
@@ -71,7 +72,7 @@ def test_fused_add_rms_norm_matches_the_fp32_reference_forward_and_backward(with
     leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
     ref_leaves = [t.clone().requires_grad_() for t in (x, residual, weight)]
     fast_x = leaves[0].bfloat16()  # a branch output under autocast; the residual stream stays fp32
-    out = kernels.add_rms_norm(fast_x, leaves[1] if with_residual else None, leaves[2], 1e-6, torch.bfloat16)
+    out = add_rms_norm(fast_x, leaves[1] if with_residual else None, leaves[2], 1e-6, torch.bfloat16)
     summed = ref_leaves[0] + ref_leaves[1] if with_residual else ref_leaves[0]
     ref_normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * ref_leaves[2]
     normed = out[0] if with_residual else out
@@ -262,7 +263,7 @@ def test_captured_training_step_equals_the_eager_one_through_optimizer_steps_and
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_gla_step_kernel_matches_the_reference_step_and_advances_the_state_in_place(dtype):
-    from attnlab.models import kernels
+    from attnlab.models.kernels.gla.step import gla_step_
     from attnlab.models.ops.gla import fused_recurrent_gla_step
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -280,7 +281,7 @@ def test_fused_gla_step_kernel_matches_the_reference_step_and_advances_the_state
         gate = torch.nn.functional.logsigmoid(gate_logits) / 16 * (keep.view(B, 1, 1) if with_keep else 1)
         ref_o, ref_state = fused_recurrent_gla_step(q, k, v, gate, state, scale=K ** -0.5)
         buffer = state.clone()
-        o = kernels.gla_step_(q, k, v, logits, buffer, 16, K ** -0.5, bias if with_bias else None, keep if with_keep else None)
+        o = gla_step_(q, k, v, logits, buffer, 16, K ** -0.5, bias if with_bias else None, keep if with_keep else None)
         assert o.dtype == dtype and o.shape == (B, H, V)
         assert rel_err(o, ref_o) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
         assert rel_err(buffer, ref_state) <= 1e-5  # the state itself stays fp32

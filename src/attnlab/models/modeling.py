@@ -11,6 +11,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from attnlab.models import kernels
+from attnlab.models.kernels.common.cross_entropy import cross_entropy
 from attnlab.models.cache import AttnLabCache
 from attnlab.models.configuration import AttnLabConfig
 from attnlab.models.hf_names import CACHE_KEY, one_cache
@@ -242,7 +243,7 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
             num_items = num_items_in_batch
             reduction = "sum" if num_items is not None else "mean"
             if kernels.use_fla(self.config.kernels, logits):
-                loss = kernels.cross_entropy(shifted_logits, shifted_labels, reduction=reduction)
+                loss = cross_entropy(shifted_logits, shifted_labels, reduction=reduction)
             else:
                 loss = F.cross_entropy(shifted_logits.float(), shifted_labels, ignore_index=-100, reduction=reduction)
             if num_items is not None:

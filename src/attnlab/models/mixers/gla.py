@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
+from attnlab.models.kernels.gla.chunk import gla_chunk_gated
+from attnlab.models.kernels.gla.fused_recurrent import gla_recurrent
 from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.modules import FusedProjections, GatedRMSNorm
 from attnlab.models.ops.gla import chunk_gla, fused_recurrent_gla_step
@@ -103,23 +105,25 @@ class GatedLinearAttention(FusedProjections, Mixer):
             # recurrence and the output, the state advanced where it lies (the engine owns it), on
             # every path (padded or not, graphed or eager), so that all of them compute alike.
             state = state.contiguous()  # a copy only if it is a view across rows
+            from attnlab.models.kernels.gla.step import gla_step_
+
             keep = None if is_token is None else is_token.reshape(batch).float()
-            o = kernels.gla_step_(q[:, 0], k[:, 0], v[:, 0], gate_logits[:, 0], state, self.gate_logit_normalizer, self.scale,
-                                  bias=gate_bias, keep=keep)
+            o = gla_step_(q[:, 0], k[:, 0], v[:, 0], gate_logits[:, 0], state, self.gate_logit_normalizer, self.scale,
+                          bias=gate_bias, keep=keep)
             return self.output(o[:, None], g, batch, seq_len), ({"recurrent_state": state} if use_cache else None)
         if gate_bias is not None:
             gate_logits = gate_logits + gate_bias.view(self.num_heads, self.head_k_dim)
         if use_fla and seq_len > 64:
             # fla's chunked kernels, the fp32 log forget gate computed inside (not kept for the backward)
             keep = None if is_token is None else is_token.float()
-            o, state = kernels.gla_chunk_gated(q, k, v, gate_logits, self.gate_logit_normalizer, self.scale, state,
-                                               output_final_state=use_cache, keep=keep)
+            o, state = gla_chunk_gated(q, k, v, gate_logits, self.gate_logit_normalizer, self.scale, state,
+                                       output_final_state=use_cache, keep=keep)
         else:
             gk = F.logsigmoid(gate_logits.float()) / self.gate_logit_normalizer  # log forget gate, <= 0, in fp32
             if is_token is not None:
                 gk = gk * is_token
             if use_fla:  # fused recurrence for decoding and short prefills, as fla's layer
-                o, state = kernels.gla_recurrent(q, k, v, gk, self.scale, state, output_final_state=use_cache)
+                o, state = gla_recurrent(q, k, v, gk, self.scale, state, output_final_state=use_cache)
             elif seq_len == 1:
                 o, state = fused_recurrent_gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], state, scale=self.scale)
                 o = o[:, None]  # [B, 1, H, V]

@@ -1,2 +1,3 @@
-"""GLA's decoding step as a Triton kernel (`step`); the chunked and recurrent forms are fla's, wrapped in
-`attnlab.models.kernels`. The PyTorch reference is `attnlab.models.ops.gla`."""
+"""GLA's fast forms: `chunk` (training and prefill) and `fused_recurrent` (decoding and short prefills) on fla's
+kernels, and `step` (the engine's decoding step as one Triton kernel). The PyTorch reference is
+`attnlab.models.ops.gla`; the mixer (`attnlab.models.mixers.gla`) chooses between them."""
