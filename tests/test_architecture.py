@@ -247,21 +247,6 @@ HELP_LOADS = {"numpy", "pydantic", "rich", "typer", "yaml"}  # the third-party p
 LAZY_ALLOWED: dict[tuple[str, str], str] = {  # (importer, imported): why the import stays in a function
     ("attnlab", "attnlab.config"): "the facade: `import attnlab`, which every `import attnlab.x` runs first, loads "
                                    "attnlab.noise only, so that attnlab.errors and the other utilities stay light",
-    **{pair: "models/: hoisted in a following change" for pair in [
-        ("attnlab.models.convert", "attnlab.models"),
-        ("attnlab.models.convert", "attnlab.models.mixers"),
-        ("attnlab.models.convert", "attnlab.models.mixers.attention_family"),
-        ("attnlab.models.convert", "attnlab.models.mixers.attention_presets"),
-        ("attnlab.models.kernels", "attnlab.models.ops.attention_family"),
-        ("attnlab.models.kernels", "attnlab.models.ops.nsa"),
-        ("attnlab.models.kernels.attention_family.chunk", "attnlab.models.ops.attention_family"),
-        ("attnlab.models.kernels.attention_family.parallel", "attnlab.models.ops.attention_family"),
-        ("attnlab.models.kernels.attention_family.step", "attnlab.models.ops.attention_family"),
-        ("attnlab.models.kernels.mamba2.core", "attnlab.models.ops.mamba2"),
-        ("attnlab.models.kernels.mamba2.core", "attnlab.models.kernels"),
-        ("attnlab.models.mixers.attention_family", "attnlab.models.ops.attention_family"),
-        ("attnlab.models.mixers.softmax", "attnlab.models.ops.softmax"),
-    ]},
 }
 
 

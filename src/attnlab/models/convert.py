@@ -34,7 +34,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnlab.errors import CheckpointError
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM  # the package import registers the attnlab Auto classes
 from attnlab.models.files import ATTNLAB_REQUIRED, check_model_config, check_safetensors, read_json_object
+from attnlab.models.mixers import MIXERS
+from attnlab.models.mixers.attention_family import AttentionFamily
+from attnlab.models.mixers.attention_presets import LATER_STUDY
 from attnlab.models.references import resolve_model_dir
 from attnlab.outputs import publishing
 
@@ -159,8 +163,6 @@ _GLA_FIXED = {
 
 
 def attnlab_config_from_fla_gla(fla: dict):
-    from attnlab.models import AttnLabConfig
-
     options = _Options("this fla GLA checkpoint", fla)
     for key, value in _GLA_FIXED.items():
         if key in fla:
@@ -194,8 +196,6 @@ def _is_hf_mamba2(c: dict) -> bool:
 
 
 def attnlab_config_from_mamba2(c: dict):
-    from attnlab.models import AttnLabConfig
-
     hf = _is_hf_mamba2(c)
     options = _Options(f"this {'HF' if hf else 'fla'} Mamba2 checkpoint", c)
     options.need("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "state_size", "expand", "n_groups", "conv_kernel")
@@ -246,8 +246,6 @@ def _mamba2_state(config: dict, state: dict) -> dict:
 
 
 def attnlab_config_from_fla_nsa(c: dict):
-    from attnlab.models import AttnLabConfig
-
     options = _Options("this fla NSA checkpoint", c)
     options.need("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "block_size", "block_counts", "window_size")
     for key, value in {"qkv_bias": False, "hidden_act": "swish", "elementwise_affine": True, "attnres_block_size": None}.items():
@@ -281,8 +279,6 @@ FOX_OPTIONS = {"similarity": "softmax", "decay": "neg_softplus", "rope": False}
 
 def _fox_mixer() -> tuple[str, dict]:
     """The registered preset whose options are FoX's, else the family with those options."""
-    from attnlab.models.mixers import MIXERS
-    from attnlab.models.mixers.attention_family import AttentionFamily
 
     wanted = AttentionFamily.resolve_options(FOX_OPTIONS)
     for name, cls in MIXERS.items():
@@ -292,8 +288,6 @@ def _fox_mixer() -> tuple[str, dict]:
 
 
 def attnlab_config_from_fla_fox(c: dict):
-    from attnlab.models import AttnLabConfig
-
     options = _Options("this fla forgetting-transformer checkpoint", c)
     options.need("vocab_size", "hidden_size", "num_hidden_layers", "num_heads")
     for key, value in {"qkv_bias": False, "qk_norm": False, "window_size": None, "use_output_gate": False,
@@ -340,10 +334,6 @@ def _study_rope_perm(head_dim: int) -> torch.Tensor:
 
 
 def attnlab_config_from_study(c: dict):
-    from attnlab.models import AttnLabConfig
-    from attnlab.models.mixers import MIXERS
-    from attnlab.models.mixers.attention_presets import LATER_STUDY
-
     name = c.get("attention_type")
     options = _Options(f"this 2Mamba study checkpoint (attention_type {name!r})", c)
     options.need("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps", "intermediate_size")
@@ -484,9 +474,6 @@ def converted_config(path: str | Path):
     raw = read_config(path)
     kind = source_kind(raw)
     if kind == "attnlab":
-        import attnlab.models  # noqa: F401  (registers the attnlab Auto classes)
-        from attnlab.models import AttnLabConfig
-
         try:
             return kind, AttnLabConfig.from_pretrained(str(path))
         except (ValueError, TypeError, OSError) as e:
@@ -514,7 +501,6 @@ def converted_config(path: str | Path):
 def load_converted(path: str | Path, dtype: torch.dtype = torch.float32, kernels: str | None = None):
     """An `AttnLabForCausalLM` with the weights of the attnlab model or convertible checkpoint in `path`
     (`kernels`: the model's kernel choice, if not the checkpoint's)."""
-    from attnlab.models import AttnLabForCausalLM
 
     path = Path(path).expanduser()
     kind, config = converted_config(path)
@@ -616,8 +602,6 @@ def fla_export(config, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
                "max_position_embeddings": config.max_position_embeddings}
         out = dict(state)
     else:
-        from attnlab.models.mixers import MIXERS
-        from attnlab.models.mixers.attention_family import AttentionFamily
 
         cls = MIXERS[config.mixer]
         if not issubclass(cls, AttentionFamily):

@@ -19,6 +19,8 @@ import warnings
 import torch
 
 from attnlab.models.kernels.limits import attention_family_gap, causal_conv1d_gap, nsa_gap, nsa_step_gap  # noqa: F401
+from attnlab.models.ops import attention_family as attention_family_ops
+from attnlab.models.ops import nsa as nsa_ops
 
 
 @functools.cache
@@ -61,9 +63,7 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
     tensors (memory linear in the sequence length), else the PyTorch reference. `covered`: whether
     the kernels compute the layer's options (the layer says why not when it is built)."""
     if not use_triton(choice, x, covered):
-        from attnlab.models.ops.attention_family import attention_terms
-
-        return attention_terms
+        return attention_family_ops.attention_terms
     from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
 
     return fused
@@ -139,9 +139,7 @@ def nsa_parallel(choice: str, x: torch.Tensor, covered: bool = True):
     (memory linear in the sequence length), else the PyTorch reference. `covered`: whether the
     kernels compute the layer's options (the layer says why not when it is built)."""
     if not use_triton(choice, x, covered):
-        from attnlab.models.ops.nsa import parallel_nsa
-
-        return parallel_nsa
+        return nsa_ops.parallel_nsa
     from attnlab.models.kernels.nsa.parallel import parallel_nsa as fused
 
     return fused
@@ -152,8 +150,7 @@ def nsa_step_fn(choice: str, x: torch.Tensor, covered: bool = True):
     kernel (`kernels/nsa/step.py`, one launch) for CUDA tensors in bf16, fp16 or fp32, else the PyTorch
     reference `ops.nsa.nsa_step`. `covered`: whether the kernel covers the layer's sizes (the layer
     says why not when it is built)."""
-    from attnlab.models.ops.nsa import nsa_step as reference
-
+    reference = nsa_ops.nsa_step
     if not use_triton(choice, x, covered):
         return reference
     if x.dtype == torch.float64:  # Triton's kernel accumulates in fp32

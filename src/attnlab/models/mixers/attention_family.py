@@ -55,6 +55,8 @@ from attnlab.models.ops.attention_family import (
     parallel_attention,
     recurrent_step,
     windowed_step,
+    _divide,
+    _finish_denominator,
 )
 
 OUTPUT_NORMS = ("none", "layernorm", "rmsnorm", "l2")
@@ -519,7 +521,6 @@ class AttentionFamily(Mixer):
         follows as `attention_terms` defines it. With `step_decay` [B, H] the kernel first advances
         `decays` by it (the newest key's to 0). Returns o [B, 1, H, Dv] fp32."""
         from attnlab.models.kernels.softmax.decode import decode_attention
-        from attnlab.models.ops.attention_family import _divide, _finish_denominator
 
         kwargs = self._attention_kwargs()
         o, stats = decode_attention(q[:, 0], cache["key"], cache["value"], cache["valid"].view(torch.uint8), cache["length"],

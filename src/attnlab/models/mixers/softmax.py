@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from attnlab.models import kernels
 from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.modules import FusedProjections
+from attnlab.models.ops.softmax import decode_attention as reference_decode_attention
 
 
 def rotary_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -94,9 +95,7 @@ def decode_attention(choice: str, q, key, value, valid, length, scale: float) ->
         from attnlab.models.kernels.softmax.decode import decode_attention as fused
 
         return fused(q, key, value, valid.view(torch.uint8), length, scale)
-    from attnlab.models.ops.softmax import decode_attention as reference
-
-    return reference(q, key, value, valid, length, scale)
+    return reference_decode_attention(q, key, value, valid, length, scale)
 
 
 @register_mixer("softmax")

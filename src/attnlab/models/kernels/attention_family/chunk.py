@@ -40,6 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.models.ops.attention_family import SUM_DENOMINATORS, finish_output, unpack_power2_state
+from attnlab.models.ops.attention_family import attention_terms as reference_terms
+
 # Tokens per chunk, reasoned, not yet measured (`benchmarks/attention_family_chunk.py` times 64 to 512). power2:
 # the chunk's quadratic part costs about C (d + Dv) flops per token and head forward, against 4 F (Dv + 8) (600K
 # at d = 64) for its state part, which moves the features (F per token) and the chunk states (F (Dv + 8) / C per
@@ -614,12 +617,6 @@ def chunk_attention(
     the log-decays' running sums) computes; `intra_terms` (an `attention_terms`) runs the chunks'
     quadratic part, the reference by default. chunk_size (`CHUNK_SIZES`) and group_chunks (from
     `GROUP_ELEMENTS`) change the work's split, not the result."""
-    from attnlab.models.ops.attention_family import (
-        SUM_DENOMINATORS,
-        finish_output,
-    )
-    from attnlab.models.ops.attention_family import attention_terms as reference_terms
-
     if similarity not in CHUNK_SIZES:
         raise ValueError(f"chunked attention covers similarities {list(CHUNK_SIZES)} (without a clamp), not {similarity!r}")
     intra_terms = intra_terms or reference_terms
@@ -687,8 +684,6 @@ def chunk_attention(
     new_state = end[..., :value_dim].contiguous()  # the decoding step reads them as contiguous buffers
     new_normalizer = end[..., value_dim].contiguous() if want_sum else None
     if similarity == "power2" and not packed:
-        from attnlab.models.ops.attention_family import unpack_power2_state
-
         new_state = unpack_power2_state(new_state, head_dim)
         new_normalizer = None if new_normalizer is None else unpack_power2_state(new_normalizer, head_dim, dim=-1)
     return o, new_state, new_normalizer

@@ -35,6 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.models.ops.attention_family import EXP_SIMILARITIES, SUM_DENOMINATORS
+from attnlab.models.ops.attention_family import attention_terms as reference_attention_terms
+
 SIM_CODES = {"softmax": 0, "exp": 0, "power1": 1, "power2": 2, "taylor": 3}
 
 
@@ -515,8 +518,6 @@ def attention_terms(
     (`writes_output`), which spares the division's passes both ways."""
     if out_dtype is not None and denominator != "none":
         raise ValueError("attention_terms writes the output itself only for the denominator 'none'")
-    from attnlab.models.ops.attention_family import EXP_SIMILARITIES, SUM_DENOMINATORS
-
     lo, hi = taylor_exp_range(taylor_terms) if similarity == "taylor" else (0.0, 0.0)
     opts = dict(
         SIM=SIM_CODES[similarity], HAS_CLAMP=clamp is not None, CLAMP=float(clamp) if clamp is not None else 0.0,
@@ -526,10 +527,8 @@ def attention_terms(
     )
     dtypes = {q.dtype, k.dtype, v.dtype}
     if torch.float64 in dtypes:  # Triton's products take bf16, fp16 and fp32
-        from attnlab.models.ops.attention_family import attention_terms as reference
-
         warnings.warn("attnlab's attention-family kernels take no float64: this call runs the PyTorch reference", stacklevel=2)
-        num, den = reference(q, k, v, similarity=similarity, scale=scale, clamp=clamp, taylor_terms=taylor_terms, denominator=denominator,
+        num, den = reference_attention_terms(q, k, v, similarity=similarity, scale=scale, clamp=clamp, taylor_terms=taylor_terms, denominator=denominator,
                              query_log_decay=query_log_decay, key_log_decay=key_log_decay, key_mask=key_mask)
         return (num, den) if out_dtype is None else (num.to(out_dtype), den)
     if len(dtypes) > 1:  # e.g. autocast keeps a normalised q, k in fp32 beside a bf16 v: the products take the narrowest

@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.models.ops.attention_family import RECENT_BUFFERS, SUM_DENOMINATORS, linear_feature_count
+from attnlab.models.ops.attention_family import linear_state_update as reference_state_update
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -373,11 +376,6 @@ def attention_family_step_(q, k, v, log_decay, state, normalizer, count, *, simi
     (power2, packed) or D^2 (power2); recent: the buffers of `new_recent`, contiguous, a window of a
     power of two >= 16 tokens; decay_fn "neg_softplus": log_decay holds x, and the log-decay is
     -softplus(x), formed in the kernels (one launch instead of three). Returns o [B, H, Dv] in v's dtype."""
-    from attnlab.models.ops.attention_family import (
-        RECENT_BUFFERS,
-        SUM_DENOMINATORS,
-        linear_feature_count,
-    )
 
     batch, heads, head_dim = q.shape
     value_dim = v.shape[-1]
@@ -522,11 +520,8 @@ def linear_state_update(k, v, c, state, normalizer, *, similarity: str, scale: f
     """As `attnlab.models.ops.attention_family.linear_state_update` (same arguments and results),
     power2 through `_state_kernel`: its d^2 features of a token are formed in registers only, so
     a prompt's state takes no memory beyond itself. power1 (d features) runs the reference."""
-    from attnlab.models.ops.attention_family import linear_feature_count
-    from attnlab.models.ops.attention_family import linear_state_update as reference
-
     if similarity != "power2" or torch.float64 in (k.dtype, v.dtype):
-        return reference(k, v, c, state, normalizer, similarity=similarity, scale=scale, packed=packed,
+        return reference_state_update(k, v, c, state, normalizer, similarity=similarity, scale=scale, packed=packed,
                          want_normalizer=want_normalizer)
     batch, seq_len, heads, head_dim = k.shape
     value_dim = v.shape[-1]

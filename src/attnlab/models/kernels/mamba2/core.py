@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
+import attnlab.models.kernels as dispatch  # use_triton looked up when called (tests replace it there)
 from attnlab.models.kernels import triton_installed, use_fla
+from attnlab.models.ops.mamba2 import ssd_skip_grads, ssd_with_skip
 
 
 def ssd_as_gla(
@@ -115,7 +117,7 @@ class _ChunkSSD(torch.autograd.Function):
         if x.is_cuda and triton_installed():
             from attnlab.models.kernels.mamba2.grads import ssd_skip_grads as skip_grads
         else:
-            from attnlab.models.ops.mamba2 import ssd_skip_grads as skip_grads
+            skip_grads = ssd_skip_grads
         dx, ddt, dD = skip_grads(dv, dy, x, dt, D)  # through v = x * dt and y = o + x * D
         da = dg.float().sum(-1)  # [b, T, H]: the log gate dt * A is shared by the N channels
         ddt = ddt + da * A.float()
@@ -140,9 +142,7 @@ def use_fast_ssd(choice: str, x: torch.Tensor) -> bool:
     a CUDA tensor, Triton installed, kernels not 'torch' (as `use_triton`; 'fla' insists on Triton). Mamba-2's one
     fast-or-reference decision: `Mamba2.forward` makes it once and passes it down (to `ssd`, the gated norm); `ssd`
     called on its own makes it itself. The convolution keeps its shared dispatch (`kernels.causal_conv1d_fn`)."""
-    from attnlab.models.kernels import use_triton
-
-    return use_triton(choice, x)
+    return dispatch.use_triton(choice, x)
 
 
 def ssd(
@@ -160,8 +160,6 @@ def ssd(
         from attnlab.models.kernels.mamba2.ssd import ssd_triton
 
         return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state, output_final_state)
-    from attnlab.models.ops.mamba2 import ssd_with_skip
-
     return ssd_with_skip(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
