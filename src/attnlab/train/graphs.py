@@ -166,12 +166,14 @@ def bucket_layout(params: list[torch.Tensor], bucket_bytes: int | None) -> list[
     return buckets
 
 
-def flat_views(params: list[torch.Tensor], bucket_bytes: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One zeroed flat buffer per bucket (`bucket_layout`) and, in them, a tensor shaped like each parameter,
-    in the parameters' order: (flats, views)."""
+def flat_views(params: list[torch.Tensor], bucket_bytes: int | None = None,
+               dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One zeroed flat buffer per bucket (`bucket_layout`; in `dtype`, else the bucket's own) and, in them, a
+    tensor shaped like each parameter, in the parameters' order: (flats, views)."""
     flats, views = [], [None] * len(params)
     for bucket in bucket_layout(params, bucket_bytes):
-        flat = torch.zeros(sum(params[i].numel() for i in bucket), dtype=params[bucket[0]].dtype, device=params[0].device)
+        flat = torch.zeros(sum(params[i].numel() for i in bucket), dtype=dtype or params[bucket[0]].dtype,
+                           device=params[0].device)
         offset = 0
         for i in bucket:
             views[i] = flat[offset:offset + params[i].numel()].view_as(params[i])
@@ -200,14 +202,8 @@ class GradientBuckets:
         self.bucket_of = {i: b for b, bucket in enumerate(self.layout) for i in bucket}
         if reduce_dtype is None or all(f.dtype == reduce_dtype for f in self.flats):
             self.wire, self.wire_views = self.flats, self.views
-        else:  # the buckets as sent: floating-point buckets in reduce_dtype, the others as they are
-            self.wire = [f.to(reduce_dtype) if f.is_floating_point() else f for f in self.flats]
-            self.wire_views = [None] * len(params)
-            for flat, wire, bucket in zip(self.flats, self.wire, self.layout):
-                offset = 0
-                for i in bucket:
-                    self.wire_views[i] = wire[offset:offset + params[i].numel()].view_as(params[i])
-                    offset += params[i].numel()
+        else:  # the buckets as sent, in reduce_dtype, copied into `flats` once averaged
+            self.wire, self.wire_views = flat_views(params, bucket_bytes, dtype=reduce_dtype)
 
     @contextmanager
     def reducing(self):
@@ -250,8 +246,7 @@ class GradientBuckets:
                 work.wait()
             if self.wire is not self.flats:
                 for flat, wire in zip(self.flats, self.wire):
-                    if wire is not flat:
-                        flat.copy_(wire)
+                    flat.copy_(wire)
         finally:
             for handle in handles:
                 handle.remove()
