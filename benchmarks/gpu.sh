@@ -14,6 +14,7 @@
 # chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
+# before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
 # recall (issue 37: the suite `recall` on GPU 0, RECALL_PER_GPU jobs at a time (default 11), stopped at RECALL_LIMIT seconds
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
 # random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
@@ -139,6 +140,38 @@ metrics = root / "niah" / "metrics.json"
 niah = json.loads(metrics.read_text()).get("metrics", {}) if metrics.is_file() else {}
 print(f"niah: {niah.get('examples', '?')} prompts, 1k-8k tokens, in {niah_s} s wall (generation {niah.get('generation_s', float('nan')):.1f} s), "
       f"accuracy {niah.get('accuracy', float('nan')):.3f} (a random model: only the time means anything)")
+PY
+    ;;
+  before-after)  # the same compact zoo and decode runs on this tree and on BASE_TREE (an export of an earlier commit:
+    # git archive REV | tar -x -C DIR), one after the other on one machine; a table of both and their ratio
+    for side in base head; do
+      if [ "$side" = base ]; then
+        [ -d "${BASE_TREE:-}/src/attnlab" ] || { echo "before-after: BASE_TREE=${BASE_TREE:-} holds no src/attnlab"; continue; }
+        pp=/tmp/site:$(cd "$BASE_TREE" && pwd)/src
+      else
+        pp=${PYTHONPATH:-}:$PWD/src
+      fi
+      run "ba-zoo-$side" "${BA_ZOO_LIMIT:-240}" env PYTHONPATH="$pp" python -m attnlab.cli bench zoo --skip-ops --steps 4 --warmup 2 \
+        --model gla --model mamba2 --model softmax --model nsa --model 2mamba --shape 4x4096 --out "$OUT/ba-zoo-$side.json"
+      run "ba-decode-$side" "${BA_DECODE_LIMIT:-120}" env PYTHONPATH="$pp" python -m attnlab.cli bench decode --arch attnlab-2mamba --no-hf \
+        --hidden 1024 --layers 20 --heads 16 --batch-size 8 --prompt-len 2048 --new-tokens 256 --repeats 2 --out "$OUT/ba-decode-$side.json"
+    done
+    python - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def read(name):
+    p = out / name
+    return json.loads(p.read_text()) if p.is_file() else {}
+base, head = read("ba-zoo-base.json").get("train", {}), read("ba-zoo-head.json").get("train", {})
+print(f"{'training tokens/s, 4x4096':34s} {'base':>9s} {'head':>9s} {'head/base':>9s}")
+for key in sorted(set(base) | set(head)):
+    b, h = base.get(key, {}).get("tokens_per_s"), head.get(key, {}).get("tokens_per_s")
+    ratio = f"{h / b:.3f}" if b and h else ""
+    print(f"{key:34s} {b or '':>9} {h or '':>9} {ratio:>9s}")
+dec = {side: (read(f"ba-decode-{side}.json").get("results") or [{}])[0].get("attnlab_new_tok_per_s") for side in ("base", "head")}
+if dec["base"] and dec["head"]:
+    print(f"{'decode attnlab-2mamba, new tok/s':34s} {dec['base']:>9} {dec['head']:>9} {dec['head'] / dec['base']:>9.3f}")
 PY
     ;;
   *) echo "unknown stage $stage" ;;
