@@ -107,15 +107,15 @@ def on_capture_stream(prepare_model):
 
 
 def averaging_in(dtype: torch.dtype):
-    """A DDP communication hook that averages each bucket in `dtype`: divided, rounded, all-reduced and copied
-    back, as torch's bf16_compress_hook does (which refuses gloo); the captured step does the same in
-    `GradientBuckets`."""
+    """A DDP communication hook that averages each bucket in `dtype`: divided by the number of processes, rounded
+    to `dtype`, all-reduced and copied back (torch's bf16_compress_hook, which refuses gloo, rounds before it
+    divides); the captured step's `GradientBuckets` and `CapturedLoss.all_reduce_grads` do the same arithmetic."""
     import torch.distributed as dist
 
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
-        wire = buffer.to(dtype).div_(group.size())
+        wire = buffer.div(group.size()).to(dtype)
         fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
         def back(fut):
@@ -281,7 +281,6 @@ class CapturedLoss:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.reduce_dtype = reduce_dtype  # the dtype the processes average their gradients in (None: their own)
-
         # an HF model (HF_CAPTURABLE) would otherwise fill a key-value cache nobody reads
         self.forward_extra = {} if isinstance(model, AttnLabForCausalLM) else {"use_cache": False}
         # flat: the backward graph's gradients and, across micro-batches, their sums live in flat buffers
@@ -388,7 +387,7 @@ class CapturedLoss:
         world = dist.get_world_size()
         for t in tensors:
             if self.reduce_dtype is not None and t.is_floating_point() and t.dtype != self.reduce_dtype:
-                wire = t.to(self.reduce_dtype).div_(world)  # as DDP's bf16_compress_hook
+                wire = t.div(world).to(self.reduce_dtype)  # divided, then rounded: as the buckets and the eager hook do
                 dist.all_reduce(wire)
                 t.copy_(wire)
             else:

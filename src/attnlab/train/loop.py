@@ -598,7 +598,6 @@ def _strategy_arguments(cfg: RunConfig, block_classes: list[str] | None = None) 
     """FSDP2 through accelerate: every decoder block its own shard group, full (unsharded) state dicts on save."""
     if not fsdp_active(cfg):
         return {}
-
     return {"fsdp": True, "fsdp_config": {
         "version": 2,
         "reshard_after_forward": True,  # FULL_SHARD: parameters are gathered per block and freed after use
@@ -679,7 +678,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
         cuda_graphs=cfg.train.cuda_graphs and report.device == "cuda",
-        grad_reduce_dtype=None if cfg.train.grad_reduce_dtype == "fp32" else getattr(torch, {"bf16": "bfloat16"}[cfg.train.grad_reduce_dtype]),
+        grad_reduce_dtype=torch.bfloat16 if cfg.train.grad_reduce_dtype == "bf16" else None,
         say=say,
         train_sampler=sampler,
         data_state=data_state,
