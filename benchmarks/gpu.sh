@@ -32,11 +32,21 @@ fi
 python -c "import attnlab" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # A cache carried from another machine, as split parts (tcache.tar.xz.part-aa, -ab, ...) in .tcache-in/
 ls .tcache-in/tcache.tar.xz.part-* >/dev/null 2>&1 && cat .tcache-in/tcache.tar.xz.part-* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
+# the versions these results come from (pyproject.toml gives the range attnlab supports: carry wheels for others)
+python - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import importlib.metadata as m
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return "absent"
+print("versions:", ", ".join(f"{n} {version(n)}" for n in ("torch", "triton", "transformers", "peft", "accelerate", "flash-linear-attention")))
+PY
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
-  tests) run tests "${TESTS_LIMIT:-570}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests}
+  tests) run tests "${TESTS_LIMIT:-570}" python -m pytest -v -p no:cacheprovider --tb=short -rfs --durations=15 -m cuda -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests}
     grep -E "passed|failed" "$OUT/tests.log" | tail -1 | sed 's/^/CUDA tests: /' | tee -a "$OUT/summary.txt" ;;
   accuracy) run accuracy 300 python benchmarks/fused_projection_accuracy.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;

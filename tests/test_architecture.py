@@ -20,7 +20,6 @@ import ast
 import sys
 from pathlib import Path
 
-import grimp  # the dev extra installs it
 import pytest
 
 PACKAGE = "attnlab"
@@ -68,6 +67,8 @@ ORDERED = {"services"}  # layers whose entries import only the entries listed be
 
 @pytest.fixture(scope="module")
 def graph():
+    import grimp  # the dev extra installs it; imported here so that a `-m cuda` run without it still collects this file
+
     graph = grimp.build_graph(PACKAGE, cache_dir=None)
     assert "attnlab.cli" in graph.modules and "attnlab.models.modeling" in graph.modules
     for importer in graph.find_modules_that_directly_import(FACADE):

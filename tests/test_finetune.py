@@ -1,6 +1,7 @@
 """Fine-tuning: exact label masks, LoRA/DoRA/QLoRA through peft, control tokens, adapter reload, merge, bad input."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -255,7 +256,7 @@ def test_finetune_cli_writes_the_run_artifacts_and_the_report(attnlab_dir, tmp_p
     cfg.write_text("finetune:\n  control_tokens: ['<T>', '<V>']\n  generation:\n    '<T>': {max_new_tokens: 4}\n"
                    "    '<V>': {min_new_tokens: 8, max_new_tokens: 12}\n")
     overrides = [f"base.path={attnlab_dir}", f"data.train={data}", f"data.val={data}", f"finetune.eval_prompts={data}",
-                 "train.max_steps=4", "train.warmup_steps=1", "train.batch_size=4", "train.log_every=2", "train.save_every=2",
+                 "train.max_steps=4", "train.warmup_steps=1", "train.batch_size=4", "train.log_every=3", "train.save_every=2",
                  "train.device=cpu", "finetune.r=4"]
     run = tmp_path / "run"
     assert run_cli("finetune", str(cfg), *sets(overrides), "--run-dir", str(run), "--merge") == 0
@@ -273,6 +274,8 @@ def test_finetune_cli_writes_the_run_artifacts_and_the_report(attnlab_dir, tmp_p
     assert report["style_separation_untuned"] == report["style_control"]["style_separation"]
     out = capsys.readouterr().out
     assert "style separation" in out and "untuned base" in out
+    # the last loss logged is step 3's (log_every 3 of 4 steps), and the summary says so
+    assert report["final_loss_step"] == 3 and re.search(r"final train loss\s+│\s+\d+\.\d{4} \(step 3\)", out)
 
 
 def test_generation_presets_follow_the_control_token_in_the_prompt():

@@ -63,7 +63,8 @@ def finetune_command(
     if r.get("best"):
         table.add_row("best checkpoint", f"{r['best']['checkpoint']} ({r['best']['metric']} {r['best']['value']:.4g})")
     if r.get("final_loss") is not None:
-        table.add_row("final train loss", f"{r['final_loss']:.4f}")
+        at = r.get("final_loss_step")
+        table.add_row("final train loss", f"{r['final_loss']:.4f}" + (f" (step {at})" if at is not None and at != r.get("steps") else ""))
     if r.get("val_loss") is not None:
         table.add_row("validation loss", f"{r['val_loss']:.4f}")
     table.add_row("tokens_per_s", f"{r.get('tokens_per_s', 0):,.0f}")

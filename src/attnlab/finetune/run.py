@@ -320,6 +320,7 @@ def _run(cfg: FinetuneConfig, run_dir: Path, console: Console, resume_from: Path
     report.update(
         steps=trainer.state.global_step, train_s=round(train_s, 2),
         final_loss=history[-1]["loss"] if history else None,
+        final_loss_step=history[-1].get("step") if history else None,  # the last logged step (train.log_every)
         val_loss=telemetry.val_loss,
         tokens_per_s=round(tokens_per_step * (trainer.state.global_step - start_step) / max(train_s, 1e-9), 1),
         peak_cpu_rss_mib=round(peak_rss / MIB, 1),
