@@ -213,3 +213,59 @@ def test_nsa_decodes_statically_as_dynamically_across_block_boundaries(compressi
     dynamic = run(model, False, monkeypatch, batch_size=4, **settings)
     static = run(model, True, monkeypatch, batch_size=4, **settings)
     assert [[c[:2] for c in r] for r in static] == [[c[:2] for c in r] for r in dynamic]
+
+
+def test_a_capture_after_every_graph_of_the_shared_pool_is_gone_starts_a_new_pool(monkeypatch):
+    """PyTorch releases a graph pool once no graph captured into it is alive and then refuses a capture into it (an
+    internal assert): a runner whose steps were all replaced (prompts needing KV buffers of another size) captures
+    into a new pool, and shares the pool while any of its graphs lives."""
+    import gc
+    import itertools
+    from contextlib import nullcontext
+
+    from attnlab.generation.runner import GraphPool
+
+    handles = itertools.count()
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    captured = []
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: captured.append(pool) or nullcontext())
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph
+        pass
+
+    pool = GraphPool()
+    first = Graph()
+    with pool.capture(first):
+        pass
+    second = Graph()
+    with pool.capture(second):  # the first still lives: the same pool
+        pass
+    del first
+    third = Graph()
+    with pool.capture(third):  # the second still lives
+        pass
+    del second, third
+    gc.collect()
+    with pool.capture(Graph()):  # none lives: a new pool
+        pass
+    assert captured == [0, 0, 0, 1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_decoding_of_batches_needing_kv_buffers_of_different_sizes_equals_the_eager_steps(monkeypatch):
+    """Batches whose prompts need KV buffers of another capacity replace the step captured for their batch size; the
+    replaced step's graph was the only one in the runner's pool (a capture into the released pool failed)."""
+    from attnlab.generation.runner import release_graphs
+
+    torch.manual_seed(0)
+    model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=64, num_layers=2, num_heads=2, mixer="softmax",
+                                             max_position_embeddings=2048)).cuda().to(torch.bfloat16).eval()
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (10, 12, 600, 610, 20, 30)]  # capacities 256, 768, 256
+    settings = dict(max_new_tokens=6, batch_size=2, eos_token_id=[257])
+    release_graphs(model)
+    graphed = generate(model, ByteTokenizer(), prompts, **settings)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
+    eager = generate(model, ByteTokenizer(), prompts, **settings)
+    assert [r.candidates[0].token_ids for r in graphed] == [r.candidates[0].token_ids for r in eager]
+    release_graphs(model)

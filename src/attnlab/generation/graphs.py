@@ -18,7 +18,6 @@ GPU tests hold the captured graph to the eager engine token for token.
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
@@ -29,7 +28,7 @@ from attnlab.models.modules import fused_projections
 from attnlab.models.weights import weights_fingerprint
 
 from .hf_static import hf_static_runner
-from .runner import KEPT_RUNNERS, DecodeState, ModelRunner
+from .runner import KEPT_RUNNERS, DecodeState, GraphPool, ModelRunner
 
 GRAPH_CHOICES = ("auto", "off")
 CAPACITY_STEP = 256  # KV buffers are sized up to a multiple of this, so one capture serves prompts of similar lengths
@@ -62,7 +61,7 @@ class StaticStep:
     first call (a batch size that is only passed through, such as beam search's prompts before
     they are expanded to beams, is never captured)."""
 
-    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: Any = None, fused: list | None = None,
+    def __init__(self, model, states: list[dict[str, torch.Tensor]], capture: bool, pool: GraphPool | None = None, fused: list | None = None,
                  columns: frozenset[str] = frozenset()):
         self.model = model
         self.columns = columns  # names of per-column (KV) buffers: [batch, capacity, ...]
@@ -111,7 +110,7 @@ class StaticStep:
         torch.cuda.current_stream().wait_stream(side)
         self.load(saved)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with self.pool.capture(self.graph):
             self.logits = self._run()
 
     def load(self, states: list[dict[str, torch.Tensor]]) -> None:
@@ -171,7 +170,7 @@ class StaticRunner(ModelRunner):
         self.steps: dict[int, StaticStep] = {}
         self.columns: frozenset[str] = frozenset()
         self.reserved: int | None = None  # `reserve`
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = GraphPool() if capture else None
 
     def _static(self, states: list[dict[str, torch.Tensor]], prefix: int) -> StaticStep:
         batch = next(iter(states[0].values())).shape[0]

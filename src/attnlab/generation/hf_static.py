@@ -33,7 +33,7 @@ from attnlab.models.hf_names import CACHE_KEY
 from attnlab.models.modeling import AttnLabPreTrainedModel
 from attnlab.models.weights import weights_fingerprint
 
-from .runner import KEPT_RUNNERS, DecodeState, ModelRunner
+from .runner import KEPT_RUNNERS, DecodeState, GraphPool, ModelRunner
 
 BLOCK = 256  # cache lengths are multiples of this
 MASKS = {"sdpa": "bool", "eager": "additive"}  # attention implementations that take our 4D mask, and its kind
@@ -154,7 +154,7 @@ class HFStaticStep:
         rewind()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.runner.pool):
+            with self.runner.pool.capture(graph):
                 self.logits = self._run()
         except Exception as exc:  # noqa: BLE001 - a model whose step cannot be recorded still decodes statically
             warnings.warn(f"{type(self.model).__name__}: the decode step could not be captured as a CUDA graph "
@@ -231,7 +231,7 @@ class HFStaticRunner(ModelRunner):
         self.model = weakref.proxy(model)  # kept between generate calls: hold the model weakly
         self.capture = capture
         self.graphs = capture  # False once a capture failed: steps then run eagerly
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = GraphPool() if capture else None
         self.new_tokens = 0
         self.max_len = 0
         self.steps: dict[int, HFStaticStep] = {}

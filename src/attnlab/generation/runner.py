@@ -32,6 +32,23 @@ def release_graphs(model) -> None:
     KEPT_RUNNERS.pop(model, None)
 
 
+class GraphPool:
+    """The memory pool the CUDA graphs of one runner share. PyTorch releases a pool once no graph captured into it
+    is alive (a step replaced for buffers of another size, a runner's steps cleared) and then refuses a capture into
+    it with an internal assert: a capture after every earlier graph is gone starts a new pool."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.graphs: weakref.WeakSet = weakref.WeakSet()  # the graphs captured into `handle` and still alive
+
+    def capture(self, graph: torch.cuda.CUDAGraph):
+        """`torch.cuda.graph(graph, pool=...)` into the shared pool, or a new one when no graph holds it."""
+        if self.handle is None or not self.graphs:
+            self.handle = torch.cuda.graph_pool_handle()
+        self.graphs.add(graph)
+        return torch.cuda.graph(graph, pool=self.handle)
+
+
 @dataclass
 class DecodeState:
     cache: Any  # the model's cache object
