@@ -71,14 +71,14 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 
 # Sequence lengths from which a linearizable attention-family layer (power1, power2 without a clamp) trains and
 # prefills chunked, in linear time (`kernels/attention_family/chunk.py`), instead of on the tiled quadratic kernels.
-# None yet: on an H100 (torch 2.11, Triton 3.6) the chunked form is not ready to be chosen. Its power2 gradients in
-# bf16 miss the fp32 reference (q's relative error 0.08-0.12 against the 0.03 the tiled kernels hold, with the
-# register-feature kernels; tests/test_attention_family_chunk.py, the CUDA tests marked xfail), and `2mamba` trained
-# at 8,055 tokens/s at 1 x 32768 chunked against 31,406 tiled (`attnlab bench zoo --skip-ops --steps 3 --warmup 1
-# --model 2mamba --model hf-llama --shape 1x32768`; HF Llama 50,934 in the same run). power1's CUDA tests pass; its
-# speed against the tiled form is unmeasured. A similarity enters this table with the crossover measured by gpu.sh
-# stage chunk-crossover (reasoned from flops alone: power2 near 5K tokens, power1 a few hundred).
-CHUNKED_MIN_TOKENS: dict[str, int] = {}
+# Measured on an H100 (torch 2.11, Triton 3.6; gpu.sh stage chunk-crossover: one layer's mixing forward and backward,
+# benchmarks/results/h100-chunk-crossover.txt), chunked over tiled:
+#   power1  linear__output_norm 1.35 at 1 x 16384, 0.47 at 1 x 32768, 0.26 at 1 x 65536;
+#           linear_elu          1.30,              0.65,              0.32.
+#   power2  2mamba: 7.8 at 1 x 16384, 4.2 at 1 x 32768, 2.2 at 1 x 65536 (features in registers), 1.38 at 1 x 65536
+#           with its features formed in memory: slower at every length measured, so it stays on the tiled kernels.
+# Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py).
+CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768}
 
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):

@@ -43,13 +43,11 @@ import triton.language as tl
 from attnlab.models.ops.attention_family import SUM_DENOMINATORS, finish_output, unpack_power2_state
 from attnlab.models.ops.attention_family import attention_terms as reference_terms
 
-# Tokens per chunk, reasoned, not yet measured (`benchmarks/attention_family_chunk.py` times 64 to 512). power2:
-# the chunk's quadratic part costs about C (d + Dv) flops per token and head forward, against 4 F (Dv + 8) (600K
-# at d = 64) for its state part, which moves the features (F per token) and the chunk states (F (Dv + 8) / C per
-# token, several passes in fp32) through memory; C = 512 keeps the first near a twentieth of the second and the
-# states' traffic under the features'. power1 (F = d): the state part is as cheap as a chunk of 64 tokens, as
-# in Mamba-2's and GLA's chunked kernels.
-CHUNK_SIZES = {"power1": 64, "power2": 512}
+# Tokens per chunk, measured on an H100 (`benchmarks/attention_family_chunk.py`, one layer's mixing forward and backward,
+# 16 heads of 64: benchmarks/results/h100-chunk-crossover.txt). power1: 128 is the fastest from 1 x 16384 on
+# (linear__output_norm 8.8 ms at 1 x 32768 against 16.3 with 64; linear_elu 14.0 against 25.7). power2: 512 is the
+# fastest of 128-512 at every shape (its state part, 4 F (Dv + 8) flops per token and head at F = 2080, wants long chunks).
+CHUNK_SIZES = {"power1": 128, "power2": 512}
 GROUP_ELEMENTS = 2**28  # a group of chunks: its features [B, chunks, H, C, F] stay under this many elements (512 MB in bf16)
 MAX_GROUP_CHUNKS = 64  # ... and it spans at most this many chunks (the matrix of decays between chunk starts is chunks^2)
 VALUE_ALIGN = 8  # the value columns with the normaliser's padded to a multiple of this: cuBLAS's bf16 tensor-core kernels want it
