@@ -125,12 +125,14 @@ PY
     suite_s=0; if [ "${RECALL_SUITE:-1}" = 1 ]; then
       t0=$SECONDS; run recall-suite "${RECALL_LIMIT:-330}" $AL sweep recall "${where[@]}" ${toy[@]+"${toy[@]}"} --out-dir "$R/runs"; suite_s=$((SECONDS - t0))
       run recall-report 120 $AL report "$R/runs" --out "$OUT/recall-report.html"
+      find "$R/runs" -mindepth 2 -maxdepth 2 -type d \( -name checkpoints -o -name final \) -exec rm -rf {} +  # weights: not brought back
     fi
     # the model is saved as attnlab saves every model: one step at lr 1e-9 leaves its random initialisation as it was
     run recall-niah-model 240 $AL train --run-dir "$R/niah-model" --set model.mixer=softmax "${niah_model[@]}" --set data.seq_len=128 \
       --set train.batch_size=1 --set train.max_steps=1 --set train.lr=1e-9 --set train.warmup_steps=0 --set train.eval_every=0 \
       --set train.save_every=0 --set train.sample_tokens=0
     t0=$SECONDS; run recall-niah "${NIAH_LIMIT:-240}" $AL eval "$R/niah-model" --task niah "${niah[@]}" -o "$R/niah"; niah_s=$((SECONDS - t0))
+    rm -rf "$R/niah-model"  # a random initialisation of 300M parameters
     python - "$R" "$suite_s" "$niah_s" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
@@ -189,5 +191,12 @@ esac; done
 # Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source) is
 # three quarters of the cache and is dropped before it is returned.
 find "$TRITON_CACHE_DIR" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttir" -o -name "*.ttgir" -o -name "*.source" \) -delete
-tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/tcache.tar.xz.part-" && ls -la "$OUT"
+tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/tcache.tar.xz.part-"
+# Everything else (JSON, PNG, logs, run directories) in one archive beside summary.txt, when there are more files than
+# a caller may collect one by one (RESULTS_TAR=0 leaves them loose): tar xzf results.tar.gz
+if [ "${RESULTS_TAR:-1}" = 1 ]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name 'tcache.tar.xz.part-*' ! -name results.tar.gz -printf '%P\0' \
+    | tar czf results.tar.gz --null -T - --remove-files)
+fi
+ls -la "$OUT"
 cat "$OUT/summary.txt"
