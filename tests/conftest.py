@@ -80,3 +80,17 @@ def attnlab_dir(tmp_path_factory):
     model.save_pretrained(path)
     load_tokenizer("byte").save_pretrained(path)
     return path
+
+
+def captured_and_eager_tokens(model, tokenizer, prompts, eager_runner, monkeypatch, **settings):
+    """The first candidate's tokens per prompt from `generate` on the runner it chooses (CUDA graphs captured), and on
+    `eager_runner(model)` (the same static steps, run eagerly)."""
+    from attnlab.generation import engine, generate
+    from attnlab.generation.runner import release_graphs
+
+    release_graphs(model)
+    graphed = generate(model, tokenizer, prompts, **settings)
+    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": eager_runner(m))
+    eager = generate(model, tokenizer, prompts, **settings)
+    release_graphs(model)
+    return [r.candidates[0].token_ids for r in graphed], [r.candidates[0].token_ids for r in eager]

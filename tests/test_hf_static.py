@@ -321,14 +321,12 @@ def test_cuda_graph_step_logits_match_the_plain_runner_in_bf16():
 def test_cuda_graph_steps_of_batches_of_different_lengths_equal_the_eager_static_steps(monkeypatch):
     """A batch of another static length clears the runner's steps, and with them every graph of its pool (a capture
     into the released pool failed)."""
+    from conftest import captured_and_eager_tokens
+
     torch.manual_seed(0)
     cfg = LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8})
     model = LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 7, 300, 310, 9, 11)]
-    settings = dict(max_new_tokens=6, batch_size=2, eos_token_id=[257])
-    release_graphs(model)
-    graphed = generate(model, _ByteTok(), prompts, **settings)
-    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": HFStaticRunner(m, capture=False))
-    eager = generate(model, _ByteTok(), prompts, **settings)
-    assert [r.candidates[0].token_ids for r in graphed] == [r.candidates[0].token_ids for r in eager]
-    release_graphs(model)
+    graphed, eager = captured_and_eager_tokens(model, _ByteTok(), prompts, lambda m: HFStaticRunner(m, capture=False),
+                                               monkeypatch, max_new_tokens=6, batch_size=2, eos_token_id=[257])
+    assert graphed == eager

@@ -256,16 +256,12 @@ def test_a_capture_after_every_graph_of_the_shared_pool_is_gone_starts_a_new_poo
 def test_captured_decoding_of_batches_needing_kv_buffers_of_different_sizes_equals_the_eager_steps(monkeypatch):
     """Batches whose prompts need KV buffers of another capacity replace the step captured for their batch size; the
     replaced step's graph was the only one in the runner's pool (a capture into the released pool failed)."""
-    from attnlab.generation.runner import release_graphs
+    from conftest import captured_and_eager_tokens
 
     torch.manual_seed(0)
     model = AttnLabForCausalLM(AttnLabConfig(vocab_size=259, hidden_size=64, num_layers=2, num_heads=2, mixer="softmax",
                                              max_position_embeddings=2048)).cuda().to(torch.bfloat16).eval()
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (10, 12, 600, 610, 20, 30)]  # capacities 256, 768, 256
-    settings = dict(max_new_tokens=6, batch_size=2, eos_token_id=[257])
-    release_graphs(model)
-    graphed = generate(model, ByteTokenizer(), prompts, **settings)
-    monkeypatch.setattr(engine, "make_runner", lambda m, choice="auto": StaticRunner(m, capture=False))
-    eager = generate(model, ByteTokenizer(), prompts, **settings)
-    assert [r.candidates[0].token_ids for r in graphed] == [r.candidates[0].token_ids for r in eager]
-    release_graphs(model)
+    graphed, eager = captured_and_eager_tokens(model, ByteTokenizer(), prompts, lambda m: StaticRunner(m, capture=False),
+                                               monkeypatch, max_new_tokens=6, batch_size=2, eos_token_id=[257])
+    assert graphed == eager
