@@ -213,8 +213,9 @@ def test_power2_features_and_their_gradient_match_the_outer_product():
         assert torch.autograd.gradcheck(lambda t: _Power2Features.apply(t, query), (x,))
 
 
+@pytest.mark.parametrize("head_dim", [8, 12])
 @pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
-def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query):
+def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query, head_dim):
     """power2's feature kernels (CUDA's path) on a strided [B, H, n, C, d] view, through Triton's interpreter:
     the features, and x's gradient from theirs."""
     pytest.importorskip("triton")
@@ -222,7 +223,7 @@ def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query):
         pytest.skip("on a GPU the compiled kernels run in the tests below")
     from attnlab.models.kernels.attention_family import chunk as chunked
 
-    x = torch.randn(2, 5, 37, 3, 8).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d], a view of [B, n, C, H, d]
+    x = torch.randn(2, 5, 37, 3, head_dim).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d], a view of [B, n, C, H, d]
     features = chunked._features_triton(x, query)
     assert torch.allclose(features, chunked.power2_features(x, query))
     grad = torch.randn_like(features)

@@ -140,63 +140,59 @@ def _features_backward(x: torch.Tensor, grad: torch.Tensor, similarity: str, que
 
 
 # ---------------------------------------------------------------- power2's features as Triton kernels
-# One pass each way: the features written once from the rows of x (PyTorch's gathers write them three
-# times), and x's gradient read from them without the d x d matrix in memory. x is a [B, H, n, C, d] view
-# (any strides, d contiguous); the features and their gradient are contiguous [B, H, n, C, F].
+# One pass each way: the features written once (PyTorch's gathers write them three times), and x's gradient read
+# from them without the d x d matrix in memory. A program holds FEATURE_ROWS rows of x in registers and walks over
+# the first indices a: the features (a, b >= a) of its rows are the packed rows a d - a (a - 1) / 2 + b - a, one
+# contiguous run per a, so every store and load is a run of whole rows' segments (no gather from memory). x is a
+# [B, H, n, C, d] view (any strides, d contiguous); the features and their gradient are contiguous [B, H, n, C, F].
 
 FEATURE_ROWS = 32  # rows (tokens) per program
-FEATURE_BLOCK = 256  # features per step of the forward's loop
+FEATURE_FIRST = 4  # first indices a per step of the forward's loop: a [rows, 4 d] tile
 
 
 @triton.jit
-def _features_kernel(X, OUT, ROW_A, ROW_B, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr,
-                     F: tl.constexpr, QUERY: tl.constexpr, BN: tl.constexpr, BF: tl.constexpr):
+def _features_kernel(X, OUT, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+                     QUERY: tl.constexpr, BN: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr):
     i_c, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_c * BN + tl.arange(0, BN)
     ok = rows < C
+    offs_d = tl.arange(0, BD)
     x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
+    x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
     out_rows = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * F
-    for f0 in range(0, F, BF):
-        f = f0 + tl.arange(0, BF)
-        f_ok = f < F
-        a = tl.load(ROW_A + f, mask=f_ok, other=0)
-        b = tl.load(ROW_B + f, mask=f_ok, other=0)
-        m = ok[:, None] & f_ok[None, :]
-        value = (tl.load(x_rows + a[None, :], mask=m, other=0.0).to(tl.float32)
-                 * tl.load(x_rows + b[None, :], mask=m, other=0.0).to(tl.float32))
-        if QUERY:
-            value = tl.where((a != b)[None, :], 2.0 * value, value)
-        tl.store(out_rows + f[None, :], value.to(OUT.dtype.element_ty), mask=m)
+    for a0 in range(0, D, BA):
+        phi, valid, packed, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
+        tl.store(out_rows + packed[None, :], phi.to(OUT.dtype.element_ty), mask=ok[:, None] & valid[None, :])
 
 
 @triton.jit
-def _features_backward_kernel(X, G, DX, FULL, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr,
+def _features_backward_kernel(X, G, DX, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr,
                               D: tl.constexpr, F: tl.constexpr, QUERY: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """dx_c = sum_e M_ce x_e + M_cc x_c, M_ce the gradient of packed row (min, max) of (c, e) (doubled off
-    the diagonal for the query), one column c of the rows' dx at a time."""
+    """dx_b += m g_ab x_a and dx_a += sum_b m g_ab x_b over the packed rows (a, b >= a) (m: 2 off the diagonal for
+    the query, else 1; the diagonal's two terms make its 2 g_aa x_a), one first index a at a time."""
     i_c, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_c * BN + tl.arange(0, BN)
     ok = rows < C
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
-    m = ok[:, None] & d_ok[None, :]
     x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
-    x = tl.load(x_rows + offs_d[None, :], mask=m, other=0.0).to(tl.float32)  # [BN, BD]
+    x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BN, BD]
     row_index = (i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]
     g_rows = G + row_index * F
     dx = tl.zeros([BN, BD], tl.float32)
-    for c in range(D):
-        index = tl.load(FULL + c * D + offs_d, mask=d_ok, other=0)  # packed row of (c, e) for each e
-        g = tl.load(g_rows + index[None, :], mask=m, other=0.0).to(tl.float32)  # [BN, BD]
+    for a in range(D):
+        valid = d_ok & (offs_d >= a)
+        packed = a * D - a * (a - 1) // 2 + offs_d - a
+        g = tl.load(g_rows + packed[None, :], mask=ok[:, None] & valid[None, :], other=0.0).to(tl.float32)  # g_ab
         if QUERY:
-            g = tl.where((offs_d != c)[None, :], 2.0 * g, g)
-        diagonal = (offs_d == c)[None, :]
-        x_c = tl.sum(tl.where(diagonal, x, 0.0), 1)
-        value = tl.sum(g * x, 1) + tl.sum(tl.where(diagonal, g, 0.0), 1) * x_c
-        dx = tl.where(diagonal, value[:, None], dx)
-    tl.store(DX + row_index * D + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=m)
+            g = tl.where((offs_d != a)[None, :], 2.0 * g, g)
+        is_a = (offs_d == a)[None, :]
+        x_a = tl.sum(tl.where(is_a, x, 0.0), 1)  # [BN]: column a of x
+        dx += g * x_a[:, None]  # into the second index b
+        dx += tl.where(is_a, tl.sum(g * x, 1)[:, None], 0.0)  # into the first index a
+    tl.store(DX + row_index * D + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 # Products with power2's features formed in registers, never in memory (x [B, H, n, C, d] views as above; the
@@ -349,12 +345,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
-def _kernel_tables(head_dim: int, device: torch.device):
-    a, b, _, full = _power2_indices(head_dim, device)
-    return a.to(torch.int32).contiguous(), b.to(torch.int32).contiguous(), full.to(torch.int32).contiguous()
-
-
 def _grid_args(x: torch.Tensor):
     batch, heads, chunks, chunk, _ = x.shape
     return (triton.cdiv(chunk, FEATURE_ROWS), chunks, batch * heads), (chunk, x.stride(0), x.stride(1), x.stride(2), x.stride(3))
@@ -363,20 +353,18 @@ def _grid_args(x: torch.Tensor):
 def _features_triton(x: torch.Tensor, query: bool) -> torch.Tensor:
     batch, heads, chunks, chunk, d = x.shape
     features = d * (d + 1) // 2
-    row_a, row_b, _ = _kernel_tables(d, x.device)
     out = torch.empty(batch, heads, chunks, chunk, features, dtype=x.dtype, device=x.device)
     grid, args = _grid_args(x)
-    _features_kernel[grid](x, out, row_a, row_b, *args, H=heads, L=chunks, F=features, QUERY=bool(query),
-                           BN=FEATURE_ROWS, BF=FEATURE_BLOCK, num_warps=4)
+    _features_kernel[grid](x, out, *args, H=heads, L=chunks, D=d, F=features, QUERY=bool(query), BN=FEATURE_ROWS,
+                           BA=FEATURE_FIRST, BD=max(16, triton.next_power_of_2(d)), num_warps=4)
     return out
 
 
 def _features_backward_triton(x: torch.Tensor, grad: torch.Tensor, query: bool) -> torch.Tensor:
     batch, heads, chunks, chunk, d = x.shape
-    _, _, full = _kernel_tables(d, x.device)
     dx = torch.empty(batch, heads, chunks, chunk, d, dtype=x.dtype, device=x.device)
     grid, args = _grid_args(x)
-    _features_backward_kernel[grid](x, grad, dx, full, *args, H=heads, L=chunks, D=d, F=grad.shape[-1], QUERY=bool(query),
+    _features_backward_kernel[grid](x, grad, dx, *args, H=heads, L=chunks, D=d, F=grad.shape[-1], QUERY=bool(query),
                                     BN=FEATURE_ROWS, BD=max(16, triton.next_power_of_2(d)), num_warps=4)
     return dx
 
