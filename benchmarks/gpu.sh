@@ -6,7 +6,8 @@
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
-# eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE),
+# eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE), prof-eager (the
+# eager steps of PROF_EAGER_MODELS under torch's profiler: the host's own time per aten op and the top kernels),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 4x4096 and 1x16384-65536 beside
 # mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked),
@@ -72,6 +73,8 @@ for stage in "$@"; do case $stage in
     --shape 2x2048 --shape 1x8192 --steps 10 --out "$OUT/zoo-nsa-stats.json" ;;
   prof-mamba2) run prof-mamba2 "${TRAIN_LIMIT:-300}" $AL bench train --model attnlab-mamba2-eager --model attnlab-gla-eager --layers 20 --heads 16 \
     --shape 4x4096 --steps 4 --warmup 2 --profile --out "$OUT/prof-mamba2.json" ;;
+  prof-eager) run prof-eager "${TRAIN_LIMIT:-300}" $AL bench train $(printf -- '--model %s ' ${PROF_EAGER_MODELS:-attnlab-2mamba-eager attnlab-gla-eager hf-llama}) \
+    --layers 20 --heads 16 --shape "${EAGER_SHAPE:-9x1024}" --steps 4 --warmup 2 --profile --out "$OUT/prof-eager.json" ;;
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" \
