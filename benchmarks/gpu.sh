@@ -71,10 +71,11 @@ for stage in "$@"; do case $stage in
   zoo-nsa-stats) run zoo-nsa-stats "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model nsa-stats \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
     --shape 2x2048 --shape 1x8192 --steps 10 --out "$OUT/zoo-nsa-stats.json" ;;
-  prof-mamba2) run prof-mamba2 "${TRAIN_LIMIT:-300}" $AL bench train --model attnlab-mamba2-eager --model attnlab-gla-eager --layers 20 --heads 16 \
-    --shape 4x4096 --steps 4 --warmup 2 --profile --out "$OUT/prof-mamba2.json" ;;
-  prof-eager) run prof-eager "${TRAIN_LIMIT:-300}" $AL bench train $(printf -- '--model %s ' ${PROF_EAGER_MODELS:-attnlab-2mamba-eager attnlab-gla-eager hf-llama}) \
-    --layers 20 --heads 16 --shape "${EAGER_SHAPE:-9x1024}" --steps 4 --warmup 2 --profile --out "$OUT/prof-eager.json" ;;
+  prof-mamba2|prof-eager)  # eager steps under torch's profiler: Mamba-2 and GLA at 4x4096, or PROF_EAGER_MODELS at EAGER_SHAPE
+    if [ $stage = prof-mamba2 ]; then models="attnlab-mamba2-eager attnlab-gla-eager" shape=4x4096
+    else models=${PROF_EAGER_MODELS:-attnlab-2mamba-eager attnlab-gla-eager hf-llama} shape=${EAGER_SHAPE:-9x1024}; fi
+    run $stage "${TRAIN_LIMIT:-300}" $AL bench train $(printf -- '--model %s ' $models) --layers 20 --heads 16 \
+      --shape "$shape" --steps 4 --warmup 2 --profile --out "$OUT/$stage.json" ;;
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" \

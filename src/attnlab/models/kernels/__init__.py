@@ -77,7 +77,9 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           linear_elu          1.30,              0.65,              0.32.
 #   power2  2mamba: 7.8 at 1 x 16384, 4.2 at 1 x 32768, 2.2 at 1 x 65536 (features in registers), 1.38 at 1 x 65536
 #           with its features formed in memory: slower at every length measured, so it stays on the tiled kernels.
-# Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py).
+#           (Timed with the feature kernels that gathered from memory; their rewrite is not timed yet.)
+# Both passed the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py) with power1 in chunks
+# of 64; at its chunks of 128 (`CHUNK_SIZES`) they ran through Triton's interpreter only.
 CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768}
 
 

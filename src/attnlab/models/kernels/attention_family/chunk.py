@@ -151,6 +151,27 @@ FEATURE_FIRST = 4  # first indices a per step of the forward's loop: a [rows, 4 
 
 
 @triton.jit
+def _packed_row(a, b, D: tl.constexpr):
+    """The packed row of power2's feature (a, b), a <= b: a d - a (a - 1) / 2 + b - a (`torch.triu_indices`' order)."""
+    return a * D - a * (a - 1) // 2 + b - a
+
+
+@triton.jit
+def _through_first_index(dx, g, x, a, valid, offs_d, QUERY: tl.constexpr):
+    """dx [BM, BD] plus the gradient through the features (a, b) of one first index a, given theirs g [BM, BD] (b along
+    the columns, `valid` where b >= a): dx_b += m g_ab x_a and dx_a += sum_b m g_ab x_b (m: 2 off the diagonal for
+    the query, else 1; the diagonal's two terms make its 2 g_aa x_a)."""
+    if QUERY:
+        g = tl.where((offs_d != a)[None, :], 2.0 * g, g)
+    g = tl.where(valid[None, :], g, 0.0)
+    is_a = (offs_d == a)[None, :]
+    x_a = tl.sum(tl.where(is_a, x, 0.0), 1)  # [BM]: column a of x
+    dx += g * x_a[:, None]  # into the second index b
+    dx += tl.where(is_a, tl.sum(g * x, 1)[:, None], 0.0)  # into the first index a
+    return dx
+
+
+@triton.jit
 def _features_kernel(X, OUT, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      QUERY: tl.constexpr, BN: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr):
     i_c, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -169,8 +190,8 @@ def _features_kernel(X, OUT, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.const
 @triton.jit
 def _features_backward_kernel(X, G, DX, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.constexpr,
                               D: tl.constexpr, F: tl.constexpr, QUERY: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """dx_b += m g_ab x_a and dx_a += sum_b m g_ab x_b over the packed rows (a, b >= a) (m: 2 off the diagonal for
-    the query, else 1; the diagonal's two terms make its 2 g_aa x_a), one first index a at a time."""
+    """x's gradient from its features' g, read one first index a at a time: the packed rows (a, b >= a), a contiguous
+    run per row (`_through_first_index`)."""
     i_c, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_c * BN + tl.arange(0, BN)
@@ -184,14 +205,8 @@ def _features_backward_kernel(X, G, DX, C, sxb, sxh, sxl, sxc, H: tl.constexpr, 
     dx = tl.zeros([BN, BD], tl.float32)
     for a in range(D):
         valid = d_ok & (offs_d >= a)
-        packed = a * D - a * (a - 1) // 2 + offs_d - a
-        g = tl.load(g_rows + packed[None, :], mask=ok[:, None] & valid[None, :], other=0.0).to(tl.float32)  # g_ab
-        if QUERY:
-            g = tl.where((offs_d != a)[None, :], 2.0 * g, g)
-        is_a = (offs_d == a)[None, :]
-        x_a = tl.sum(tl.where(is_a, x, 0.0), 1)  # [BN]: column a of x
-        dx += g * x_a[:, None]  # into the second index b
-        dx += tl.where(is_a, tl.sum(g * x, 1)[:, None], 0.0)  # into the first index a
+        g = tl.load(g_rows + _packed_row(a, offs_d, D)[None, :], mask=ok[:, None] & valid[None, :], other=0.0)  # g_ab
+        dx = _through_first_index(dx, g.to(tl.float32), x, a, valid, offs_d, QUERY)
     tl.store(DX + row_index * D + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
@@ -236,8 +251,7 @@ def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr
     if QUERY:
         phi = tl.where((b != a)[None, :], 2.0 * phi, phi)
     phi = tl.where(valid[None, :], phi, 0.0)
-    rows = a * D - a * (a - 1) // 2 + b - a
-    return phi, valid, rows, x_a
+    return phi, valid, _packed_row(a, b, D), x_a
 
 
 @triton.jit
@@ -268,8 +282,8 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
                          H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr,
                          LOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
                          BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
-    """dx_c = sum_b dphi_cb m x_b + sum_a dphi_ac m x_a (m: the query's doubling), dphi = dy S^T in registers, one first
-    index a at a time: dphi_a = dy S_a^T [BM, BD] (S_a: the state's packed rows (a, b), b >= a), used as the product
+    """x's gradient through phi(x) from dphi = dy S^T in registers, one first index a at a time (`_through_first_index`):
+    dphi_a = dy S_a^T [BM, BD] (S_a: the state's packed rows (a, b), b >= a), used as the product
     leaves it (reshaping a product's [BM, BA * BD] tile to [BM, BA, BD], as this kernel did, gave wrong gradients
     on an H100 where Triton's interpreter gave right ones)."""
     i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -288,16 +302,10 @@ def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc
     dx = tl.zeros([BM, BD], tl.float32)
     for a in range(0, D):
         valid = d_ok & (offs_d >= a)
-        srows = a * D - a * (a - 1) // 2 + offs_d - a
+        srows = _packed_row(a, offs_d, D)
         s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         dphi = tl.dot(dy, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)  # [BM, BD]: (a, b)
-        if QUERY:
-            dphi = tl.where((offs_d != a)[None, :], 2.0 * dphi, dphi)
-        dphi = tl.where(valid[None, :], dphi, 0.0)
-        is_a = offs_d[None, :] == a
-        x_a = tl.sum(tl.where(is_a, x, 0.0), 1)  # [BM]: column a of x
-        dx += dphi * x_a[:, None]  # into the second index b
-        dx += tl.where(is_a, tl.sum(dphi * x, 1)[:, None], 0.0)  # into the first index a
+        dx = _through_first_index(dx, dphi, x, a, valid, offs_d, QUERY)
     out = DX + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * D + offs_d[None, :]
     tl.store(out, dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
