@@ -7,13 +7,14 @@ sees them), and the chunked form under several chunk sizes.
 
 Prints, per preset and shape, the median ms of forward + backward (gradients of q, k, v and the log-decays)
 and the peak memory beyond the inputs, tiled and chunked, and the ratio (and, for power2, the default chunk with
-its features' products on cuBLAS, `FEATURES_IN_REGISTERS` off); `CHUNKED_MIN_TOKENS`
+its features' products in registers, `FEATURES_IN_REGISTERS` on); `CHUNKED_MIN_TOKENS`
 (`attnlab.models.kernels`) is the shortest T where chunked wins, `CHUNK_SIZES` the fastest chunk size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 import torch
@@ -113,11 +114,10 @@ def main() -> None:
                 if ms is not None and (best is None or ms < best):
                     best = ms
             variant = ""
-            if similarity == "power2":  # the default chunk with the features' products on cuBLAS instead of in registers
-                chunk_module.FEATURES_IN_REGISTERS = False
-                ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
-                chunk_module.FEATURES_IN_REGISTERS = True
-                variant = f"  features in memory: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in memory: {gib}"
+            if similarity == "power2":  # the default chunk with the features' products in registers instead of on cuBLAS
+                with features_in_registers():
+                    ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
+                variant = f"  features in registers: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in registers: {gib}"
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
             ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
             print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}{variant}", flush=True)
@@ -146,6 +146,17 @@ def profile(args) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
+@contextlib.contextmanager
+def features_in_registers():
+    """power2's chunked products on the register-feature kernels for a while (`FEATURES_IN_REGISTERS`)."""
+    before = chunk_module.FEATURES_IN_REGISTERS
+    chunk_module.FEATURES_IN_REGISTERS = True
+    try:
+        yield
+    finally:
+        chunk_module.FEATURES_IN_REGISTERS = before
+
+
 def sweep(args) -> None:
     options = MIXERS["2mamba"].resolve_options(None)
     leaves = inputs(options, 1, 32768, args.heads, args.head_dim)
@@ -156,12 +167,18 @@ def sweep(args) -> None:
         return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5, denominator="sum",
                                             intra_terms=tiled_terms, out_dtype=v.dtype)[0]
 
-    print("2mamba's mixing at 1x32768, forward + backward ms, per block choice (the first: the committed one)")
+    print("2mamba's mixing at 1x32768 with the features in registers, forward + backward ms, per block choice (the first: "
+          "the committed one)")
+    with features_in_registers():
+        sweep_blocks(names, base, mix, leaves, args.repeats)
+
+
+def sweep_blocks(names, base, mix, leaves, repeats) -> None:
     for values in [base, (32, 4, 4), (64, 2, 4), (64, 4, 8), (128, 2, 8), (128, 1, 4), (32, 2, 4)]:
         for n, val in zip(names, values):
             setattr(chunk_module, n, val)
         try:
-            ms, gib = timed(mix, leaves, args.repeats)
+            ms, gib = timed(mix, leaves, repeats)
             cell = f"{ms:8.2f} ms" if ms is not None else f"fails ({gib})"
             print(f"{cell}  " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
         except Exception as exc:  # a block shape that does not compile: say so and go on

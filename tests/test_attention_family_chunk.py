@@ -234,7 +234,7 @@ def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query, hea
 @pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_products_with_features_in_registers_match_pytorch_through_the_interpreter(query, dtype):
-    """phi(x) S and x's gradient from dphi = dy S^T with the features formed in registers (CUDA's path for power2),
+    """phi(x) S and x's gradient from dphi = dy S^T with the features formed in registers (power2's other CUDA path),
     through Triton's interpreter, against the features formed in memory (bf16: operands rounded, fp32 sums)."""
     pytest.importorskip("triton")
     if CUDA:
@@ -361,7 +361,7 @@ def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_chunked_in_bf16_matches_the_fp32_reference_on_cuda(case, seq_len):
-    """bf16 inputs on the compiled kernels (tiled inside chunks, power2's features in registers) and cuBLAS, the
+    """bf16 inputs on the compiled kernels (tiled inside chunks, power2's features formed by their kernel) and cuBLAS, the
     default chunk sizes, against the fp32 reference: outputs and gradients of a padded batch of 2 x 4 heads of 64;
     the longer one in groups of two chunks (the state carried between groups)."""
     from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
@@ -374,12 +374,12 @@ def test_chunked_in_bf16_matches_the_fp32_reference_on_cuda(case, seq_len):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_chunked_with_power2_features_in_memory_matches_the_fp32_reference_on_cuda(monkeypatch):
-    """The other CUDA path for power2 (`FEATURES_IN_REGISTERS` off: features formed by their kernel, products on cuBLAS)."""
+def test_chunked_with_power2_features_in_registers_matches_the_fp32_reference_on_cuda(monkeypatch):
+    """The other CUDA path for power2 (`FEATURES_IN_REGISTERS` on: the products with the features in registers)."""
     from attnlab.models.kernels.attention_family import chunk as chunked
     from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
 
-    monkeypatch.setattr(chunked, "FEATURES_IN_REGISTERS", False)
+    monkeypatch.setattr(chunked, "FEATURES_IN_REGISTERS", True)
     case = ("power2", "sum", True)  # power2 with decay and a sum denominator: the case most sensitive to rounding
     q, k, v, log_decay, mask = case_inputs(case, 2, 3001, 4, 64, device="cuda", seed=3001, masked=True)
     reference, result = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,

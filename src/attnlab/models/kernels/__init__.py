@@ -75,9 +75,11 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 # benchmarks/results/h100-chunk-crossover.txt), chunked over tiled:
 #   power1  linear__output_norm 1.35 at 1 x 16384, 0.47 at 1 x 32768, 0.26 at 1 x 65536;
 #           linear_elu          1.30,              0.65,              0.32.
-#   power2  2mamba: 7.8 at 1 x 16384, 4.2 at 1 x 32768, 2.2 at 1 x 65536 (features in registers), 1.38 at 1 x 65536
-#           with its features formed in memory: slower at every length measured, so it stays on the tiled kernels.
-#           (Timed with the feature kernels that gathered from memory; their rewrite is not timed yet.)
+#   power2  2mamba, its features formed in memory (`FEATURES_IN_REGISTERS` off): 0.97 at 1 x 32768, 0.48 at 1 x 65536
+#           (benchmarks/results/h100-chunk-power2-in-memory.txt). Yet the whole model chunked trained 2mamba at
+#           1 x 32768 in 46.1 GiB (34,320 tokens/s, against the tiled kernels' 31,406 in an earlier run) and ran out of
+#           memory at 1 x 65536, where the tiled kernels train in 57.8 GiB: power2 stays on the tiled kernels until that
+#           memory is found (`bash benchmarks/gpu.sh memory`).
 # Both passed the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py) with power1 in chunks
 # of 64; at its chunks of 128 (`CHUNK_SIZES`) they ran through Triton's interpreter only.
 CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768}

@@ -24,11 +24,11 @@ only while it runs.
 
 Products run in the inputs' dtype (bf16 under autocast), accumulating in fp32; a group's chunk states
 are summed in fp32 and rounded to the inputs' dtype only as the operands of products, as the SSD kernels
-do. The states' own products (phi(k)^T [v, 1] and phi(q)^T dy) run on cuBLAS from power2's features formed
-once (`_features_kernel`); the products with the features on the left (phi(q) S, phi(k) dS) and the
-gradients of q and k through phi form the features in registers (`_phi_product_kernel`,
-`_phi_backward_kernel`), so the backward writes no gradient of the features. Off CUDA (and for power1,
-whose features are k itself) PyTorch computes the same. The reference is
+do. Every product with power2's features runs on cuBLAS from the features formed in memory, once per use
+(`_features_kernel`), and the gradients of q and k through phi read the features' gradient once
+(`_features_backward_kernel`). The kernels that form the features in registers instead (`_phi_product_kernel`,
+`_phi_backward_kernel`, `FEATURES_IN_REGISTERS`) write no features, but ran 3.8x slower on an H100. Off CUDA (and
+for power1, whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.
 """
 
@@ -221,9 +221,12 @@ def _features_backward_kernel(X, G, DX, C, sxb, sxh, sxl, sxc, H: tl.constexpr, 
 PHI_ROWS = 64
 PHI_FIRST = 2
 PHI_WARPS = 4
-# False: those products on cuBLAS from the features formed in memory (`_features_kernel`) and the gradients through
-# `_features_backward_kernel`, as the benchmark compares (`benchmarks/attention_family_chunk.py`)
-FEATURES_IN_REGISTERS = True
+# True: phi(q) S, phi(k) dS and the gradients through phi on the kernels above, the features in registers. False: those
+# products on cuBLAS from the features formed in memory (`_features_kernel`) and the gradients through
+# `_features_backward_kernel`. Measured on an H100 (`benchmarks/attention_family_chunk.py`, 2mamba's mixing forward and
+# backward, 16 heads of 64, chunks of 512; benchmarks/results/h100-chunk-power2-in-memory.txt): in registers 173.7 ms at
+# 1 x 32768 and 346.1 at 1 x 65536, in memory 44.7 and 85.3 (the tiled kernels: 46.1 and 176.1).
+FEATURES_IN_REGISTERS = False
 
 
 @triton.jit
