@@ -347,7 +347,8 @@ def test_the_recall_suite_trains_every_named_mixer_on_mqar_at_several_lengths():
     assert 2 <= len({c.data.seq_len for c in configs}) <= 4
     assert all(c.data.source == "mqar" and [t.task for t in c.eval.tasks] == ["mqar"] for c in configs)
     tokens = sum(c.train.max_steps * c.train.batch_size * c.data.seq_len for c in configs)
-    assert tokens <= 1.25e9  # the size the suite's header states, inside 30 minutes of one H100
+    assert {c.train.lr for c in configs} == {1e-3, 3e-3} and len(configs) == 7 * 3 * 2
+    assert tokens <= 1.65e9  # the size the suite's header states, inside 30 minutes of one H100
 
 
 def test_report_plots_mqar_accuracy_against_length_per_mixer(tmp_path):
@@ -367,6 +368,25 @@ def test_report_plots_mqar_accuracy_against_length_per_mixer(tmp_path):
     assert run_cli("report", str(tmp_path / "runs"), "--out", str(tmp_path / "report.html")) == 0
     assert (tmp_path / "report-mqar.png").read_bytes()[:4] == b"\x89PNG"
     assert "Associative recall (MQAR)" in (tmp_path / "report.html").read_text()
+
+
+def test_mqar_runs_of_several_learning_rates_count_by_their_best(tmp_path):
+    from attnlab.report.load import load_runs
+    from attnlab.report.recall import mqar_learning_rates, mqar_series
+
+    for lr, accs in ((1e-3, (1.0, 0.5)), (3e-3, (0.6, 0.9))):
+        for seq_len, acc in zip((128, 256), accs):
+            run = tmp_path / "runs" / f"softmax-{seq_len}-{lr}"
+            run.mkdir(parents=True)
+            (run / "config.yaml").write_text(json.dumps({"model": {"mixer": "softmax", "hidden_size": 128}, "train": {"lr": lr},
+                                                         "data": {"source": "mqar", "seq_len": seq_len}}))
+            (run / "run.json").write_text(json.dumps({"status": "finished", "eval": {"step": 10, "mqar/accuracy": acc}}))
+    runs = load_runs([tmp_path / "runs"])
+    assert mqar_series(runs) == {"softmax": [(128, 1.0), (256, 0.9)]}
+    assert mqar_learning_rates(runs) == [1e-3, 3e-3]
+    assert run_cli("report", str(tmp_path / "runs"), "--out", str(tmp_path / "report.html")) == 0
+    assert "the best of the runs at learning rates 0.001, 0.003" in (tmp_path / "report.html").read_text()
+    assert "the best of the runs at learning rates 0.001, 0.003" in (tmp_path / "report.md").read_text()
 
 
 def test_report_of_a_directory_with_neither_runs_nor_niah_evaluations_is_refused(tmp_path):

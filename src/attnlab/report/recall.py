@@ -104,15 +104,23 @@ def _label(run: RunRecord, widths: set) -> str:
 
 
 def mqar_series(runs: list[RunRecord]) -> dict[str, list[tuple[int, float]]]:
-    """Mixer (and width, where widths differ) -> [(sequence length, accuracy)], lengths ascending."""
+    """Mixer (and width, where widths differ) -> [(sequence length, accuracy)], lengths ascending. Runs of the same
+    mixer, width and length that differ otherwise (the learning rates a suite tries) count by their best accuracy,
+    as Zoology reports MQAR."""
     runs = mqar_runs(runs)
     widths = {_section(r.config, "model").get("hidden_size") for r in runs}
-    series: dict[str, list[tuple[int, float]]] = {}
+    best: dict[str, dict[int, float]] = {}
     for r in runs:
         acc, seq_len = mqar_accuracy(r), _section(r.config, "data").get("seq_len")
         if acc is not None and isinstance(seq_len, int):
-            series.setdefault(_label(r, widths), []).append((seq_len, acc))
-    return {k: sorted(v) for k, v in series.items()}
+            by_length = best.setdefault(_label(r, widths), {})
+            by_length[seq_len] = max(acc, by_length.get(seq_len, acc))
+    return {k: sorted(v.items()) for k, v in best.items()}
+
+
+def mqar_learning_rates(runs: list[RunRecord]) -> list[float]:
+    """The learning rates the MQAR runs trained with, ascending."""
+    return sorted({lr for r in mqar_runs(runs) if isinstance(lr := _section(r.config, "train").get("lr"), (int, float))})
 
 
 def mqar_figure(series: dict[str, list[tuple[int, float]]]):

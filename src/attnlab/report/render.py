@@ -200,9 +200,14 @@ def recall_sections(runs: list[RunRecord], niah: list, pngs: dict[str, bytes]) -
     series = recall.mqar_series(runs)
     if "mqar" in pngs:
         header, rows = recall.mqar_rows(series)
-        parts += ["<h2>Associative recall (MQAR)</h2>", "<p>Per-query accuracy of the newest evaluation, against the training "
-                  "sequence length.</p>", _img(pngs["mqar"], "MQAR accuracy against sequence length"), _table(header, rows)]
+        parts += ["<h2>Associative recall (MQAR)</h2>", f"<p>Per-query accuracy of the newest evaluation, against the training "
+                  f"sequence length{_best_of(recall.mqar_learning_rates(runs))}.</p>",
+                  _img(pngs["mqar"], "MQAR accuracy against sequence length"), _table(header, rows)]
     return parts
+
+
+def _best_of(rates: list[float]) -> str:
+    return f" (the best of the runs at learning rates {', '.join(f'{lr:g}' for lr in rates)})" if len(rates) > 1 else ""
 
 
 def recall_pngs(runs: list[RunRecord], niah: list) -> dict[str, bytes]:
@@ -280,7 +285,8 @@ def write_report(runs: list[RunRecord], out: Path, title: str, niah: list | None
         md += "\nNeedle in a haystack (proportion correct):\n\n" + recall.markdown(*recall.niah_rows(niah))
     series = recall.mqar_series(readable)
     if series:
-        md += "\nMQAR accuracy by sequence length:\n\n" + recall.markdown(*recall.mqar_rows(series))
+        md += (f"\nMQAR accuracy by sequence length{_best_of(recall.mqar_learning_rates(readable))}:\n\n"
+               + recall.markdown(*recall.mqar_rows(series)))
     write_text_atomic(paths["md"], md, what="the report's table")
     write_text_atomic(out, render_html(runs, main_png, title, niah or [], pngs), what="the report")
     return paths
