@@ -82,7 +82,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, args.vocab, (batch, seq_len), device="cuda")
         step = captured = None
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")  # C++ frames: slow to symbolise
         try:
             step, captured = train_step(model, opt, x, capture=not name.endswith("-eager"))
             for _ in range(args.warmup):
