@@ -42,6 +42,11 @@ def test_unknown_yaml_key_suggests_the_closest_valid_name(tmp_path):
         load_config(path)
 
 
+def test_a_yaml_mapping_without_spaces_after_its_colons_says_to_add_them():
+    with pytest.raises(ConfigError, match=r"YAML reads 'limit:512' as one key: write 'limit: 512'"):
+        load_config(None, ["data.source=mqar", "eval.tasks=[{task: mqar,limit:512}]"])
+
+
 def test_wrong_type_names_the_key_and_the_value():
     with pytest.raises(ConfigError, match=r"train.batch_size: .*integer.*'lots'"):
         load_config(None, ["train.batch_size=lots"])

@@ -50,6 +50,9 @@ ALIASES = {
 def _suggest(key: str, candidates: list[str] | None = None) -> str:
     candidates = candidates or valid_keys()
     section, _, leaf = key.rpartition(".")
+    name, colon, value = leaf.partition(":")
+    if colon and name and value:  # YAML's {task:mqar} is one key 'task:mqar'
+        return f"; YAML reads '{leaf}' as one key: write '{name}: {value}', with a space after the colon"
     if leaf in ALIASES:
         named = [c for c in candidates if c.endswith("." + ALIASES[leaf])]
         if named:
