@@ -1,9 +1,11 @@
 """Where a training step's peak GPU memory goes: the tensors alive at the allocator's peak, by the line of
 attnlab (or torch) that allocated them.
 
-    python benchmarks/memory_peak.py --model attnlab-2mamba --model attnlab-2mamba-eager --shape 1x32768
+    python benchmarks/memory_peak.py --model attnlab-2mamba --model attnlab-2mamba+chunked+recompute --shape 1x32768
 
-Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs) takes its warm-up steps, then
+Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs; after the name, `+chunked`: power2 on the
+chunked form from 32768 tokens, `CHUNKED_MIN_TOKENS`, and `+recompute`: the chunked form's forward run again in its
+backward, `chunk.RECOMPUTE_IN_BACKWARD`) takes its warm-up steps, then
 one step under the allocator's history (`torch.cuda.memory._record_memory_history`). The history's
 allocations and frees are replayed in order to find the peak; the blocks alive there are summed by the
 innermost frame under src/attnlab (else the innermost Python frame), largest first, beside the peaks the
@@ -18,8 +20,12 @@ import collections
 
 import torch
 
-from attnlab.bench.timing import peak_gib, release
+from attnlab.bench.timing import median_time, peak_gib, release
 from attnlab.bench.train import build, train_step
+from attnlab.models import kernels
+from attnlab.models.kernels.attention_family import chunk as chunk_module
+
+DEFAULT_MODELS = ["attnlab-2mamba", "attnlab-2mamba+chunked", "attnlab-2mamba-eager+chunked", "attnlab-2mamba+chunked+recompute"]
 
 
 def site(frames: list[dict]) -> str:
@@ -75,13 +81,19 @@ def main() -> None:
     args = parser.parse_args()
     batch, seq_len = (int(n) for n in args.shape.lower().split("x"))
     device = torch.device("cuda")
-    for name in args.model or ["attnlab-2mamba", "attnlab-2mamba-eager"]:
+    chunked_from = dict(kernels.CHUNKED_MIN_TOKENS)
+    for label in args.model or DEFAULT_MODELS:
+        name, *variants = label.split("+")
+        if unknown := set(variants) - {"chunked", "recompute"}:
+            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +recompute")
+        kernels.CHUNKED_MIN_TOKENS = {**chunked_from, **({"power2": 32768} if "chunked" in variants else {})}
+        chunk_module.RECOMPUTE_IN_BACKWARD = "recompute" in variants
         torch.manual_seed(0)
         release(device)
         model = build(name, args.hidden, args.layers, args.heads, args.vocab).cuda().train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, args.vocab, (batch, seq_len), device="cuda")
-        step = captured = None
+        step = captured = oom = None
         torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")  # C++ frames: slow to symbolise
         try:
             step, captured = train_step(model, opt, x, capture=not name.endswith("-eager"))
@@ -89,19 +101,24 @@ def main() -> None:
                 step()
             torch.cuda.synchronize()
             snapshot = torch.cuda.memory._snapshot()
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # (the exception's frames would hold the step's tensors)
+            oom = True
             snapshot = torch.cuda.memory._snapshot()
-            print(f"{name} at {args.shape}: out of memory (the trace up to it follows)")
+            print(f"{label} at {args.shape}: out of memory (the trace up to it follows)")
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
         allocated, reserved = peak_gib(device)
+        speed = ""
+        if step is not None and oom is None:
+            step_s, _ = median_time(step, 3, device)
+            speed = f", {batch * seq_len / step_s:,.0f} tokens/s"
         peak, rows = peak_sites(snapshot, top=args.top)
-        print(f"\n{name} at {args.shape}, CUDA graphs {captured is not None}: "
+        print(f"\n{label} at {args.shape}, CUDA graphs {captured is not None}{speed}: "
               f"allocator peak {allocated} GiB allocated, {reserved} GiB reserved; traced peak {peak / 2**30:.2f} GiB, alive there:")
         for where, size, blocks in rows:
             print(f"  {size / 2**30:8.2f} GiB  {blocks:5d} blocks  {where}")
         del model, opt, x
-        step = captured = None  # the step's closure holds the model
+        step = captured = snapshot = None  # the step's closure holds the model
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM, kernels
-from attnlab.models.kernels.attention_family.chunk import CHUNK_SIZES, _Power2Features, chunk_attention
+from attnlab.models.kernels.attention_family.chunk import CHUNK_SIZES, _Power2Features, chunk_attention, chunk_attention_recomputable
 from attnlab.models.mixers import MIXERS
 from attnlab.models.mixers.attention_family import AttentionFamily, is_linearizable
 from attnlab.models.ops.attention_family import (
@@ -301,7 +301,7 @@ def test_dispatch_chooses_the_chunked_form_only_for_long_linearizable_calls_on_c
     monkeypatch.setattr(kernels, "use_triton", lambda choice, x, covered=True: choice != "torch")
     monkeypatch.setattr(kernels, "CHUNKED_MIN_TOKENS", {"power1": 2048, "power2": 8192})
     for similarity, threshold in kernels.CHUNKED_MIN_TOKENS.items():
-        assert kernels.attention_family_chunked("auto", cpu, threshold, similarity) is chunk_attention
+        assert kernels.attention_family_chunked("auto", cpu, threshold, similarity) is chunk_attention_recomputable
         assert kernels.attention_family_chunked("auto", cpu, threshold - 1, similarity) is None
         assert kernels.attention_family_chunked("torch", cpu, threshold, similarity) is None
     for similarity in ("exp", "softmax", "taylor"):
@@ -313,11 +313,12 @@ def family_config(name: str, hidden: int, heads: int, **overrides) -> AttnLabCon
                             "max_position_embeddings": 2048, **overrides})
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("name", LINEARIZABLE)
-def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(name, monkeypatch):
+def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(name, recompute, monkeypatch):
     """The mixer's dispatch point choosing the chunked form (chunks of 8 here): a left-padded batch of 23
     tokens and every parameter's gradient, a prefill of 8 more tokens continuing a cache of 15, and a
-    decoding step after it, against the quadratic reference."""
+    decoding step after it, against the quadratic reference; with `RECOMPUTE_IN_BACKWARD` on too."""
     torch.manual_seed(0)
     model = AttnLabForCausalLM(family_config(name, 32, 2)).eval()
     ids = torch.randint(0, 97, (2, 24))
@@ -340,11 +341,20 @@ def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(
 
     def chunked(choice, x, seq_len, similarity):
         calls.append(seq_len)
-        return functools.partial(chunk_attention, chunk_size=8, group_chunks=2) if seq_len > 1 else None
+        return functools.partial(chunk_attention_recomputable, chunk_size=8, group_chunks=2) if seq_len > 1 else None
+
+    from attnlab.models.kernels.attention_family import chunk as chunk_module
+
+    monkeypatch.setattr(chunk_module, "RECOMPUTE_IN_BACKWARD", recompute)
+    recomputed = []
+    real = chunk_module.chunk_attention
+    monkeypatch.setattr(chunk_module, "chunk_attention", lambda *a, **k: recomputed.append(torch.is_grad_enabled()) or real(*a, **k))
 
     monkeypatch.setattr(kernels, "attention_family_chunked", chunked)
     got = forward_and_grads()
     assert 23 in calls and 8 in calls
+    if recompute:  # the training call's forward ran again in the backward (the two layers': 2 + 2), the prefill's once
+        assert recomputed.count(True) == 4
     keep = mask[:, :23].bool()
     assert rel_err(got[0][keep], reference[0][keep]) <= 1e-4
     assert rel_err(got[1], reference[1]) <= 1e-4

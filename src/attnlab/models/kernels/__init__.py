@@ -92,9 +92,9 @@ def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similar
     other kernels) from `CHUNKED_MIN_TOKENS` tokens on, for every option of those layers."""
     if similarity not in CHUNKED_MIN_TOKENS or seq_len < CHUNKED_MIN_TOKENS[similarity] or not use_triton(choice, x):
         return None
-    from attnlab.models.kernels.attention_family.chunk import chunk_attention
+    from attnlab.models.kernels.attention_family.chunk import chunk_attention_recomputable
 
-    return chunk_attention
+    return chunk_attention_recomputable
 
 
 def attention_family_step_fn(choice: str, x: torch.Tensor):

@@ -686,6 +686,22 @@ def chunk_attention(
     return o, new_state, new_normalizer
 
 
+# True: a call with gradients keeps for its backward only its inputs and runs its forward again there
+# (torch.utils.checkpoint around `chunk_attention`), at the cost of that second forward. Off until measured:
+# `benchmarks/memory_peak.py --recompute-chunked` compares the whole model's peak memory both ways.
+RECOMPUTE_IN_BACKWARD = False
+
+
+def chunk_attention_recomputable(q, k, v, log_decay=None, **kwargs):
+    """`chunk_attention`, its forward run again in the backward when `RECOMPUTE_IN_BACKWARD` is on."""
+    if not (RECOMPUTE_IN_BACKWARD and torch.is_grad_enabled()):
+        return chunk_attention(q, k, v, log_decay, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(functools.partial(chunk_attention, **kwargs), q, k, v, log_decay, use_reentrant=False,
+                      preserve_rng_state=False)  # the capturable form (`train.graphs.CHECKPOINT_KWARGS`)
+
+
 def _counts(key_mask, batch, seq_len, count_before, device) -> torch.Tensor:
     """Tokens through each position, those before included: [B, T] fp32."""
     if key_mask is None:
