@@ -536,17 +536,28 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     return back(dq), back(dk), back(dv), None if dg is None else dg.transpose(1, 2), d_state
 
 
+def _with_columns(v: torch.Tensor, width: int, want_sum: bool) -> torch.Tensor:
+    """v [..., Dv] -> [v, 1 (the sum denominators' normaliser, with `want_sum`), 0...] [..., width]."""
+    if width == v.shape[-1]:
+        return v
+    extra = v.new_zeros(*v.shape[:-1], width - v.shape[-1])
+    if want_sum:
+        extra[..., 0] = 1
+    return torch.cat((v, extra), dim=-1)
+
+
 class _ChunkStates(torch.autograd.Function):
-    """What the state carries into each chunk, y [B, H, L, C, Dv'] fp32, and the final state, over
-    groups of `group` chunks; see the module's doc. Saves the inputs and each group's starting state."""
+    """What the state carries into each chunk, y [B, H, L, C, width] fp32 (the values' columns, the
+    normaliser's, padding: `_with_columns`, formed per group), and the final state, over groups of `group`
+    chunks; see the module's doc. Saves the inputs and each group's starting state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, state, similarity, scale, group):
+    def forward(ctx, q, k, v, g, state, similarity, scale, group, width, want_sum):
         with torch.autocast(q.device.type, enabled=False):  # the products' dtypes are chosen here, as in the backward
-            return _ChunkStates._forward(ctx, q, k, v, g, state, similarity, scale, group)
+            return _ChunkStates._forward(ctx, q, k, v, g, state, similarity, scale, group, width, want_sum)
 
     @staticmethod
-    def _forward(ctx, q, k, v, g, state, similarity, scale, group):
+    def _forward(ctx, q, k, v, g, state, similarity, scale, group, width, want_sum):
         chunks = q.shape[1]
         starts = []
         ys = []
@@ -554,12 +565,12 @@ class _ChunkStates(torch.autograd.Function):
         for first in range(0, chunks, group):
             part = slice(first, first + group)
             starts.append(carry)
-            y, carry = _group_forward(q[:, part], k[:, part], v[:, part], None if g is None else g[:, part], carry,
-                                      similarity=similarity, scale=scale)
+            y, carry = _group_forward(q[:, part], k[:, part], _with_columns(v[:, part], width, want_sum),
+                                      None if g is None else g[:, part], carry, similarity=similarity, scale=scale)
             ys.append(y)
         ctx.save_for_backward(q, k, v, g, *[s for s in starts if s is not None])
         ctx.first_is_none = state is None
-        ctx.opts = (similarity, scale, group)
+        ctx.opts = (similarity, scale, group, width, want_sum)
         return torch.cat(ys, dim=2) if len(ys) > 1 else ys[0], carry
 
     @staticmethod
@@ -572,8 +583,8 @@ class _ChunkStates(torch.autograd.Function):
         q, k, v, g, *starts = ctx.saved_tensors
         if ctx.first_is_none:
             starts = [None, *starts]
-        similarity, scale, group = ctx.opts
-        chunks = q.shape[1]
+        similarity, scale, group, width, want_sum = ctx.opts
+        chunks, value_dim = q.shape[1], v.shape[-1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dg = None if g is None else torch.empty_like(g)
         carry = dstate  # the gradient of the state at the current group's end
@@ -581,13 +592,14 @@ class _ChunkStates(torch.autograd.Function):
         for index in reversed(range(len(firsts))):
             part = slice(firsts[index], firsts[index] + group)
             start = starts[index]
-            grads = _group_backward(q[:, part], k[:, part], v[:, part], None if g is None else g[:, part], start,
-                                    dy[:, :, part], carry, similarity=similarity, scale=scale)
-            dq[:, part], dk[:, part], dv[:, part] = grads[:3]
+            grads = _group_backward(q[:, part], k[:, part], _with_columns(v[:, part], width, want_sum),
+                                    None if g is None else g[:, part], start, dy[:, :, part], carry, similarity=similarity,
+                                    scale=scale)
+            dq[:, part], dk[:, part], dv[:, part] = grads[0], grads[1], grads[2][..., :value_dim]
             if g is not None:
                 dg[:, part] = grads[3]
             carry = grads[4]
-        return dq, dk, dv, dg, carry, None, None, None
+        return dq, dk, dv, dg, carry, None, None, None, None, None
 
 
 def _chunk_log_decays(log_decay: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
@@ -641,6 +653,9 @@ def chunk_attention(
             log_decay = torch.nn.functional.pad(log_decay, (0, 0, 0, pad))
         if key_mask is not None:
             key_mask = torch.nn.functional.pad(key_mask, (0, pad))
+    # one contiguous copy that both parts keep for the backward: the tiled kernels save contiguous operands, and views
+    # of the layer's projection would keep it all alive beside them
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if log_decay is None else _chunk_log_decays(log_decay, chunks, chunk)  # [B, L, H, C]
 
     # inside each chunk: the quadratic form, the chunks side by side as rows of a batch
@@ -657,14 +672,8 @@ def chunk_attention(
     width = value_dim + 1 if want_sum else value_dim
     width = -(-width // VALUE_ALIGN) * VALUE_ALIGN
     start = _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, v.device)
-    v_ext = v
-    if width != value_dim:  # [v, 1 (the sum denominators), 0...]
-        extra = v.new_zeros(*v.shape[:3], width - value_dim)
-        if want_sum:
-            extra[..., 0] = 1
-        v_ext = torch.cat((v, extra), dim=-1)
     view5 = lambda t: t.view(batch, chunks, chunk, heads, t.shape[-1])  # noqa: E731
-    y, end = _ChunkStates.apply(view5(q), view5(k), view5(v_ext), g, start, similarity, float(scale), group_chunks)
+    y, end = _ChunkStates.apply(view5(q), view5(k), view5(v), g, start, similarity, float(scale), group_chunks, width, want_sum)
     y = y.transpose(1, 2)  # [B, L, H, C, Dv']
     num = num + y[..., :value_dim]  # [B, L, H, C, Dv]
     num = num.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, value_dim)[:, :seq_len].transpose(1, 2)  # [B, H, T, Dv]
