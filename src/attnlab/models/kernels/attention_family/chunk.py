@@ -27,7 +27,7 @@ are summed in fp32 and rounded to the inputs' dtype only as the operands of prod
 do. Every product with power2's features runs on cuBLAS from the features formed in memory, once per use
 (`_features_kernel`), and the gradients of q and k through phi read the features' gradient once
 (`_features_backward_kernel`). The kernels that form the features in registers instead (`_phi_product_kernel`,
-`_phi_backward_kernel`, `FEATURES_IN_REGISTERS`) write no features, but ran 3.8x slower on an H100. Off CUDA (and
+`_phi_backward_kernel`, `FEATURES_IN_REGISTERS`) write no features, but ran 3.8-4.1x slower on an H100. Off CUDA (and
 for power1, whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.
 """
@@ -697,7 +697,8 @@ def chunk_attention(
 
 # True: a call with gradients keeps for its backward only its inputs and runs its forward again there
 # (torch.utils.checkpoint around `chunk_attention`), at the cost of that second forward. Off until measured:
-# `benchmarks/memory_peak.py --recompute-chunked` compares the whole model's peak memory both ways.
+# `benchmarks/memory_peak.py` (model `attnlab-2mamba+chunked+recompute` beside `attnlab-2mamba+chunked`) compares the
+# whole model's peak memory and tokens/s both ways.
 RECOMPUTE_IN_BACKWARD = False
 
 
