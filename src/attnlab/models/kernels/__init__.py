@@ -80,8 +80,7 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           1 x 32768 in 46.1 GiB (34,320 tokens/s, against the tiled kernels' 31,406 in an earlier run) and ran out of
 #           memory at 1 x 65536, where the tiled kernels train in 57.8 GiB: power2 stays on the tiled kernels until that
 #           memory is found (`bash benchmarks/gpu.sh memory`).
-# Both passed the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py) with power1 in chunks
-# of 64; at its chunks of 128 (`CHUNK_SIZES`) they ran through Triton's interpreter only.
+# Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py), power1 in its chunks of 128.
 CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768}
 
 

@@ -27,7 +27,7 @@ are summed in fp32 and rounded to the inputs' dtype only as the operands of prod
 do. Every product with power2's features runs on cuBLAS from the features formed in memory, once per use
 (`_features_kernel`), and the gradients of q and k through phi read the features' gradient once
 (`_features_backward_kernel`). The kernels that form the features in registers instead (`_phi_product_kernel`,
-`_phi_backward_kernel`, `FEATURES_IN_REGISTERS`) write no features, but ran 3.8-4.1x slower on an H100. Off CUDA (and
+`_phi_backward_kernel`, `FEATURES_IN_REGISTERS`) write no features, but ran 3.9-4.1x slower on an H100. Off CUDA (and
 for power1, whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.
 """
