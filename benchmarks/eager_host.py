@@ -4,7 +4,8 @@ For each model (bench names of `attnlab bench train`), at one shape: the eager s
 GPU's kernel time, the host's time to issue the forward, the backward and the optimizer step separately
 (the GPU drained before each part), the number of kernels each part launches, and the Python functions
 the forward and the backward spend their host time in (cProfile, own time). Prints a table last; --out
-writes the rows as JSON.
+writes the rows as JSON. `--compiled` adds each attnlab model with its blocks under torch.compile (`model+compiled`),
+as `attnlab train` runs an eager step.
 """
 
 from __future__ import annotations
@@ -50,12 +51,19 @@ def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len
     return round(step_s * 1000, 2)
 
 
-def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
+def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured=None):
+    """One model's row; `name` with "+compiled": the attnlab model with its blocks under torch.compile (as `attnlab
+    train` runs an eager step, `train.compile`). `captured`: the captured step's ms when already measured."""
     device = torch.device("cuda")
-    captured = captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len) if name.startswith("attnlab-") else None
+    compiled = name.endswith("+compiled")
+    base = name.removesuffix("+compiled")
+    if captured is None and base.startswith("attnlab-"):
+        captured = captured_ms(base, hidden, layers, heads, vocab, intermediate, batch, seq_len)
     torch.manual_seed(0)
     release(device)
-    model = build(name, hidden, layers, heads, vocab, intermediate).cuda().train()
+    model = build(base, hidden, layers, heads, vocab, intermediate).cuda().train()
+    if compiled:
+        model.compile_blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     state = {}
@@ -76,10 +84,14 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
         backward()
         optimizer()
 
-    for _ in range(3):
+    t0 = time.perf_counter()
+    step()  # the first step compiles the blocks ("+compiled")
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(2):
         step()
     step_s, _ = median_time(step, 6, device)
-    row = {"model": name, "batch": batch, "seq_len": seq_len, "step_ms": round(step_s * 1000, 2),
+    row = {"model": name, "first_step_s": round(first_s, 1), "batch": batch, "seq_len": seq_len, "step_ms": round(step_s * 1000, 2),
            "tok_per_s": round(batch * seq_len / step_s)}
     parts = {}
     for part, fn, before, after in (("forward", forward, None, lambda: (backward(), optimizer())),
@@ -114,6 +126,11 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
     if captured:
         row.update(captured_ms=captured, eager_over_captured=round(captured / row["step_ms"], 3))
     del model, opt
+    if compiled:
+        torch._dynamo.reset()  # the next model compiles its own blocks
+        from attnlab.models import modeling
+
+        modeling._compiled_block.cache_clear()
     return row
 
 
@@ -126,14 +143,21 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--compiled", action="store_true", help="also each attnlab model with its blocks under torch.compile")
     ap.add_argument("--out")
     args = ap.parse_args()
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
-    for name in args.model:
-        name = name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}"
+    names = [name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}" for name in args.model]
+    if args.compiled:  # each attnlab model eager as written and with its blocks compiled
+        names = [variant for name in names for variant in ((name, name + "+compiled") if name.startswith("attnlab-") else (name,))]
+    captured = {}
+    for name in names:
         try:
-            row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len)
+            row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len,
+                          captured.get(name.removesuffix("+compiled")))
+            if "captured_ms" in row:
+                captured[name.removesuffix("+compiled")] = row["captured_ms"]
         except Exception as err:  # one model's failure is a row, not the end of the run
             row = {"model": name, "error": f"{type(err).__name__}: {err}"[:300]}
         rows.append(row)

@@ -6,7 +6,8 @@
 # without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
-# eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE), prof-eager (the
+# eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE; EAGER_COMPILED=1 adds
+# each model with its blocks under torch.compile), prof-eager (the
 # eager steps of PROF_EAGER_MODELS under torch's profiler: the host's own time per aten op and the top kernels),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 4x4096 and 1x16384-65536 beside
@@ -20,7 +21,7 @@
 # recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 11), stopped at RECALL_LIMIT seconds
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
 # random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
-# on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone). Logs go to $OUT (or ./gpu-out) as they are written;
+# on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone, RECALL_NIAH=0 skips it). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -81,7 +82,7 @@ for stage in "$@"; do case $stage in
       --shape "$shape" --steps 4 --warmup 2 --profile --out "$OUT/$stage.json" ;;
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
-  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" \
+  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda ${FSDP_K:+-k "$FSDP_K"} tests/test_distributed.py ;;
   scale|scale2) name=$stage; [ $stage = scale2 ] && { SCALE_MODELS=${SCALE2_MODELS:-$SCALE_MODELS}; SCALE_ARGS=${SCALE2_ARGS:-$SCALE_ARGS}; }
@@ -134,12 +135,14 @@ PY
       run recall-report 120 $AL report "$R/runs" --out "$OUT/recall-report.html"
       find "$R/runs" -mindepth 2 -maxdepth 2 -type d \( -name checkpoints -o -name final \) -exec rm -rf {} +  # weights: not brought back
     fi
+    niah_s=0; if [ "${RECALL_NIAH:-1}" = 1 ]; then
     # the model is saved as attnlab saves every model: one step at lr 1e-9 leaves its random initialisation as it was
     run recall-niah-model 240 $AL train --run-dir "$R/niah-model" --set model.mixer=softmax "${niah_model[@]}" --set data.seq_len=128 \
       --set train.batch_size=1 --set train.max_steps=1 --set train.lr=1e-9 --set train.warmup_steps=0 --set train.eval_every=0 \
       --set train.save_every=0 --set train.sample_tokens=0
     t0=$SECONDS; run recall-niah "${NIAH_LIMIT:-240}" $AL eval "$R/niah-model" --task niah "${niah[@]}" -o "$R/niah"; niah_s=$((SECONDS - t0))
     rm -rf "$R/niah-model"  # a random initialisation of 300M parameters
+    fi
     python - "$R" "$suite_s" "$niah_s" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
@@ -157,7 +160,7 @@ if rows:
     print(f"recall suite: {done}/{len(sweep.get('jobs', []))} runs finished in {suite_s} s wall")
 metrics = root / "niah" / "metrics.json"
 niah = json.loads(metrics.read_text()).get("metrics", {}) if metrics.is_file() else {}
-print(f"niah: {niah.get('examples', '?')} prompts, 1k-8k tokens, in {niah_s} s wall (generation {niah.get('generation_s', float('nan')):.1f} s), "
+if niah: print(f"niah: {niah.get('examples', '?')} prompts, 1k-8k tokens, in {niah_s} s wall (generation {niah.get('generation_s', float('nan')):.1f} s), "
       f"accuracy {niah.get('accuracy', float('nan')):.3f} (a random model: only the time means anything)")
 PY
     ;;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,7 +38,22 @@ class AttnLabBlock(GradientCheckpointingLayer):
         else:
             self.mlp_norm = self.mlp = None
 
+    # Set by `AttnLabForCausalLM.compile_blocks`: training forwards (gradients on, no cache, no padding mask) run
+    # through torch.compile; every other call (evaluation, decoding) runs as written.
+    compiled: bool = False
+
     def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: AttnLabCache | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        if self.compiled and cache is None and not use_cache and attention_mask is None and torch.is_grad_enabled():
+            return _compiled_block()(self, hidden_states)
+        return self.block(hidden_states, attention_mask, cache, use_cache)
+
+    def block(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
@@ -53,6 +70,13 @@ class AttnLabBlock(GradientCheckpointingLayer):
             return hidden_states + mixed
         normed, hidden_states = self.mlp_norm(mixed, residual=hidden_states)  # hidden_states + mixed, and its norm
         return hidden_states + self.mlp(normed)
+
+
+@functools.cache
+def _compiled_block():
+    """`AttnLabBlock.block` under torch.compile, one function for every block (the blocks of a model share its
+    graphs: their parameters are the graph's inputs). Each batch shape compiles once (no dynamic shapes)."""
+    return torch.compile(AttnLabBlock.block, dynamic=False)
 
 
 class AttnLabPreTrainedModel(PreTrainedModel):
@@ -169,6 +193,15 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
 
     def _reorder_cache(self, cache: AttnLabCache, beam_idx: torch.LongTensor) -> AttnLabCache:
         return cache.reorder(beam_idx)
+
+    def compile_blocks(self, on: bool = True) -> None:
+        """Run each block's training forward through torch.compile (`on=False`: as written again). Inductor fuses
+        the glue around each mixer (norms, residual adds, rotary, gates, SwiGLU's activation) and launches it from
+        generated code; the mixers' own kernels run as they are, between the compiled parts
+        (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; the
+        trainer turns it on where the step is not captured (`train.compile`). Evaluation and decoding run as written."""
+        for block in self.model.layers:
+            block.compiled = on
 
     def enable_health_stats(self, on: bool = True) -> None:
         """Let mixers that report training-health statistics (NSA) record them on training forwards

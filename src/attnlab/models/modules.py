@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from attnlab.models import kernels
 from attnlab.models.kernels.common.norm import add_rms_norm, rms_norm, rms_norm_swish_gate
+from attnlab.models.kernels.eager import compiling
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +28,7 @@ class RMSNorm(nn.Module):
         return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.use_fla(self.kernels, x):
+        if not compiling() and kernels.use_fla(self.kernels, x):  # compiled: the reference, which Inductor fuses
             return rms_norm(x, self.weight, self.eps)
         return self.normed_fp32(x).to(x.dtype)
 
@@ -50,7 +51,7 @@ class PreNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         dtype = output_dtype(x if residual is None else residual)
-        if kernels.use_fla(self.kernels, x):
+        if not compiling() and kernels.use_fla(self.kernels, x):  # compiled: the reference, which Inductor fuses
             return add_rms_norm(x, residual, self.weight, self.eps, dtype)
         summed = x if residual is None else residual + x
         normed = self.normed_fp32(summed).to(dtype)
@@ -61,7 +62,7 @@ class GatedRMSNorm(RMSNorm):
     """RMSNorm of `x` multiplied by swish(`gate`), as fla's `FusedRMSNormGated`."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if kernels.use_fla(self.kernels, x):
+        if not compiling() and kernels.use_fla(self.kernels, x):  # compiled: the reference, which Inductor fuses
             return rms_norm_swish_gate(x, gate, self.weight, self.eps)
         return (self.normed_fp32(x) * F.silu(gate.float())).to(gate.dtype)
 
@@ -154,7 +155,7 @@ class SwiGLU(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x)
-        if kernels.use_triton(self.kernels, x):  # attnlab's elementwise kernels (`kernels/common/swiglu.py`)
+        if not compiling() and kernels.use_triton(self.kernels, x):  # attnlab's elementwise kernels (`kernels/common/swiglu.py`)
             from attnlab.models.kernels.common.swiglu import swiglu, swiglu_linear
 
             if type(self.down_proj) is nn.Linear:  # not when an adapter (LoRA) wraps down_proj

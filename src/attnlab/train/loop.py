@@ -73,13 +73,16 @@ class AttnLabTrainer(Trainer):
     """
 
     def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, cuda_graphs: bool = False,
-                 grad_reduce_dtype: torch.dtype | None = None, say=print, train_sampler=None, data_state=None, **kwargs):
+                 compile_blocks: bool = False, grad_reduce_dtype: torch.dtype | None = None, say=print, train_sampler=None,
+                 data_state=None, **kwargs):
         self.train_sampler = train_sampler  # the block stream of a prepared corpus (data/blocks.py), else the Trainer's
         self.data_state = data_state  # step -> the data state a checkpoint records (data_state.json), or None
         super().__init__(*args, **kwargs)
         self.checkpoints = checkpoints
         self.run_config_yaml = run_config_yaml
         self.cuda_graphs = cuda_graphs  # capture the step's forward and backward (train/graphs.py)
+        self.compile_blocks = compile_blocks  # where the step runs eagerly on CUDA: the blocks under torch.compile
+        self.compile_decided = False
         self.say = say
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
@@ -132,9 +135,25 @@ class AttnLabTrainer(Trainer):
         self.say(f"training step runs eagerly: {blocker} (train.cuda_graphs)")
         return None
 
+    def _compile_eager_step(self, model) -> None:
+        """Once the training step is known to run eagerly for good (capture off, or refused), compile the blocks
+        of an attnlab model on CUDA (`train.compile`), or say why not."""
+        self.compile_decided = True
+        model = self.accelerator.unwrap_model(model)
+        if not isinstance(model, AttnLabForCausalLM) or next(model.parameters()).device.type != "cuda":
+            return
+        if getattr(model, "is_activation_checkpointing", False):
+            self.say("blocks not compiled: gradient checkpointing recomputes them outside torch.compile (train.compile)")
+            return
+        model.compile_blocks()
+        self.say("eager training step: each block compiled with torch.compile on its first steps (train.compile)")
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         captured = None if return_outputs else self._captured_loss(model, inputs)
         self.replayed = captured is not None
+        if (captured is None and self.compile_blocks and not self.compile_decided and model.training and not return_outputs
+                and (not self.cuda_graphs or self.graph_note is not None)):
+            self._compile_eager_step(model)
         if captured is not None:
             # the Trainer's own loss arithmetic (its scaling under several processes) around the replay
             model = lambda input_ids, labels, num_items_in_batch=None: {  # noqa: E731
@@ -678,6 +697,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
         cuda_graphs=cfg.train.cuda_graphs and report.device == "cuda",
+        compile_blocks=cfg.train.compile and report.device == "cuda",
         grad_reduce_dtype=torch.bfloat16 if cfg.train.grad_reduce_dtype == "bf16" else None,
         say=say,
         train_sampler=sampler,

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.models import kernels
+from attnlab.models.kernels.eager import outside_compile
 from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.mixers.softmax import (
     SoftmaxAttention,
@@ -397,6 +398,7 @@ class AttentionFamily(Mixer):
             state = {name: t for name, t in state.items() if t is not None}
         return y, state
 
+    @outside_compile  # the mixing on attnlab's kernels: a compiled block runs it as it is
     def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms,
                        decay_fn=None):
         """Linearizable variants: the quadratic form for training, a fixed-size state for decoding.
@@ -545,6 +547,7 @@ class AttentionFamily(Mixer):
             return state.shape[-2] != self.head_dim**2
         return fast
 
+    @outside_compile  # the mixing on attnlab's kernels: a compiled block runs it as it is
     def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache, terms):
         """Other variants: attention over a cache of keys, values and each key's decay so far."""
         if "length" in cache:  # the decode engine's static cache (`static_state`)

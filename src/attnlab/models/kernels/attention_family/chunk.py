@@ -42,6 +42,7 @@ import triton.language as tl
 
 from attnlab.models.ops.attention_family import SUM_DENOMINATORS, finish_output, unpack_power2_state
 from attnlab.models.ops.attention_family import attention_terms as reference_terms
+from attnlab.models.kernels.eager import outside_compile
 
 # Tokens per chunk, measured on an H100 (`benchmarks/attention_family_chunk.py`, one layer's mixing forward and backward,
 # 16 heads of 64: benchmarks/results/h100-chunk-crossover.txt). power1: 128 is the fastest from 1 x 16384 on
@@ -433,7 +434,9 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
     y = _phi_times(qh, states[:, :, :chunks], similarity, query=True)  # [B, H, n, C, Dv']
     if gh is not None:
         y = y * torch.exp(gh)[..., None]
-    return y, states[:, :, chunks]
+    # the end state as a tensor of its own: a view would keep the group's every chunk-start state alive while the
+    # backward keeps it (`_ChunkStates` saves each group's starting state)
+    return y, states[:, :, chunks].clone(memory_format=torch.contiguous_format)
 
 
 def _phi_times(x, s, similarity, query):
@@ -608,6 +611,7 @@ def _chunk_log_decays(log_decay: torch.Tensor, chunks: int, chunk: int) -> torch
     return log_decay.float().view(batch, chunks, chunk, heads).transpose(2, 3).cumsum(-1)
 
 
+@outside_compile
 def chunk_attention(
     q, k, v, log_decay=None, *, similarity, scale, denominator="sum", count_power=None, key_mask=None,
     state=None, normalizer=None, count_before=None, packed=True, chunk_size=None, group_chunks=None,
@@ -702,14 +706,18 @@ def chunk_attention(
 RECOMPUTE_IN_BACKWARD = False
 
 
+@outside_compile
 def chunk_attention_recomputable(q, k, v, log_decay=None, **kwargs):
     """`chunk_attention`, its forward run again in the backward when `RECOMPUTE_IN_BACKWARD` is on."""
     if not (RECOMPUTE_IN_BACKWARD and torch.is_grad_enabled()):
         return chunk_attention(q, k, v, log_decay, **kwargs)
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    return checkpoint(functools.partial(chunk_attention, **kwargs), q, k, v, log_decay, use_reentrant=False,
-                      preserve_rng_state=False)  # the capturable form (`train.graphs.CHECKPOINT_KWARGS`)
+    # no early stop: it ends the recomputation by raising from a saved-tensor hook, which the autograd functions
+    # inside (the tiled kernels' division) turned into a SystemError on the H100
+    with set_checkpoint_early_stop(False):
+        return checkpoint(functools.partial(chunk_attention, **kwargs), q, k, v, log_decay, use_reentrant=False,
+                          preserve_rng_state=False)  # the capturable form (`train.graphs.CHECKPOINT_KWARGS`)
 
 
 def _counts(key_mask, batch, seq_len, count_before, device) -> torch.Tensor:

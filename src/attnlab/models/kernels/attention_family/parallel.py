@@ -37,6 +37,7 @@ import triton.language as tl
 
 from attnlab.models.ops.attention_family import EXP_SIMILARITIES, SUM_DENOMINATORS
 from attnlab.models.ops.attention_family import attention_terms as reference_attention_terms
+from attnlab.models.kernels.eager import outside_compile
 
 SIM_CODES = {"softmax": 0, "exp": 0, "power1": 1, "power2": 2, "taylor": 3}
 
@@ -508,6 +509,7 @@ def _bht(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+@outside_compile
 def attention_terms(
     q, k, v, *, similarity, scale, clamp=None, taylor_terms=80, denominator="sum",
     query_log_decay=None, key_log_decay=None, key_mask=None, out_dtype=None,
@@ -636,6 +638,7 @@ def _divide_grid(n_rows: int, dim: int):
     return (triton.cdiv(n_rows, block_r),), dict(BLOCK_R=block_r, BLOCK_D=block_d)
 
 
+@outside_compile
 def divide(num: torch.Tensor, den: torch.Tensor | None, denominator: str, out_dtype: torch.dtype) -> torch.Tensor | None:
     """`_divide(_finish_denominator(den))` then the transpose of `parallel_attention`, fused: num [B, H, Tq, Dv]
     and den [B, H, Tq, 1] as `attention_terms` above returns them -> o [B, Tq, H, Dv] in `out_dtype`.

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from attnlab.models.ops.common import causal_conv1d as reference
+from attnlab.models.kernels.eager import outside_compile
 
 MAX_KERNEL_SIZE = 8  # the forward unrolls K loads of its tile; the backward one dweight sum per tap, up to 8
 # Tiles by up to 128 channels. Forward: 32 steps, 4 warps. Backward: the dpre pass 8 steps by 8 warps (4 elements
@@ -355,6 +356,7 @@ class _CausalConv1d(torch.autograd.Function):
         return dx, dweight, dbias, dh0, None, None
 
 
+@outside_compile
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -4,6 +4,7 @@ logits. The PyTorch reference is `attnlab.models.ops.gla.chunk_gla`; `attnlab.mo
 from __future__ import annotations
 
 import torch
+from attnlab.models.kernels.eager import outside_compile
 
 
 def _log_forget_gate(logits: torch.Tensor, normalizer: float, keep: torch.Tensor | None) -> torch.Tensor:
@@ -48,6 +49,7 @@ class _GatedChunkGLA(torch.autograd.Function):
         return dq.to(q), dk.to(k), dv.to(v), dlogits.to(logits.dtype), None, None, None, dh0, None
 
 
+@outside_compile
 def gla_chunk_gated(q, k, v, logits, normalizer: float, scale, initial_state, output_final_state: bool, keep=None):
     """fla's chunked GLA on the log forget gate logsigmoid(`logits`) / `normalizer` (times `keep`,
     0 at padding), computed in fp32 inside; see `_GatedChunkGLA`."""

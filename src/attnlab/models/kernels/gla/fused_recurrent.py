@@ -3,7 +3,10 @@ The PyTorch reference is `attnlab.models.ops.gla`; `attnlab.models.mixers.gla` c
 
 from __future__ import annotations
 
+from attnlab.models.kernels.eager import outside_compile
 
+
+@outside_compile
 def gla_recurrent(q, k, v, gk, scale, initial_state, output_final_state: bool):
     """fla's fused recurrent GLA (decoding and short prefills)."""
     from fla.ops.gla import fused_recurrent_gla

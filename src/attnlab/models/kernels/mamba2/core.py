@@ -29,6 +29,7 @@ import torch
 import attnlab.models.kernels as dispatch  # use_triton looked up when called (tests replace it there)
 from attnlab.models.kernels import triton_installed, use_fla
 from attnlab.models.ops.mamba2 import ssd_skip_grads, ssd_with_skip
+from attnlab.models.kernels.eager import outside_compile
 
 
 def ssd_as_gla(
@@ -211,6 +212,7 @@ def _norm_linear_backward(dout, x, z, norm_weight, weight, rstd, group_size, dz_
     return dx, dz, dnorm_weight.to(norm_weight.dtype), dweight
 
 
+@outside_compile
 def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                       group_size: int, eps: float) -> torch.Tensor:
     """linear(rmsnorm(x * silu(z)) over groups of `group_size`, times `norm_weight`; `weight`) on attnlab's
@@ -293,6 +295,7 @@ def _conv_pieces(conv_out: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tens
             C.view(batch, seq_len, groups, state_size))
 
 
+@outside_compile
 def mamba2_core(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
                 A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, out_weight: torch.Tensor,
                 dims: tuple[int, int, int, int, int, int, int], chunk: int, eps: float) -> torch.Tensor:

@@ -58,6 +58,7 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from attnlab.models.kernels.eager import outside_compile
 
 
 @triton.jit
@@ -481,6 +482,7 @@ def kernel_chunk(chunk_size: int) -> int:
     return 64
 
 
+@outside_compile
 def ssd_triton(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
     chunk_size: int, initial_state: torch.Tensor | None, output_final_state: bool,

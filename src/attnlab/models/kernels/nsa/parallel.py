@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from attnlab.models.ops.nsa import cdiv, check_selection_counts, select_blocks
+from attnlab.models.kernels.eager import outside_compile
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels work in base 2
 NO_WINDOW = 1 << 30  # the compressed branch: every complete past block
@@ -596,6 +597,7 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
     return torch.cat(out, dim=1)
 
 
+@outside_compile
 def parallel_nsa(
     q: torch.Tensor,
     k: torch.Tensor,

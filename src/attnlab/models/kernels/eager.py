@@ -1,0 +1,24 @@
+"""attnlab's kernels beside torch.compile.
+
+Where the training step is not captured as CUDA graphs, the trainer compiles each block with torch.compile
+(`AttnLabForCausalLM.compile_blocks`): Inductor fuses the glue around the mixer (norms, residual adds, rotary,
+gates, SwiGLU's activation) into a few kernels and launches them from generated code, so the host issues far fewer
+launches per block. The mixers' own kernels (attnlab's and fla's Triton kernels, with autograd functions of their own)
+are not traced: each entry point is marked `outside_compile`, so torch.compile runs it as it is, between the block's
+compiled parts. The glue's own fused kernels (the norms, SwiGLU) step aside while compiling (`compiling()`): there the
+PyTorch reference is what Inductor fuses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def outside_compile(fn):
+    """`fn` runs as written under torch.compile (a break in the compiled graph), unchanged otherwise."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing this call."""
+    return torch.compiler.is_compiling()

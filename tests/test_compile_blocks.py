@@ -1,0 +1,105 @@
+"""The blocks of an attnlab model under torch.compile (`AttnLabForCausalLM.compile_blocks`, `train.compile`): the same
+losses and gradients as the blocks as written, the mixers' own kernels left out of the compiled graphs, and only
+training forwards compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+
+CUDA_MIXERS = ["2mamba", "2mamba-e", "gated_softmax", "linear__output_norm", "softmax", "mamba2", "nsa", "gla"]
+
+
+def _pair(mixer: str, device: str, **sizes):
+    config = AttnLabConfig(vocab_size=128, hidden_size=sizes.get("hidden", 64), num_layers=2, num_heads=sizes.get("heads", 4),
+                           mixer=mixer, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    plain = AttnLabForCausalLM(config).to(device).train()
+    compiled = AttnLabForCausalLM(config).to(device).train()
+    compiled.load_state_dict(plain.state_dict())
+    compiled.compile_blocks()
+    return plain, compiled
+
+
+def _loss_and_grads(model, ids, autocast: bool):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache():
+    from attnlab.models import modeling
+
+    torch._dynamo.reset()
+    modeling._compiled_block.cache_clear()
+    yield
+    torch._dynamo.reset()
+    modeling._compiled_block.cache_clear()
+
+
+@pytest.mark.parametrize("mixer", ["2mamba", "gla"])
+def test_compiled_blocks_train_as_the_blocks_as_written_on_cpu(mixer):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    plain, compiled = _pair(mixer, "cpu")
+    ids = torch.randint(0, 128, (2, 32))
+    for _ in range(2):  # the second step reuses the graphs
+        want_loss, want = _loss_and_grads(plain, ids, autocast=False)
+        got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 4  # both blocks share them; the attention family's mixing breaks its block's graph in two
+    # evaluation (no gradients) and decoding (a cache) run the blocks as written: nothing more is compiled
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
+    out = compiled.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, plain.generate(ids[:1, :8], max_new_tokens=4, do_sample=False))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_blocks_off_again_runs_the_blocks_as_written():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    _, compiled = _pair("softmax", "cpu")
+    compiled.compile_blocks(False)
+    ids = torch.randint(0, 128, (2, 16))
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_the_train_section_compiles_eager_steps_by_default():
+    from attnlab.config.schema import TrainSection
+
+    assert TrainSection().compile is True
+    assert TrainSection(compile=False).compile is False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mixer", CUDA_MIXERS)
+def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mixer):
+    """On CUDA the glue is compiled and the mixers' Triton kernels run between the compiled parts: fp32 and bf16
+    autocast against the same model as written."""
+    from torch._dynamo.utils import counters
+
+    plain, compiled = _pair(mixer, "cuda", hidden=256, heads=4)
+    ids = torch.randint(0, 128, (2, 256), device="cuda")
+    for autocast, rtol, atol in ((False, 2e-4, 2e-5), (True, 3e-2, 3e-3)):
+        counters.clear()
+        for _ in range(2):
+            want_loss, want = _loss_and_grads(plain, ids, autocast)
+            got_loss, got = _loss_and_grads(compiled, ids, autocast)
+        torch.testing.assert_close(got_loss, want_loss, rtol=rtol, atol=atol)
+        for name in want:
+            scale = want[name].abs().max().clamp_min(1e-6)
+            torch.testing.assert_close(got[name] / scale, want[name] / scale, rtol=rtol, atol=atol * 10, msg=name)
+        assert counters["stats"]["unique_graphs"] >= 1
