@@ -76,11 +76,11 @@ def test_compile_blocks_off_again_runs_the_blocks_as_written():
     assert counters["stats"]["unique_graphs"] == 0
 
 
-def test_the_train_section_compiles_eager_steps_by_default():
+def test_the_train_section_compiles_eager_steps_only_when_asked():
     from attnlab.config.schema import TrainSection
 
-    assert TrainSection().compile is True
-    assert TrainSection(compile=False).compile is False
+    assert TrainSection().compile is False
+    assert TrainSection(compile=True).compile is True
 
 
 @pytest.mark.cuda

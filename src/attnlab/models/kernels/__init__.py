@@ -12,7 +12,6 @@ This module holds the dispatch only; the kernels and their autograd wrappers sit
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import warnings
 
@@ -23,9 +22,18 @@ from attnlab.models.ops import attention_family as attention_family_ops
 from attnlab.models.ops import nsa as nsa_ops
 
 
-@functools.cache
+# Looked up once, on first use (a plain global, not functools.cache: torch.compile reads it without tracing a cache)
+_INSTALLED: dict[str, bool] = {}
+
+
+def _installed(name: str) -> bool:
+    if name not in _INSTALLED:
+        _INSTALLED[name] = importlib.util.find_spec(name) is not None
+    return _INSTALLED[name]
+
+
 def fla_installed() -> bool:
-    return importlib.util.find_spec("fla") is not None
+    return _installed("fla")
 
 
 def use_fla(choice: str, x: torch.Tensor) -> bool:
@@ -40,9 +48,8 @@ def use_fla(choice: str, x: torch.Tensor) -> bool:
     return False
 
 
-@functools.cache
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _installed("triton")
 
 
 def use_triton(choice: str, x: torch.Tensor, covered: bool = True) -> bool:
@@ -76,12 +83,12 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #   power1  linear__output_norm 1.35 at 1 x 16384, 0.47 at 1 x 32768, 0.26 at 1 x 65536;
 #           linear_elu          1.30,              0.65,              0.32.
 #   power2  2mamba, its features formed in memory (`FEATURES_IN_REGISTERS` off): 0.97 at 1 x 32768, 0.48 at 1 x 65536
-#           (benchmarks/results/h100-chunk-power2-in-memory.txt). Yet the whole model chunked trained 2mamba at
-#           1 x 32768 in 46.1 GiB (34,320 tokens/s, against the tiled kernels' 31,406 in an earlier run) and ran out of
-#           memory at 1 x 65536, where the tiled kernels train in 57.8 GiB: power2 stays on the tiled kernels until that
-#           memory is found (`bash benchmarks/gpu.sh memory`).
+#           (benchmarks/results/h100-chunk-power2-in-memory.txt). The whole 20-layer model at 1 x 32768 (`bash
+#           benchmarks/gpu.sh memory`, captured): chunked 33,644 tokens/s in 32.46 GiB, tiled 30,739 in 31.64 GiB
+#           (benchmarks/results/h100-memory-2mamba-1x32768.txt), once the chunked form stopped keeping each group's
+#           chunk-start states alive through a view (45.64 GiB before).
 # Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py), power1 in its chunks of 128.
-CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768}
+CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768, "power2": 32768}
 
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):
