@@ -18,7 +18,7 @@
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
 # before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
-# recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 11), stopped at RECALL_LIMIT seconds
+# recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 21), stopped at RECALL_LIMIT seconds
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
 # random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
 # on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone, RECALL_NIAH=0 skips it). Logs go to $OUT (or ./gpu-out) as they are written;
@@ -126,7 +126,7 @@ PY
       niah_model=(--set model.hidden_size=64 --set model.num_layers=2 --set model.num_heads=2 --set model.max_position_embeddings=2048
         --set train.device=cpu); niah=(--lengths 1k,2k --depths 0,1 --samples 1)
     else
-      where=(--gpus "${RECALL_GPUS:-$(nvidia-smi -L | awk '{print NR - 1}' | paste -sd,)}" --per-gpu "${RECALL_PER_GPU:-11}"); toy=()
+      where=(--gpus "${RECALL_GPUS:-$(nvidia-smi -L | awk '{print NR - 1}' | paste -sd,)}" --per-gpu "${RECALL_PER_GPU:-21}"); toy=()
       niah_model=(--set model.hidden_size=1024 --set model.num_layers=24 --set model.num_heads=16 --set model.max_position_embeddings=8192
         --set train.cuda_graphs=false); niah=(--lengths 1k,2k,4k,6k,8k --depths 0,0.25,0.5,0.75,1 --samples 20)
     fi

@@ -347,7 +347,7 @@ def test_the_recall_suite_trains_every_named_mixer_on_mqar_at_several_lengths():
     assert 2 <= len({c.data.seq_len for c in configs}) <= 4
     assert all(c.data.source == "mqar" and [t.task for t in c.eval.tasks] == ["mqar"] for c in configs)
     tokens = sum(c.train.max_steps * c.train.batch_size * c.data.seq_len for c in configs)
-    assert {c.train.lr for c in configs} == {1e-3, 3e-3} and len(configs) == 7 * 3 * 2
+    assert {c.train.lr for c in configs} == {3e-3, 1e-2} and len(configs) == 7 * 3 * 2
     assert tokens <= 1.65e9  # the size the suite's header states, inside 30 minutes of one H100
 
 
