@@ -201,3 +201,13 @@ def test_hf_llama_trains_through_init_from_with_a_bpe_tokenizer_made_once_in_the
     assert (llama["vocab_size"], llama["hidden_size"], llama["num_hidden_layers"], llama["tie_word_embeddings"]) == (512, 32, 1, False)
     assert (work / "bpe-512-shakespeare" / "tokenizer.json").is_file()
     assert not list((work / "runs").glob("*/final"))  # each run's weights are deleted once measured
+
+
+def test_the_hf_llama_of_the_bench_carries_the_tokenizers_special_ids(tmp_path):
+    """Else transformers' Trainer changes them at the start of every run and says so on every rank."""
+    from transformers import AutoConfig
+
+    special = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+    out = scale.hf_llama_init(tmp_path, scale.Size(hidden=32, layers=1, heads=2, intermediate=64, vocab=None), 259, special)
+    config = AutoConfig.from_pretrained(out)
+    assert {key: getattr(config, key) for key in special} == special

@@ -299,20 +299,26 @@ def corpus_bpe_tokenizer(work_dir: Path, vocab: int) -> Path:
     return out
 
 
-def hf_llama_init(work_dir: Path, size: Size, vocab: int) -> Path:
+def hf_llama_init(work_dir: Path, size: Size, vocab: int, special: dict[str, int | None] | None = None) -> Path:
     """A randomly initialised HF Llama of `size` (SDPA, untied embeddings), saved once into `work_dir`
-    for `train.init_from`; `bench zoo` builds the same model."""
+    for `train.init_from`; `bench zoo` builds the same model. `special`: the tokenizer's bos, eos and pad ids,
+    written into the model's config (else transformers' Trainer says at the start of every run that it changed them)."""
     import torch
 
     from attnlab.bench.train import build
 
-    out = work_dir / f"hf-llama-{size.hidden}x{size.layers}x{size.heads}-mlp{size.intermediate}-vocab{vocab}"
+    special = special or {}
+    ids = "-".join(f"{special.get(key)}" for key in ("bos_token_id", "eos_token_id", "pad_token_id"))
+    out = work_dir / f"hf-llama-{size.hidden}x{size.layers}x{size.heads}-mlp{size.intermediate}-vocab{vocab}-ids{ids}"
     if not (out / "config.json").is_file():
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # no bar for writing one shard
         torch.manual_seed(0)
         model = build(HF_LLAMA, size.hidden, size.layers, size.heads, vocab, size.intermediate)
+        for key, value in special.items():
+            setattr(model.config, key, value)
+            setattr(model.generation_config, key, value)
 
         with publishing(out) as part:
             model.save_pretrained(part, safe_serialization=True)
@@ -520,13 +526,13 @@ def prepare_bench(models: list[str], size: Size, device: str, tokenizer: str, st
         spec = "byte"
     bench = Bench(size, device, spec, steps, extra=list(extra))
     if HF_LLAMA in models:
-        vocab = size.vocab
-        if vocab is None:
-            from attnlab.data import load_tokenizer
+        from attnlab.data import load_tokenizer
 
-            vocab = len(load_tokenizer(spec))
+        tok = load_tokenizer(spec)
+        vocab = size.vocab if size.vocab is not None else len(tok)
+        special = {key: getattr(tok, key, None) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
         log(f"{HF_LLAMA}: randomly initialised weights for train.init_from (once, in {work_dir})")
-        bench.hf_llama_dir = hf_llama_init(work_dir, size, vocab)
+        bench.hf_llama_dir = hf_llama_init(work_dir, size, vocab, special)
     return bench
 
 
