@@ -1,7 +1,7 @@
 """attnlab's kernels beside torch.compile.
 
-Where the training step is not captured as CUDA graphs, the trainer compiles each block with torch.compile
-(`AttnLabForCausalLM.compile_blocks`): Inductor fuses the glue around the mixer (norms, residual adds, rotary,
+Where the training step is not captured as CUDA graphs and `train.compile` is on, the trainer compiles each block with
+torch.compile (`AttnLabForCausalLM.compile_blocks`): Inductor fuses the glue around the mixer (norms, residual adds, rotary,
 gates, SwiGLU's activation) into a few kernels and launches them from generated code, so the host issues far fewer
 launches per block. The mixers' own kernels (attnlab's and fla's Triton kernels, with autograd functions of their own)
 are not traced: each entry point is marked `outside_compile`, so torch.compile runs it as it is, between the block's
