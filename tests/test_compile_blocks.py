@@ -103,3 +103,25 @@ def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mi
             scale = want[name].abs().max().clamp_min(1e-6)
             torch.testing.assert_close(got[name] / scale, want[name] / scale, rtol=rtol, atol=atol * 10, msg=name)
         assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under_checkpointing():
+    from types import SimpleNamespace
+
+    from attnlab.train.graphs import CHECKPOINT_KWARGS
+    from attnlab.train.loop import AttnLabTrainer
+
+    said = []
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), say=said.append, compile_decided=False)
+    _, model = _pair("softmax", "cpu")
+    model.compile_blocks(False)
+    AttnLabTrainer._compile_eager_step(trainer, model)
+    assert trainer.compile_decided and all(block.compiled for block in model.model.layers)
+    assert "compiled with torch.compile" in said[-1]
+
+    _, model = _pair("softmax", "cpu")
+    model.compile_blocks(False)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINT_KWARGS)
+    AttnLabTrainer._compile_eager_step(trainer, model)
+    assert not any(block.compiled for block in model.model.layers)
+    assert "gradient checkpointing" in said[-1]

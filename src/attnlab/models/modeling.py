@@ -198,8 +198,8 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         """Run each block's training forward through torch.compile (`on=False`: as written again). Inductor fuses
         the glue around each mixer (norms, residual adds, rotary, gates, SwiGLU's activation) and launches it from
         generated code; the mixers' own kernels run as they are, between the compiled parts
-        (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; the
-        trainer turns it on where the step is not captured (`train.compile`). Evaluation and decoding run as written."""
+        (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; with
+        `train.compile` on, the trainer turns it on where the step is not captured. Evaluation and decoding run as written."""
         for block in self.model.layers:
             block.compiled = on
 

@@ -137,10 +137,10 @@ class AttnLabTrainer(Trainer):
 
     def _compile_eager_step(self, model) -> None:
         """Once the training step is known to run eagerly for good (capture off, or refused), compile the blocks
-        of an attnlab model on CUDA (`train.compile`), or say why not."""
+        of an attnlab model (`train.compile`, which `run_training` passes on for CUDA only), or say why not."""
         self.compile_decided = True
         model = self.accelerator.unwrap_model(model)
-        if not isinstance(model, AttnLabForCausalLM) or next(model.parameters()).device.type != "cuda":
+        if not isinstance(model, AttnLabForCausalLM):
             return
         if getattr(model, "is_activation_checkpointing", False):
             self.say("blocks not compiled: gradient checkpointing recomputes them outside torch.compile (train.compile)")
