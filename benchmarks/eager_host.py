@@ -128,9 +128,6 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, ca
     del model, opt
     if compiled:
         torch._dynamo.reset()  # the next model compiles its own blocks
-        from attnlab.models import modeling
-
-        modeling._compiled_block.cache_clear()
     return row
 
 

@@ -22,13 +22,18 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether this call runs fla's fused norm kernel: not while torch.compile traces the block (the reference is
+        what Inductor fuses there)."""
+        return not compiling() and kernels.use_fla(self.kernels, x)
+
     def normed_fp32(self, x: torch.Tensor) -> torch.Tensor:
         """The PyTorch reference: weight * x / rms(x), in fp32."""
         x32 = x.float()
         return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not compiling() and kernels.use_fla(self.kernels, x):  # compiled: the reference, which Inductor fuses
+        if self.fused(x):
             return rms_norm(x, self.weight, self.eps)
         return self.normed_fp32(x).to(x.dtype)
 
@@ -51,7 +56,7 @@ class PreNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         dtype = output_dtype(x if residual is None else residual)
-        if not compiling() and kernels.use_fla(self.kernels, x):  # compiled: the reference, which Inductor fuses
+        if self.fused(x):
             return add_rms_norm(x, residual, self.weight, self.eps, dtype)
         summed = x if residual is None else residual + x
         normed = self.normed_fp32(summed).to(dtype)
@@ -62,7 +67,7 @@ class GatedRMSNorm(RMSNorm):
     """RMSNorm of `x` multiplied by swish(`gate`), as fla's `FusedRMSNormGated`."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if not compiling() and kernels.use_fla(self.kernels, x):  # compiled: the reference, which Inductor fuses
+        if self.fused(x):
             return rms_norm_swish_gate(x, gate, self.weight, self.eps)
         return (self.normed_fp32(x) * F.silu(gate.float())).to(gate.dtype)
 

@@ -81,8 +81,7 @@ class AttnLabTrainer(Trainer):
         self.checkpoints = checkpoints
         self.run_config_yaml = run_config_yaml
         self.cuda_graphs = cuda_graphs  # capture the step's forward and backward (train/graphs.py)
-        self.compile_blocks = compile_blocks  # where the step runs eagerly on CUDA: the blocks under torch.compile
-        self.compile_decided = False
+        self.compile_blocks = compile_blocks  # where the step runs eagerly on CUDA: the blocks under torch.compile (once)
         self.say = say
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
@@ -138,7 +137,7 @@ class AttnLabTrainer(Trainer):
     def _compile_eager_step(self, model) -> None:
         """Once the training step is known to run eagerly for good (capture off, or refused), compile the blocks
         of an attnlab model (`train.compile`, which `run_training` passes on for CUDA only), or say why not."""
-        self.compile_decided = True
+        self.compile_blocks = False  # decided once
         model = self.accelerator.unwrap_model(model)
         if not isinstance(model, AttnLabForCausalLM):
             return
@@ -151,7 +150,7 @@ class AttnLabTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         captured = None if return_outputs else self._captured_loss(model, inputs)
         self.replayed = captured is not None
-        if (captured is None and self.compile_blocks and not self.compile_decided and model.training and not return_outputs
+        if (self.compile_blocks and captured is None and model.training and not return_outputs
                 and (not self.cuda_graphs or self.graph_note is not None)):
             self._compile_eager_step(model)
         if captured is not None:
