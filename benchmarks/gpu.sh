@@ -20,7 +20,8 @@
 # before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
 # recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 21), stopped at RECALL_LIMIT seconds
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
-# random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_TINY=1 runs the same commands
+# random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_DECAY_BIAS=1 runs 2mamba and 2mamba-e
+# with mixer_options.decay_bias beside the suite, RECALL_BIAS_PER_GPU at a time on each GPU (default 3); RECALL_TINY=1 runs the same commands
 # on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone, RECALL_NIAH=0 skips it). Logs go to $OUT (or ./gpu-out) as they are written;
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
@@ -131,9 +132,19 @@ PY
         --set train.cuda_graphs=false); niah=(--lengths 1k,2k,4k,6k,8k --depths 0,0.25,0.5,0.75,1 --samples 20)
     fi
     suite_s=0; if [ "${RECALL_SUITE:-1}" = 1 ]; then
-      t0=$SECONDS; run recall-suite "${RECALL_LIMIT:-330}" $AL sweep recall "${where[@]}" ${toy[@]+"${toy[@]}"} --out-dir "$R/runs"; suite_s=$((SECONDS - t0))
-      run recall-report 120 $AL report "$R/runs" --out "$OUT/recall-report.html"
-      find "$R/runs" -mindepth 2 -maxdepth 2 -type d \( -name checkpoints -o -name final \) -exec rm -rf {} +  # weights: not brought back
+      t0=$SECONDS
+      if [ "${RECALL_DECAY_BIAS:-0}" = 1 ]; then  # beside the suite: 2mamba and 2mamba-e with mixer_options.decay_bias
+        only=(); for l in 128 256 512; do for lr in 0.003 0.01; do for m in 2mamba 2mamba-e; do only+=(--only "len$l-lr$lr-$m"); done; done; done
+        bias_where=("${where[@]}"); [ "${RECALL_TINY:-0}" = 1 ] || bias_where[3]=${RECALL_BIAS_PER_GPU:-3}
+        run recall-decay-bias "${RECALL_LIMIT:-330}" $AL sweep recall "${bias_where[@]}" ${toy[@]+"${toy[@]}"} "${only[@]}" \
+          --set "model.mixer_options={decay_bias: true}" --out-dir "$R/decay-bias" &
+      fi
+      run recall-suite "${RECALL_LIMIT:-330}" $AL sweep recall "${where[@]}" ${toy[@]+"${toy[@]}"} --out-dir "$R/runs"; wait; suite_s=$((SECONDS - t0))
+      for d in runs decay-bias; do
+        [ -d "$R/$d" ] || continue
+        run "recall-report-$d" 120 $AL report "$R/$d" --out "$OUT/recall-report-$d.html"
+        find "$R/$d" -mindepth 2 -maxdepth 2 -type d \( -name checkpoints -o -name final \) -exec rm -rf {} +  # weights: not brought back
+      done
     fi
     niah_s=0; if [ "${RECALL_NIAH:-1}" = 1 ]; then
     # the model is saved as attnlab saves every model: one step at lr 1e-9 leaves its random initialisation as it was
@@ -149,15 +160,17 @@ from pathlib import Path
 from attnlab.report.load import load_runs
 from attnlab.report.recall import mqar_rows, mqar_series
 root, suite_s, niah_s = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-header, rows = mqar_rows(mqar_series(load_runs([root / "runs"]))) if (root / "runs").is_dir() else ([], [])
-if rows:
-    print("MQAR accuracy (per query, held-out sequences) by mixer and sequence length")
+for d, what in (("runs", "the suite"), ("decay-bias", "mixer_options.decay_bias=true")):
+    header, rows = mqar_rows(mqar_series(load_runs([root / d]))) if (root / d).is_dir() else ([], [])
+    if not rows:
+        continue
+    print(f"MQAR accuracy (per query, held-out sequences) by mixer and sequence length: {what}")
     print(" ".join(f"{h:>20s}" if i == 0 else f"{h:>7s}" for i, h in enumerate(header)))
     for row in rows:
         print(" ".join(f"{c:>20s}" if i == 0 else f"{c:>7s}" for i, c in enumerate(row)))
-    sweep = json.loads((root / "runs" / "sweep.json").read_text()) if (root / "runs" / "sweep.json").is_file() else {}
+    sweep = json.loads((root / d / "sweep.json").read_text()) if (root / d / "sweep.json").is_file() else {}
     done = sum(j.get("state") == "finished" for j in sweep.get("jobs", []))
-    print(f"recall suite: {done}/{len(sweep.get('jobs', []))} runs finished in {suite_s} s wall")
+    print(f"{what}: {done}/{len(sweep.get('jobs', []))} runs finished in {suite_s} s wall")
 metrics = root / "niah" / "metrics.json"
 niah = json.loads(metrics.read_text()).get("metrics", {}) if metrics.is_file() else {}
 if niah: print(f"niah: {niah.get('examples', '?')} prompts, 1k-8k tokens, in {niah_s} s wall (generation {niah.get('generation_s', float('nan')):.1f} s), "

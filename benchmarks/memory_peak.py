@@ -3,8 +3,9 @@ attnlab (or torch) that allocated them.
 
     python benchmarks/memory_peak.py --model attnlab-2mamba --model attnlab-2mamba+chunked+recompute --shape 1x32768
 
-Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs; after the name, `+chunked`: power2 on the
-chunked form from 32768 tokens, `CHUNKED_MIN_TOKENS`, and `+recompute`: the chunked form's forward run again in its
+Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs; after the name, `+chunked`: power1 and
+power2 layers on the chunked form at any length, `+tiled`: on the tiled kernels at any length (without either: from the
+lengths `CHUNKED_MIN_TOKENS` names, as attnlab ships), and `+recompute`: the chunked form's forward run again in its
 backward, `chunk.RECOMPUTE_IN_BACKWARD`) takes its warm-up steps, then
 one step under the allocator's history (`torch.cuda.memory._record_memory_history`). The history's
 allocations and frees are replayed in order to find the peak; the blocks alive there are summed by the
@@ -25,7 +26,7 @@ from attnlab.bench.train import build, train_step
 from attnlab.models import kernels
 from attnlab.models.kernels.attention_family import chunk as chunk_module
 
-DEFAULT_MODELS = ["attnlab-2mamba", "attnlab-2mamba+chunked", "attnlab-2mamba-eager+chunked", "attnlab-2mamba+chunked+recompute"]
+DEFAULT_MODELS = ["attnlab-2mamba+tiled", "attnlab-2mamba+chunked", "attnlab-2mamba-eager+chunked", "attnlab-2mamba+chunked+recompute"]
 
 
 def site(frames: list[dict]) -> str:
@@ -84,9 +85,12 @@ def main() -> None:
     chunked_from = dict(kernels.CHUNKED_MIN_TOKENS)
     for label in args.model or DEFAULT_MODELS:
         name, *variants = label.split("+")
-        if unknown := set(variants) - {"chunked", "recompute"}:
-            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +recompute")
-        kernels.CHUNKED_MIN_TOKENS = {**chunked_from, **({"power2": 32768} if "chunked" in variants else {})}
+        if unknown := set(variants) - {"chunked", "tiled", "recompute"}:
+            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +tiled, +recompute")
+        if {"chunked", "tiled"} <= set(variants):
+            parser.error(f"{label}: +chunked or +tiled, not both")
+        forced = 1 if "chunked" in variants else float("inf") if "tiled" in variants else None
+        kernels.CHUNKED_MIN_TOKENS = {s: forced for s in chunked_from} if forced else dict(chunked_from)
         chunk_module.RECOMPUTE_IN_BACKWARD = "recompute" in variants
         torch.manual_seed(0)
         release(device)

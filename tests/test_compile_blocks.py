@@ -83,22 +83,33 @@ def test_the_train_section_compiles_eager_steps_only_when_asked():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mixer", CUDA_MIXERS)
 def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mixer):
-    """On CUDA the glue is compiled and the mixers' Triton kernels run between the compiled parts: fp32 and bf16
-    autocast against the same model as written."""
+    """On CUDA the glue is compiled and the mixers' Triton kernels run between the compiled parts. In fp32 the
+    gradients equal the model as written's; under bf16 autocast both round differently (Inductor fuses the norms and
+    gates the written model runs as separate kernels), so each is held to the fp32 gradients: the compiled blocks'
+    error at most twice the written model's, per parameter (relative to the parameter's gradient norm)."""
     from torch._dynamo.utils import counters
 
     plain, compiled = _pair(mixer, "cuda", hidden=256, heads=4)
     ids = torch.randint(0, 128, (2, 256), device="cuda")
-    for autocast, rtol, atol in ((False, 2e-4, 2e-5), (True, 3e-2, 3e-3)):
-        counters.clear()
-        for _ in range(2):
-            want_loss, want = _loss_and_grads(plain, ids, autocast)
-            got_loss, got = _loss_and_grads(compiled, ids, autocast)
-        torch.testing.assert_close(got_loss, want_loss, rtol=rtol, atol=atol)
-        for name in want:
-            scale = want[name].abs().max().clamp_min(1e-6)
-            torch.testing.assert_close(got[name] / scale, want[name] / scale, rtol=rtol, atol=atol * 10, msg=name)
-        assert counters["stats"]["unique_graphs"] >= 1
+    counters.clear()
+    for _ in range(2):  # the second call runs the compiled graphs as they are kept
+        want_loss, want = _loss_and_grads(plain, ids, autocast=False)
+        got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-4, atol=2e-5)
+    for name in want:
+        error = (got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-12)
+        assert error < 1e-4, f"fp32: {name}'s gradient differs from the blocks as written by {error:.2e} of its norm"
+    assert counters["stats"]["unique_graphs"] >= 1
+
+    plain_loss, plain_bf16 = _loss_and_grads(plain, ids, autocast=True)
+    got_loss, got_bf16 = _loss_and_grads(compiled, ids, autocast=True)
+    assert abs(got_loss - want_loss) <= 2 * abs(plain_loss - want_loss) + 2e-3 * want_loss
+    for name in want:
+        norm = want[name].norm().clamp_min(1e-12)
+        plain_error = (plain_bf16[name] - want[name]).norm() / norm
+        error = (got_bf16[name] - want[name]).norm() / norm
+        assert error <= 2 * plain_error + 1e-3, (f"bf16: {name}'s gradient is {error:.2e} of its norm from fp32 arithmetic, "
+                                                 f"the blocks as written {plain_error:.2e}")
 
 
 def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under_checkpointing():

@@ -117,6 +117,8 @@ def test_preset_expands_to_options_and_accepts_single_overrides():
         ({"count_power_on": "keys", "denominator": "count_power"}, "count_power_on"),
         ({"output_norm": "rmsnorm", "output_norm_eps": 0}, "output_norm_eps must be a positive number"),
         ({"feature_map": "l2_head"}, "feature_map"),
+        ({"decay_bias": True}, "decay_bias needs decay in"),
+        ({"decay": "neg_silu", "decay_bias": True}, "decay_bias needs decay in"),
     ],
 )
 def test_config_rejects_a_combination_that_makes_no_sense_with_a_reason(options, reason):
@@ -286,7 +288,21 @@ EXTRA_SETUPS = {
     "power2-heads-l2-count-on-values": dict(similarity="power2", feature_map="l2_heads", denominator="count_power",
                                             count_power_on="values", output_norm="layernorm", output_norm_eps=1e-3),
     "exp-count-on-values-kv": dict(similarity="exp", clamp_scores=5.0, denominator="count_power", count_power_on="values"),
+    "power2-decay-bias": dict(similarity="power2", denominator="sum", output_norm="rmsnorm", decay="neg_softplus", decay_bias=True,
+                              conv_size=2),
+    "exp-decay-bias-dt-kv": dict(similarity="exp", decay="neg_softplus_dt", decay_bias=True, value_dt=True),
 }
+
+
+def test_decay_bias_starts_the_decay_slow_and_learns():
+    model = make_model("2mamba", num_layers=1, mixer_options={"decay_bias": True}).train()
+    mixer = model.model.layers[0].attn
+    start = -torch.nn.functional.softplus(mixer.decay_bias)  # the log-decay per token at init, decay_proj(x) ~ 0
+    assert (start <= -1e-3 * 0.999).all() and (start >= -0.1 * 1.001).all()
+    tokens = random_tokens(2, 17)
+    model(tokens, labels=tokens).loss.backward()
+    assert mixer.decay_bias.grad is not None and mixer.decay_bias.grad.abs().sum() > 0
+    assert AttnLabConfig(mixer="2mamba").mixer_options["decay_bias"] is False  # the preset as the study wrote it
 
 
 @pytest.mark.parametrize("setup", list(EXTRA_SETUPS))

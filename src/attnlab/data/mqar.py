@@ -6,10 +6,10 @@ Every sequence of `seq_len` tokens starts with `num_pairs` key-value pairs; the 
     k1 v1 k2 v2 ... kP vP  x x k2 v2 x x x x k1 v1 x x ...
                                   ^^            ^^   labels (-100 everywhere else)
 
-Token ids: 0 is unused; keys are drawn from 1..K and values from K+1..vocab_size-1 (K = (vocab_size-1)//2),
+Token ids: 0 is the blank; keys are drawn from 1..K and values from K+1..vocab_size-1 (K = (vocab_size-1)//2),
 distinct within a sequence; queries take distinct keys, at slots (even offsets after the pairs) drawn
-uniformly; filler tokens are any id but the sequence's keys, so that a key occurs only in its pair and
-in its query. Labels hold the value at each query's answer position: the model (which shifts labels)
+uniformly. The filler (`x` above) is the blank, as in Zoology's default, or with filler='random' any id but
+the sequence's keys (Zoology's random_non_queries), so that a key occurs only in its pair and in its query. Labels hold the value at each query's answer position: the model (which shifts labels)
 learns to predict the value from the query key, and nothing else. Accuracy is per query, exact: the
 argmax of the logits at the key is the value.
 
@@ -30,8 +30,8 @@ MQAR = "mqar"
 
 
 def mqar_example(vocab_size: int, num_pairs: int, num_queries: int, seq_len: int, seed: int, index: int,
-                 stream: int = TRAIN) -> tuple[np.ndarray, np.ndarray]:
-    """(input ids [seq_len], labels [seq_len]) of example `index` of `stream`."""
+                 stream: int = TRAIN, filler: str = "blank") -> tuple[np.ndarray, np.ndarray]:
+    """(input ids [seq_len], labels [seq_len]) of example `index` of `stream`; filler 'blank' (token 0) or 'random'."""
     rng = np.random.default_rng([seed, stream, index])
     n_keys = (vocab_size - 1) // 2
     n_values = vocab_size - 1 - n_keys
@@ -41,12 +41,17 @@ def mqar_example(vocab_size: int, num_pairs: int, num_queries: int, seq_len: int
     labels = np.full(seq_len, -100, dtype=np.int64)
     context = 2 * num_pairs
     ids[0:context:2], ids[1:context:2] = keys, values
-    filler = rng.integers(1, vocab_size, size=seq_len - context)
-    key_ids = np.zeros(vocab_size, dtype=bool)
-    key_ids[keys] = True
-    is_key = key_ids[filler]
-    filler[is_key] = 1 + n_keys + rng.integers(n_values, size=int(is_key.sum()))  # a key occurs only in its pair and query
-    ids[context:] = filler
+    if filler == "random":
+        rest = rng.integers(1, vocab_size, size=seq_len - context)
+        key_ids = np.zeros(vocab_size, dtype=bool)
+        key_ids[keys] = True
+        is_key = key_ids[rest]
+        rest[is_key] = 1 + n_keys + rng.integers(n_values, size=int(is_key.sum()))  # a key occurs only in its pair and query
+        ids[context:] = rest
+    elif filler == "blank":
+        ids[context:] = 0
+    else:
+        raise ValueError(f"MQAR filler {filler!r} is not one of 'blank', 'random'")
     slots = rng.choice((seq_len - context) // 2, size=num_queries, replace=False)
     asked = rng.choice(num_pairs, size=num_queries, replace=False)
     at = context + 2 * slots
@@ -68,7 +73,7 @@ class MqarDataset(Dataset):
         if not 0 <= index < self.size:
             raise IndexError(f"MQAR example {index} is outside 0..{self.size - 1}")
         o = self.options
-        return mqar_example(o.vocab_size, o.num_pairs, o.num_queries, self.seq_len, o.seed, index, self.stream)
+        return mqar_example(o.vocab_size, o.num_pairs, o.num_queries, self.seq_len, o.seed, index, self.stream, o.filler)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids, labels = self.example(int(index))

@@ -14,7 +14,7 @@ of the study are presets (see `attention_presets.py`). A layer computes, per hea
 The parallel form is the quadratic one (training, prefill); a linearizable variant (power1 or power2
 without a clamp) also has a chunked, linear-time form (`kernels/attention_family/chunk.py`: the quadratic
 form inside chunks, a fixed-size state across them), which `kernels.attention_family_chunked` chooses on
-CUDA from the lengths `kernels.CHUNKED_MIN_TOKENS` names (power1 from 32768 tokens; power2 not yet: see there why).
+CUDA from the lengths `kernels.CHUNKED_MIN_TOKENS` names (power1 and power2 from 32768 tokens: see there why).
 Decoding keeps, per layer, a recurrent state of fixed size where the variant is linearizable and a KV
 cache otherwise; the input convolution keeps its last inputs.
 """
@@ -63,6 +63,7 @@ from attnlab.models.ops.attention_family import (
 OUTPUT_NORMS = ("none", "layernorm", "rmsnorm", "l2")
 OUT_GATES = ("none", "before_norm", "after_norm")
 DECAYS = ("none", "discretize", "neg_softplus", "neg_softplus_dt", "neg_softplus2", "neg_silu")
+BIASED_DECAYS = ("neg_softplus", "neg_softplus_dt")  # the decays `decay_bias` starts slow
 CONV_SIZES = (0, 2, 3, 4)
 CONV_ACTIVATIONS = ("none", "silu")
 COUNT_POWER_ON = ("output", "values")
@@ -92,7 +93,7 @@ def check_options(options: dict, name: str) -> None:
     for key, valid in choices.items():
         if options[key] not in valid:
             fail(f"{key}={options[key]!r} is not one of {list(valid)}")
-    for key in ("output_norm_per_head", "in_gate", "z_gate", "value_dt", "rope", "d_residual"):
+    for key in ("output_norm_per_head", "in_gate", "z_gate", "value_dt", "rope", "d_residual", "decay_bias"):
         if not isinstance(options[key], bool):
             fail(f"{key} must be true or false, got {options[key]!r}")
     terms = options["taylor_terms"]
@@ -109,6 +110,8 @@ def check_options(options: dict, name: str) -> None:
         fail(f"output_norm_eps must be a positive number or null (model.norm_eps), got {eps!r}")
     if options["count_power_on"] != "output" and options["denominator"] != "count_power":
         fail(f"count_power_on={options['count_power_on']!r} needs denominator 'count_power'")
+    if options["decay_bias"] and options["decay"] not in BIASED_DECAYS:
+        fail(f"decay_bias needs decay in {list(BIASED_DECAYS)}, got decay={options['decay']!r}")
 
     similarity, denominator = options["similarity"], options["denominator"]
     if similarity == "softmax" and denominator not in SUM_DENOMINATORS:
@@ -163,6 +166,10 @@ class AttentionFamily(Mixer):
         "out_gate": "none",  # sigmoid gate per head on the mixed output: none | before_norm | after_norm
         "z_gate": False,  # silu(W_z x) gate on the mixed output (Mamba's z), before the norm
         "decay": "none",  # the 'A mask': none | discretize | neg_softplus | neg_softplus_dt | neg_softplus2 | neg_silu
+        # a learnable bias per head inside the decay (neg_softplus, neg_softplus_dt: -softplus(W_A x + b)), starting where
+        # the decay forgets slowly: -softplus(b) = -dt, dt log-uniform in [1e-3, 0.1] (Mamba-2's dt). Without it the decay
+        # starts at -softplus(0) = -0.69 per token
+        "decay_bias": False,
         "value_dt": False,  # multiply values by dt = softplus(W_dt x) (Mamba's discretisation)
         "conv_size": 0,  # causal depthwise conv on q, k, v: 0 (none), 2, 3 or 4
         "conv_activation": "none",  # after the conv: none | silu
@@ -179,7 +186,7 @@ class AttentionFamily(Mixer):
     # options added after models were saved with every option resolved (their config.json): such a
     # config lacks them, and they take the family defaults, the function those models were trained with,
     # not a preset's newer default
-    added_options = ("count_power_on", "output_norm_eps")
+    added_options = ("count_power_on", "output_norm_eps", "decay_bias")
 
     @classmethod
     def resolve_options(cls, options):
@@ -219,6 +226,11 @@ class AttentionFamily(Mixer):
             self.A_log = nn.Parameter(torch.empty(heads).uniform_(1, 16).log())
         elif opts["decay"] != "none":
             self.decay_proj = nn.Linear(hidden, heads, bias=False)
+        if opts["decay_bias"]:
+            # -softplus(decay_bias) = -dt, dt log-uniform in [1e-3, 0.1]: decay_bias is dt's inverse softplus
+            dt = torch.exp(torch.rand(heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            self.decay_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+            self.decay_bias._no_weight_decay = True
         if opts["in_gate"]:
             self.in_gate_proj = nn.Linear(hidden, heads, bias=True)
         if opts["out_gate"] != "none":
@@ -273,6 +285,8 @@ class AttentionFamily(Mixer):
         if kind == "discretize":
             return -torch.exp(self.A_log.float()) * dt
         a = self.decay_proj(x).float()
+        if self.options["decay_bias"]:
+            a = a + self.decay_bias.float()
         if kind == "neg_softplus":
             return -F.softplus(a)
         if kind == "neg_softplus_dt":
@@ -356,7 +370,7 @@ class AttentionFamily(Mixer):
 
         residual = v * self.D if opts["d_residual"] else None
         dt = F.softplus(self.dt_proj(x).float()) if hasattr(self, "dt_proj") else None  # [B, T, H]
-        decay_fn = "neg_softplus" if fused_step and opts["decay"] == "neg_softplus" else None
+        decay_fn = "neg_softplus" if fused_step and opts["decay"] == "neg_softplus" and not opts["decay_bias"] else None
         log_decay = self.decay_proj(x) if decay_fn else self._log_decay(x, dt)  # with `decay_fn`, the kernel's input
         if opts["value_dt"]:
             v = v * dt[..., None].to(v.dtype)
