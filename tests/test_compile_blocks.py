@@ -84,7 +84,7 @@ def test_the_train_section_compiles_eager_steps_only_when_asked():
 @pytest.mark.parametrize("mixer", CUDA_MIXERS)
 def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mixer):
     """On CUDA the glue is compiled and the mixers' Triton kernels run between the compiled parts. In fp32 the
-    gradients equal the model as written's; under bf16 autocast both round differently (Inductor fuses the norms and
+    gradients equal the model as written's (up to TF32 rounding in the kernels); under bf16 autocast both round differently (Inductor fuses the norms and
     gates the written model runs as separate kernels), so each is held to the fp32 gradients: the compiled blocks'
     error at most twice the written model's, per parameter (relative to the parameter's gradient norm)."""
     from torch._dynamo.utils import counters
@@ -96,9 +96,11 @@ def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mi
         want_loss, want = _loss_and_grads(plain, ids, autocast=False)
         got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
     torch.testing.assert_close(got_loss, want_loss, rtol=2e-4, atol=2e-5)
-    for name in want:
+    for name in want:  # fla's GLA and attnlab's NSA kernels multiply fp32 operands as TF32 (tl.dot's default): inputs that
+        # differ in their last bits (Inductor sums in another order) round differently there; measured on an H100,
+        # 1.5e-4 (nsa) and 2.5e-4 (gla) of a gradient's norm, the others below 1e-4. A wrong gradient is off by its size
         error = (got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-12)
-        assert error < 1e-4, f"fp32: {name}'s gradient differs from the blocks as written by {error:.2e} of its norm"
+        assert error < 1e-3, f"fp32: {name}'s gradient differs from the blocks as written by {error:.2e} of its norm"
     assert counters["stats"]["unique_graphs"] >= 1
 
     plain_loss, plain_bf16 = _loss_and_grads(plain, ids, autocast=True)
