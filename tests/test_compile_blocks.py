@@ -84,9 +84,10 @@ def test_the_train_section_compiles_eager_steps_only_when_asked():
 @pytest.mark.parametrize("mixer", CUDA_MIXERS)
 def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mixer):
     """On CUDA the glue is compiled and the mixers' Triton kernels run between the compiled parts. In fp32 the
-    gradients equal the model as written's (up to TF32 rounding in the kernels); under bf16 autocast both round differently (Inductor fuses the norms and
-    gates the written model runs as separate kernels), so each is held to the fp32 gradients: the compiled blocks'
-    error at most twice the written model's, per parameter (relative to the parameter's gradient norm)."""
+    gradients equal the model as written's (up to TF32 rounding in the kernels); under bf16 autocast both round
+    differently (Inductor fuses the norms and gates the written model runs as separate kernels), so each is held to
+    the fp32 gradients: the compiled blocks' error at most twice the written model's, per parameter (relative to the
+    parameter's gradient norm)."""
     from torch._dynamo.utils import counters
 
     plain, compiled = _pair(mixer, "cuda", hidden=256, heads=4)
