@@ -5,8 +5,9 @@ attnlab (or torch) that allocated them.
 
 Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs; after the name, `+chunked`: power1 and
 power2 layers on the chunked form at any length, `+tiled`: on the tiled kernels at any length (without either: from the
-lengths `CHUNKED_MIN_TOKENS` names, as attnlab ships), and `+recompute`: the chunked form's forward run again in its
-backward, `chunk.RECOMPUTE_IN_BACKWARD`) takes its warm-up steps, then
+lengths `CHUNKED_MIN_TOKENS` names, as attnlab ships), `+chunkN`: chunks of N tokens (`chunk.CHUNK_SIZES`), and
+`+recompute`: the chunked form's forward run again in its backward, `chunk.RECOMPUTE_IN_BACKWARD`) takes its warm-up
+steps, then
 one step under the allocator's history (`torch.cuda.memory._record_memory_history`). The history's
 allocations and frees are replayed in order to find the peak; the blocks alive there are summed by the
 innermost frame under src/attnlab (else the innermost Python frame), largest first, beside the peaks the
@@ -82,11 +83,13 @@ def main() -> None:
     args = parser.parse_args()
     batch, seq_len = (int(n) for n in args.shape.lower().split("x"))
     device = torch.device("cuda")
-    chunked_from = dict(kernels.CHUNKED_MIN_TOKENS)
+    chunked_from, chunk_sizes = dict(kernels.CHUNKED_MIN_TOKENS), dict(chunk_module.CHUNK_SIZES)
     for label in args.model or DEFAULT_MODELS:
         name, *variants = label.split("+")
-        if unknown := set(variants) - {"chunked", "tiled", "recompute"}:
-            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +tiled, +recompute")
+        sizes = [int(v[5:]) for v in variants if v.startswith("chunk") and v[5:].isdigit()]
+        if unknown := set(variants) - {"chunked", "tiled", "recompute"} - {f"chunk{n}" for n in sizes}:
+            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +tiled, +chunkN, +recompute")
+        chunk_module.CHUNK_SIZES = {s: sizes[-1] for s in chunk_sizes} if sizes else dict(chunk_sizes)
         if {"chunked", "tiled"} <= set(variants):
             parser.error(f"{label}: +chunked or +tiled, not both")
         forced = 1 if "chunked" in variants else float("inf") if "tiled" in variants else None
