@@ -88,7 +88,10 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           (benchmarks/results/h100-memory-2mamba-1x32768.txt), once the chunked form stopped keeping each group's
 #           chunk-start states alive through a view (45.64 GiB before).
 # Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py), power1 in its chunks of 128.
-CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 32768, "power2": 32768}
+# power1 from 16384: one layer's mixing alone (eager, above) was slower chunked at 1 x 16384, but the whole captured
+# model is faster (`bash benchmarks/gpu.sh memory`, benchmarks/results/h100-power1-chunked-1x16384.txt): tokens/s
+# tiled -> chunked, linear__output_norm 93,489 -> 126,205; linear_elu 75,830 -> 93,865 (mamba2 138,964).
+CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 16384, "power2": 32768}
 
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):
