@@ -214,7 +214,11 @@ esac; done
 # Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source) is
 # three quarters of the cache and is dropped before it is returned.
 find "$TRITON_CACHE_DIR" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttir" -o -name "*.ttgir" -o -name "*.source" \) -delete
+# Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*) come back with the graphs it compiles again on
+# another machine: not returned either, so that the cache stays small enough to carry beside the wheels
+for d in "$TRITON_CACHE_DIR"/*/; do ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && rm -rf "$d"; done
 tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/tcache.tar.xz.part-"
+echo "triton cache returned: $(cat "$OUT"/tcache.tar.xz.part-* | wc -c) bytes compressed"
 # Everything else (JSON, PNG, logs, run directories) in one archive beside summary.txt, when there are more files than
 # a caller may collect one by one (RESULTS_TAR=0 leaves them loose): tar xzf results.tar.gz
 if [ "${RESULTS_TAR:-1}" = 1 ]; then
