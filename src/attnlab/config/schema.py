@@ -43,7 +43,7 @@ class MqarSection(Section):
     vocab_size: int = Field(256, ge=3, description="token ids of the task: keys from the lower half of 1..vocab_size-1, values from the upper half (at most the model's vocabulary)")
     num_pairs: int = Field(8, gt=0, description="key-value pairs at the start of every sequence")
     num_queries: int = Field(8, gt=0, description="keys asked again later in the sequence, each followed by its value (distinct keys, at most num_pairs); the loss and the accuracy are on these values only")
-    filler: Literal["blank", "random"] = Field("blank", description="the tokens between the queries: 'blank' (token 0, Zoology's default) or 'random' (any id but the sequence's keys, Zoology's random_non_queries: harder, every filler value interferes)")
+    filler: Literal["blank", "random"] = Field("blank", description="the tokens between the queries: 'blank' (token 0, Zoology's default) or 'random' (any id but the sequence's keys, Zoology's random_non_queries; the recall suite's: softmax learns it far sooner, docs/eval.md)")
     seed: int = Field(0, ge=0, lt=2**32, description="seeds the examples (the training and evaluation streams differ)")
 
 

@@ -9,8 +9,9 @@ Every sequence of `seq_len` tokens starts with `num_pairs` key-value pairs; the 
 Token ids: 0 is the blank; keys are drawn from 1..K and values from K+1..vocab_size-1 (K = (vocab_size-1)//2),
 distinct within a sequence; queries take distinct keys, at slots (even offsets after the pairs) drawn
 uniformly. The filler (`x` above) is the blank, as in Zoology's default, or with filler='random' any id but
-the sequence's keys (Zoology's random_non_queries), so that a key occurs only in its pair and in its query. Labels hold the value at each query's answer position: the model (which shifts labels)
-learns to predict the value from the query key, and nothing else. Accuracy is per query, exact: the
+the sequence's keys (Zoology's random_non_queries), so that a key occurs only in its pair and in its query.
+Labels hold the value at each query's answer position: the model (which shifts labels) learns to predict
+the value from the query key, and nothing else. Accuracy is per query, exact: the
 argmax of the logits at the key is the value.
 
 Example `i` of a stream is made by its own generator seeded by (seed, stream, i): deterministic per seed,
