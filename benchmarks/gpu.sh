@@ -14,7 +14,8 @@
 # mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked),
 # chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536),
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
-# tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768), chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
+# tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768;
+# MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds), chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
 # before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
@@ -67,8 +68,13 @@ for stage in "$@"; do case $stage in
       --model 2mamba --model hf-llama --shape 2x8192 --out "$OUT/zoo-long-medium.json"
     python benchmarks/long_context_targets.py "$OUT"/zoo-long-*.json | tee -a "$OUT/summary.txt" ;;
   chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ;;
-  memory) run memory "${MEMORY_LIMIT:-300}" python benchmarks/memory_peak.py \
-    ${MEMORY_MODELS:+$(printf -- '--model %s ' $MEMORY_MODELS)} --shape "${MEMORY_SHAPE:-1x32768}" ;;
+  memory) if [ "${MEMORY_SEPARATE:-0}" = 1 ] && [ -n "${MEMORY_MODELS:-}" ]; then  # each model in a process of its own
+      run memory "${MEMORY_LIMIT:-300}" bash -c 'for m in $1; do python benchmarks/memory_peak.py --model "$m" --shape "$2"; done' _ \
+        "$MEMORY_MODELS" "${MEMORY_SHAPE:-1x32768}"
+    else
+      run memory "${MEMORY_LIMIT:-300}" python benchmarks/memory_peak.py \
+        ${MEMORY_MODELS:+$(printf -- '--model %s ' $MEMORY_MODELS)} --shape "${MEMORY_SHAPE:-1x32768}"
+    fi ;;
   chunk-blocks) run chunk-blocks "${BLOCKS_LIMIT:-240}" python benchmarks/attention_family_chunk.py --sweep ;;
   zoo-nsa) run zoo-nsa "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model fla-nsa --model hf-llama \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
