@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -36,6 +37,13 @@ class RMSNorm(nn.Module):
         if self.fused(x):
             return rms_norm(x, self.weight, self.eps)
         return self.normed_fp32(x).to(x.dtype)
+
+
+def slow_start_bias(n: int) -> torch.Tensor:
+    """n biases b with softplus(b) = dt, dt log-uniform in [1e-3, 0.1]: Mamba-2's init of its dt, which starts a
+    decay -softplus(W x + b) slow (the inverse softplus of dt)."""
+    dt = torch.exp(torch.rand(n) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

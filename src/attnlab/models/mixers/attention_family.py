@@ -21,7 +21,6 @@ cache otherwise; the input convolution keeps its last inputs.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -39,7 +38,7 @@ from attnlab.models.mixers.softmax import (
     static_kv_state,
     write_static_kv,
 )
-from attnlab.models.modules import RMSNorm
+from attnlab.models.modules import RMSNorm, slow_start_bias
 from attnlab.models.ops.attention_family import (
     DENOMINATORS,
     EXP_SIMILARITIES,
@@ -227,9 +226,7 @@ class AttentionFamily(Mixer):
         elif opts["decay"] != "none":
             self.decay_proj = nn.Linear(hidden, heads, bias=False)
         if opts["decay_bias"]:
-            # -softplus(decay_bias) = -dt, dt log-uniform in [1e-3, 0.1]: decay_bias is dt's inverse softplus
-            dt = torch.exp(torch.rand(heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            self.decay_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+            self.decay_bias = nn.Parameter(slow_start_bias(heads))  # -softplus(decay_bias) = -dt, as Mamba-2's dt
             self.decay_bias._no_weight_decay = True
         if opts["in_gate"]:
             self.in_gate_proj = nn.Linear(hidden, heads, bias=True)

@@ -21,7 +21,6 @@ SSM state in place (`attnlab.models.kernels.mamba2.step`), and elsewhere on `ssd
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from attnlab.models import kernels
 from attnlab.models.kernels.mamba2.core import gated_norm_linear, grouped_gated_rms_norm, mamba2_core, ssd, use_fast_ssd
 from attnlab.models.mixers.registry import Mixer, register_mixer
-from attnlab.models.modules import RMSNorm
+from attnlab.models.modules import RMSNorm, slow_start_bias
 from attnlab.models.ops.mamba2 import ssd_step
 
 
@@ -105,9 +104,7 @@ class Mamba2(Mixer):
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, kernel_size=self.conv_kernel_size, groups=self.conv_dim, bias=True
         )
-        # dt starts log-uniform in [1e-3, 0.1]; dt_bias is its inverse softplus
-        dt = torch.exp(torch.rand(self.num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(slow_start_bias(self.num_heads))  # dt starts log-uniform in [1e-3, 0.1]
         self.A_log = nn.Parameter(torch.log(torch.empty(self.num_heads).uniform_(1, 16)))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         for p in (self.dt_bias, self.A_log, self.D):
