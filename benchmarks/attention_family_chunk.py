@@ -7,7 +7,8 @@ sees them), and the chunked form under several chunk sizes.
 
 Prints, per preset and shape, the median ms of forward + backward (gradients of q, k, v and the log-decays)
 and the peak memory beyond the inputs, tiled and chunked, and the ratio (and, for power2, the default chunk with
-its features' products in registers, `FEATURES_IN_REGISTERS` on); `CHUNKED_MIN_TOKENS`
+its features' products in registers, `FEATURES_IN_REGISTERS` on; for power1, whose chunks run on the SSD kernels,
+the chunks of PyTorch's products it ran on before, `power1_on_ssd` off); `CHUNKED_MIN_TOKENS`
 (`attnlab.models.kernels`) is the shortest T where chunked wins, `CHUNK_SIZES` the fastest chunk size.
 """
 
@@ -29,7 +30,8 @@ from attnlab.models.ops.attention_family import apply_feature_map, log_decay_cum
 
 PRESETS = ("2mamba", "linear__output_norm", "linear_elu")
 SHAPES = ("16x1024", "8x2048", "4x4096", "2x8192", "1x16384", "1x32768", "1x65536")
-CHUNKS = {"power1": (64, 128), "power2": (128, 256, 512)}
+CHUNKS = {"power1": (32, 64, 128), "power2": (128, 256, 512)}  # power1: on the SSD kernels (16 to 128)
+SIZES = (32, 64, 128, 256, 512)
 
 
 def inputs(options, batch, seq_len, heads, head_dim):
@@ -78,7 +80,7 @@ def main() -> None:
         return sweep(args)
     if args.profile:
         return profile(args)
-    print(f"{'preset':22s} {'shape':>8s} {'tiled ms':>9s} {'GiB':>6s} " + " ".join(f"{'chunk ' + str(c):>14s}" for c in (64, 128, 256, 512))
+    print(f"{'preset':22s} {'shape':>8s} {'tiled ms':>9s} {'GiB':>6s} " + " ".join(f"{'chunk ' + str(c):>14s}" for c in SIZES)
           + f" {'best/tiled':>10s}")
     for preset in args.preset or PRESETS:
         options = MIXERS[preset].resolve_options(None)
@@ -99,7 +101,7 @@ def main() -> None:
             leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
             tiled_ms, tiled_gib = timed(tiled, leaves, args.repeats) if seq_len <= args.tiled_up_to else (None, "skipped")
             cells, best = [], None
-            for size in (64, 128, 256, 512):
+            for size in SIZES:
                 if size not in CHUNKS[similarity]:
                     cells.append(f"{'':>14s}")
                     continue
@@ -118,6 +120,10 @@ def main() -> None:
                 with features_in_registers():
                     ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
                 variant = f"  features in registers: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in registers: {gib}"
+            else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
+                with power1_in_pytorch_chunks():
+                    ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power1"]), leaves, args.repeats)
+                variant = f"  PyTorch chunks: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  PyTorch chunks: {gib}"
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
             ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
             print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}{variant}", flush=True)
@@ -144,6 +150,17 @@ def profile(args) -> None:
         torch.cuda.synchronize()
     print(f"2mamba's chunked mixing at {batch}x{seq_len}, {args.heads} heads of {args.head_dim}: forward + backward")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+@contextlib.contextmanager
+def power1_in_pytorch_chunks():
+    """power1's chunked form on PyTorch's products for a while, not on the SSD kernels (`power1_on_ssd`)."""
+    before = chunk_module.power1_on_ssd
+    chunk_module.power1_on_ssd = lambda q: False
+    try:
+        yield
+    finally:
+        chunk_module.power1_on_ssd = before
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 4x4096 and 1x16384-65536 beside
 # mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked),
-# chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536),
+# chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536;
+# CROSSOVER_ARGS adds options, e.g. "--preset linear_elu --shape 4x4096"),
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
 # tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768;
 # MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds), chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
@@ -67,7 +68,7 @@ for stage in "$@"; do case $stage in
     run zoo-long-medium "${ZOO_MEDIUM_LIMIT:-100}" $LONG_ZOO --hidden 1536 --layers 27 --heads 24 --intermediate 3072 \
       --model 2mamba --model hf-llama --shape 2x8192 --out "$OUT/zoo-long-medium.json"
     python benchmarks/long_context_targets.py "$OUT"/zoo-long-*.json | tee -a "$OUT/summary.txt" ;;
-  chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ;;
+  chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ${CROSSOVER_ARGS:-} ;;
   memory) if [ "${MEMORY_SEPARATE:-0}" = 1 ] && [ -n "${MEMORY_MODELS:-}" ]; then  # each model in a process of its own
       run memory "${MEMORY_LIMIT:-300}" bash -c 'for m in $1; do python benchmarks/memory_peak.py --model "$m" --shape "$2"; done' _ \
         "$MEMORY_MODELS" "${MEMORY_SHAPE:-1x32768}"

@@ -364,6 +364,102 @@ def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(
         assert rel_err(got[3][key], reference[3][key]) <= 1e-3, key
 
 
+# ---------------------------------------------------------------- power1 on the SSD kernels
+
+POWER1_CASES = [c for c in CASES if c[0] == "power1"]
+
+
+@pytest.fixture
+def power1_on_ssd(monkeypatch):
+    """power1's chunked form on the SSD kernels (`_power1_ssd`) for CPU tensors: Triton's interpreter."""
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels are tested below")
+    from attnlab.models.kernels.attention_family import chunk as chunk_module
+
+    calls = []
+    monkeypatch.setattr(chunk_module, "power1_on_ssd", lambda q: calls.append(q.shape) or True)
+    return calls
+
+
+@pytest.mark.parametrize("case", POWER1_CASES, ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["unpadded", "padded"])
+def test_power1_on_the_ssd_kernels_matches_the_reference(case, masked, power1_on_ssd):
+    """37 tokens in chunks of 16 (the last one short), every denominator, with and without decay: outputs and
+    the gradients of q, k, v and the log-decays, in fp32 (the kernels multiply in IEEE fp32 then)."""
+    q, k, v, log_decay, mask = case_inputs(case, 2, 37, 2, 8, masked=masked)
+    reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, chunk_size=16)
+    assert power1_on_ssd
+    assert_close(reference, chunked, 1e-5, case)
+
+
+@pytest.mark.parametrize("case", [("power1", "sum", False), ("power1", "none", True)], ids=str)
+def test_power1_on_the_ssd_kernels_in_bf16_stays_within_bf16_tolerance(case, power1_on_ssd):
+    q, k, v, log_decay, mask = case_inputs(case, 2, 100, 2, 16, masked=True)
+    reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,
+                                               chunk_size=32)
+    assert_close(reference, chunked, 2e-2, case, grad_tol=BF16_GRAD_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", [("power1", "sum", True), ("power1", "count", False), ("power1", "none", True)], ids=str)
+def test_power1_on_the_ssd_kernels_continues_a_state_and_differentiates_it(case, power1_on_ssd):
+    """The state and normaliser of earlier tokens in, 27 tokens on: the outputs, the state and normaliser handed
+    on, and every gradient (the earlier state's too) as the differentiable reference prefill gives them."""
+    similarity, denominator, _ = case
+    q, k, v, log_decay, _ = case_inputs(case, 2, 27, 2, 8)
+    g = torch.Generator().manual_seed(4)
+    state = torch.randn(2, 2, 8, 8, generator=g).abs()
+    normalizer = torch.rand(2, 2, 8, generator=g) if denominator == "sum" else None
+    weights = [torch.randn(2, 27, 2, 8, generator=g), torch.randn(2, 2, 8, 8, generator=g), torch.randn(2, 2, 8, generator=g)]
+    kwargs = dict(similarity=similarity, scale=8**-0.5, denominator=denominator)
+    names = [n for n, t in zip("q k v log_decay state normalizer".split(), (q, k, v, log_decay, state, normalizer))
+             if t is not None]
+    inputs = [t for t in (q, k, v, log_decay, state, normalizer) if t is not None]
+    before = torch.full((2,), 5)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o, s, z = fn(dict(zip(names, leaves)))
+        loss = (o * weights[0]).sum() + (s * weights[1]).sum() + (0 if z is None else (z * weights[2]).sum())
+        return (o, s, z), torch.autograd.grad(loss, leaves)
+
+    ref = run(lambda t: chunk_linear_attention(t["q"], t["k"], t["v"], t.get("log_decay"), t["state"], t.get("normalizer"),
+                                               before, chunk_size=27, **kwargs))
+    got = run(lambda t: chunk_attention(t["q"], t["k"], t["v"], t.get("log_decay"), state=t["state"],
+                                        normalizer=t.get("normalizer"), count_before=before, chunk_size=16, **kwargs))
+    assert power1_on_ssd
+    for name, fast, slow in zip(("output", "state", "normalizer"), got[0], ref[0]):
+        assert (fast is None) == (slow is None), name
+        if fast is not None:
+            assert fast.shape == slow.shape and rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
+    for name, fast, slow in zip(names, got[1], ref[1]):
+        assert rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
+
+
+def test_power1_on_the_ssd_kernels_is_causal(power1_on_ssd):
+    case = ("power1", "sum", True)
+    q, k, v, log_decay, _ = case_inputs(case, 1, 40, 2, 8)
+    kwargs = dict(similarity="power1", scale=8**-0.5, denominator="sum", chunk_size=16)
+    o = chunk_attention(q, k, v, log_decay, **kwargs)[0]
+    cut = 21
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, cut:] = torch.randn_like(t[:, cut:]).abs()
+    o2 = chunk_attention(q2, k2, v2, torch.cat((log_decay[:, :cut], -torch.rand_like(log_decay[:, cut:])), 1), **kwargs)[0]
+    assert torch.equal(o[:, :cut], o2[:, :cut])
+    assert not torch.allclose(o[:, cut:], o2[:, cut:])
+
+
+def test_power1_runs_on_the_ssd_kernels_on_cuda_only():
+    from attnlab.models.kernels.attention_family.chunk import SSD_MAX_HEAD_DIM, power1_on_ssd
+
+    assert not power1_on_ssd(torch.zeros(1, 4, 2, 8))
+    assert not power1_on_ssd(torch.zeros(1, 4, 2, 8, device="meta"))
+    if CUDA:
+        assert power1_on_ssd(torch.zeros(1, 4, 2, 8, device="cuda", dtype=torch.bfloat16))
+        assert not power1_on_ssd(torch.zeros(1, 4, 2, SSD_MAX_HEAD_DIM * 2, device="cuda"))
+
+
 # ---------------------------------------------------------------- CUDA, compiled, bf16
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in ("sum", "none", "count_power")], ids=str)

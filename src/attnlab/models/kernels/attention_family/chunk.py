@@ -648,6 +648,10 @@ def chunk_attention(
     if len(dtypes) > 1:  # autocast may leave a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
         dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64) if d in dtypes)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if similarity == "power1" and power1_on_ssd(q):
+        return _power1_ssd(q, k, v, log_decay, scale=scale, denominator=denominator, count_power=count_power,
+                           key_mask=key_mask, state=state, normalizer=normalizer, count_before=count_before,
+                           chunk_size=chunk_size, out_dtype=out_dtype, divide=getattr(intra_terms, "divide", None))
     if key_mask is not None:  # padding adds nothing to the state
         k = k * key_mask[..., None, None].to(k.dtype)
     if padded != seq_len:  # zeros after the last token: no weight, no decay, outputs dropped
@@ -697,6 +701,57 @@ def chunk_attention(
         new_state = unpack_power2_state(new_state, head_dim)
         new_normalizer = None if new_normalizer is None else unpack_power2_state(new_normalizer, head_dim, dim=-1)
     return o, new_state, new_normalizer
+
+
+# ---------------------------------------------------------------- power1 on the SSD kernels
+# power1 with a scalar log-decay per token and head is Mamba-2's SSD with the decays given directly and the values
+# unscaled (`kernels/mamba2/ssd.py`, `linear_attention_ssd`): x = v, B = scale k, C = q, a = the log-decays. Its
+# kernels walk the chunks in one program per head and block of the state (the states in registers, no [chunks,
+# chunks] matrix, nothing formed in PyTorch) and keep no states for the backward. A sum denominator's normaliser is
+# one more value column (a column of ones). Heads up to `SSD_MAX_HEAD_DIM` wide (the kernels hold a chunk's keys
+# and queries whole), on CUDA; elsewhere the chunks above (PyTorch's products).
+POWER1_SSD_CHUNK = 64  # tokens per chunk on the SSD kernels (16 to 128)
+SSD_MAX_HEAD_DIM = 128
+
+
+def power1_on_ssd(q: torch.Tensor) -> bool:
+    """Whether power1's chunked form runs on the SSD kernels (`_power1_ssd`) for queries q [B, T, H, D]."""
+    return q.is_cuda and q.shape[-1] <= SSD_MAX_HEAD_DIM and q.dtype != torch.float64
+
+
+def _power1_ssd(q, k, v, log_decay, *, scale, denominator, count_power, key_mask, state, normalizer, count_before,
+                chunk_size, out_dtype, divide):
+    """`chunk_attention` for power1 on `linear_attention_ssd`: the same result and state."""
+    from attnlab.models.kernels.mamba2.ssd import linear_attention_ssd
+
+    batch, seq_len, heads, head_dim = q.shape
+    value_dim = v.shape[-1]
+    want_sum = denominator in SUM_DENOMINATORS
+    if key_mask is not None:  # padding adds nothing to the state
+        k = k * key_mask[..., None, None].to(k.dtype)
+    x = torch.cat((v, v.new_ones(batch, seq_len, heads, 1)), dim=-1) if want_sum else v
+    init = None
+    if state is not None or (want_sum and normalizer is not None):  # [B, H, Dv (+ 1), D]: the SSD's layout, transposed
+        init = q.new_zeros(batch, heads, x.shape[-1], head_dim, dtype=torch.float32)
+        if state is not None:
+            init[:, :, :value_dim] = state.float().transpose(-1, -2)
+        if want_sum and normalizer is not None:
+            init[:, :, value_dim] = normalizer.float()
+    # no division to follow (denominator none): the output in its final dtype straight from the kernel
+    direct = denominator == "none"
+    # the state holds scale k^T v, as the decoding step keeps it
+    y, end = linear_attention_ssd(x, log_decay, k * scale, q, chunk_size or POWER1_SSD_CHUNK, init,
+                                  out_dtype=(out_dtype or torch.float32) if direct else torch.float32)
+    new_state = end[:, :, :value_dim].transpose(-1, -2).contiguous()  # [B, H, D, Dv]
+    new_normalizer = end[:, :, value_dim].contiguous() if want_sum else None
+    if direct:
+        return y, new_state, new_normalizer
+    num = y[..., :value_dim].transpose(1, 2)  # [B, H, T, Dv]
+    if want_sum:
+        den = y[..., value_dim:].transpose(1, 2)  # [B, H, T, 1]
+    else:  # the count denominators
+        den = _counts(key_mask, batch, seq_len, count_before, q.device)[:, None, :, None].expand(batch, heads, seq_len, 1)
+    return finish_output(num, den, denominator, count_power, divide, out_dtype), new_state, new_normalizer
 
 
 # True: a call with gradients keeps for its backward only its inputs and runs its forward again there

@@ -108,12 +108,17 @@ def _store_state(base, P: tl.constexpr, N: tl.constexpr, i_p, i_nb, value, BP: t
 
 
 @triton.jit
-def _local_decay(dt_bh, A, i_h, i_n, T, H: tl.constexpr, CHUNK: tl.constexpr):
+def _local_decay(dt_bh, A, i_h, i_n, T, H: tl.constexpr, CHUNK: tl.constexpr, DIRECT: tl.constexpr):
     """A chunk's dt [chunk] (0 past T; dt_bh points at dt[b, 0, h]), its log decays s [chunk] summed
-    from the chunk start, and their total s_last (the same number as s[chunk - 1])."""
+    from the chunk start, and their total s_last (the same number as s[chunk - 1]). DIRECT: dt holds the
+    log decays a_t themselves and nothing scales x (the dt returned is 1 inside the sequence, 0 past T)."""
     t = i_n * CHUNK + tl.arange(0, CHUNK)
     dtj = tl.load(dt_bh + t.to(tl.int64) * H, mask=t < T, other=0.0).to(tl.float32)
-    s = tl.cumsum(dtj * tl.load(A + i_h).to(tl.float32), axis=0)
+    if DIRECT:
+        s = tl.cumsum(dtj, axis=0)
+        dtj = tl.where(t < T, 1.0, 0.0)
+    else:
+        s = tl.cumsum(dtj * tl.load(A + i_h).to(tl.float32), axis=0)
     s_last = tl.sum(tl.where(tl.arange(0, CHUNK) == CHUNK - 1, s, 0.0), axis=0)
     return dtj, s, s_last
 
@@ -122,7 +127,7 @@ def _local_decay(dt_bh, A, i_h, i_n, T, H: tl.constexpr, CHUNK: tl.constexpr):
 def _chunk_states_kernel(v, dt, A, bc, states, init, final, T, NC, sv_b, sv_t, sv_h, sbc_b, sbc_t, sbc_g,
                          H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
                          BP: tl.constexpr, BN: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr = False):
     """One (batch * head, block of P, block of N) through every chunk in turn: states[b, h, n] <- S, the
     state when chunk n starts, then S <- exp(s_last) S + sum_j exp(s_last - s_j) dt_j v_j^T bc_j; the
     last S goes to final. REVERSE (v = dy, bc = C): from the last chunk back, states[b, h, n] <- the
@@ -144,7 +149,7 @@ def _chunk_states_kernel(v, dt, A, bc, states, init, final, T, NC, sv_b, sv_t, s
         else:
             i_n = k
         _store_state(st_bh + i_n * (P * N), P, N, i_p, i_nb, S, BP, BN)
-        dtj, s, s_last = _local_decay(dt_bh, A, i_h, i_n, T, H, CHUNK)
+        dtj, s, s_last = _local_decay(dt_bh, A, i_h, i_n, T, H, CHUNK, DIRECT)
         vj = _load_tile(v_bh, T, sv_t, P, i_n, i_p, CHUNK, BP)
         bcj = _load_tile(bc_bg, T, sbc_t, N, i_n, i_nb, CHUNK, BN)
         if REVERSE:
@@ -160,7 +165,7 @@ def _chunk_states_kernel(v, dt, A, bc, states, init, final, T, NC, sv_b, sv_t, s
 def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
                          H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr,
                          BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, DIRECT: tl.constexpr = False):
     """y_i = exp(s_i) S0 C_i + sum_{j <= i} (C_i . B_j) exp(s_i - s_j) dt_j x_j (+ D x_i) for one chunk
     and batch * head, S0 the state when the chunk starts: the [chunk, chunk] matrix is made once, then
     the head dims run in blocks of BP."""
@@ -173,7 +178,7 @@ def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, 
     y_bh = y + i_b.to(tl.int64) * T * H * P + i_h * P  # y is contiguous
     bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
     st = states + (i_bh.to(tl.int64) * NC + i_n) * P * N
-    dtj, s, _ = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    dtj, s, _ = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK, DIRECT)
     Bj = _load_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     Cj = _load_tile(C + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
     decay = tl.exp(tl.where(j[:, None] >= j[None, :], s[:, None] - s[None, :], float("-inf")))  # [i, j]
@@ -191,7 +196,7 @@ def _chunk_output_kernel(x, dt, A, B, C, D, states, y, T, NC, sx_b, sx_t, sx_h, 
 
 @triton.jit
 def _backward_program(x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H: tl.constexpr, G: tl.constexpr,
-                      P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr):
+                      P: tl.constexpr, N: tl.constexpr, CHUNK: tl.constexpr, DIRECT: tl.constexpr):
     """What both backward kernels' programs start from, for chunk i_n of batch * head i_bh: the batch
     row and head, the chunk's steps and which are in the sequence, x's head, the offset of dy's and
     dx's head (contiguous [b, T, H, P]) and of B's and C's group, the chunk's state offset, and dt,
@@ -204,7 +209,7 @@ def _backward_program(x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H: t
     yh = i_b.to(tl.int64) * T * H * P + i_h * P
     bc_bg = i_b.to(tl.int64) * sbc_b + i_g * sbc_g
     st = (i_bh.to(tl.int64) * NC + i_n) * P * N
-    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK)
+    dtj, s, s_last = _local_decay(dt + i_b.to(tl.int64) * T * H + i_h, A, i_h, i_n, T, H, CHUNK, DIRECT)
     return i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last
 
 
@@ -213,7 +218,7 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
                               sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g,
                               H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                               CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
-                              IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                              IEEE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr = False):
     """The backward, first half, for one chunk and batch * head: S0 is the state when the chunk starts,
     dSe the gradient of the state when it ends. Sums over P, in blocks of BP, dy_i . dt_j x_j, dy S0
     and dt x dSe, then writes dB and dC of this head (the caller adds a group's heads), the gradient
@@ -221,7 +226,7 @@ def _chunk_backward_bc_kernel(x, dt, A, B, C, states, dstates, dy, dB, dC, ds, d
     chunk's share of dD."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last = _backward_program(
-        x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK)
+        x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK, DIRECT)
     DT = x.dtype.element_ty
     dy_bh = dy + yh  # dy is contiguous
 
@@ -270,14 +275,14 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
                              sx_b, sx_t, sx_h, sbc_b, sbc_t, sbc_g, sdx_b, sdx_t,
                              H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                              CHUNK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
-                             IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                             IEEE: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr = False):
     """The backward, second half, for one chunk and batch * head: d(dt x) = M^T dy + exp(s_last - s) B dSe^T
     in blocks of BP; writes dx, d dt and this chunk's share of dA. d s (from the first half, plus what
     the end state's dependence on dt x gives) becomes d(dt * A) by a reverse cumulative sum over the chunk.
     dx may be a view (rows sdx_t apart, batches sdx_b, heads P apart): a slice of the convolution's gradient."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, j, m_t, x_bh, yh, bc_bg, st, dtj, s, s_last = _backward_program(
-        x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK)
+        x, dt, A, T, NC, sx_b, sx_h, sbc_b, sbc_g, i_n, i_bh, H, G, P, N, CHUNK, DIRECT)
     DT = x.dtype.element_ty  # dy is contiguous (at yh)
     dx_bh = dx + i_b.to(tl.int64) * sdx_b + i_h * P
     Bj = _load_tile(B + bc_bg, T, sbc_t, N, i_n, 0, CHUNK, BN)
@@ -305,8 +310,12 @@ def _chunk_backward_x_kernel(x, dt, A, B, C, D, dstates, dy, ds, dx, ddt, dA, T,
     # d(dt * A) at t: every s at or after t in its chunk depends on it
     da = tl.cumsum(d_s, axis=0, reverse=True)
     t = i_n * CHUNK + j
-    tl.store(ddt + i_b.to(tl.int64) * T * H + t.to(tl.int64) * H + i_h, ddt_x + da * tl.load(A + i_h).to(tl.float32), mask=t < T)
-    tl.store(dA + i_bh.to(tl.int64) * NC + i_n, tl.sum(da * dtj, axis=0))
+    if DIRECT:  # dt held the log decays: their gradient is da, and there is no A
+        tl.store(ddt + i_b.to(tl.int64) * T * H + t.to(tl.int64) * H + i_h, da, mask=t < T)
+    else:
+        tl.store(ddt + i_b.to(tl.int64) * T * H + t.to(tl.int64) * H + i_h, ddt_x + da * tl.load(A + i_h).to(tl.float32),
+                 mask=t < T)
+        tl.store(dA + i_bh.to(tl.int64) * NC + i_n, tl.sum(da * dtj, axis=0))
 
 
 # Blocks and warps, from ptxas's report for sm_90 at P = 128, N = 64, chunk 64, bf16 (registers per
@@ -346,7 +355,7 @@ def _same_strides(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch
     return (B, C) if B.stride() == C.stride() else (B.contiguous(), C.contiguous())
 
 
-def _states(v, dt, A, bc, init, chunk, reverse, ieee):
+def _states(v, dt, A, bc, init, chunk, reverse, ieee, direct=False):
     """The states per chunk [b, H, n, P, N] and the last one (fp32; see `_chunk_states_kernel`). The states
     per chunk are stored in v's dtype where their readers round them to it anyway (16-bit inputs): the
     output and backward kernels multiply them on that dtype. fp32 inputs keep fp32 states."""
@@ -360,14 +369,15 @@ def _states(v, dt, A, bc, init, chunk, reverse, ieee):
     _chunk_states_kernel[(batch * heads, triton.cdiv(head_dim, bp), triton.cdiv(state_size, bn))](
         v, dt, A, bc, states, init if init is not None else final, final, seq_len, num_chunks,
         *v.stride()[:3], *bc.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=bp, BN=bn,
-        HAS_INIT=init is not None, REVERSE=reverse, IEEE=ieee, UPCAST=not v.is_cuda, num_warps=_STATE_WARPS)
+        HAS_INIT=init is not None, REVERSE=reverse, IEEE=ieee, UPCAST=not v.is_cuda, DIRECT=direct, num_warps=_STATE_WARPS)
     return states, final
 
 
-def ssd_forward(x, dt, A, B, C, D, chunk, initial_state):
-    """The forward on the kernels, outside autograd: (y [b, T, H, P] in x's dtype, final state [b, H, P, N]
-    fp32, what `ssd_backward` takes). x, B, C are read through their strides (views of the convolution's
-    output stay views)."""
+def ssd_forward(x, dt, A, B, C, D, chunk, initial_state, direct=False, out_dtype=None):
+    """The forward on the kernels, outside autograd: (y [b, T, H, P] in `out_dtype` (default x's dtype), final
+    state [b, H, P, N] fp32, what `ssd_backward` takes). x, B, C are read through their strides (views of the
+    convolution's output stay views). direct: dt [b, T, H] holds the log decays a_t themselves (A is not read)
+    and x enters unscaled: S_t = exp(a_t) S_{t-1} + x_t^T B_t, the linear attention of `linear_attention_ssd`."""
     batch, seq_len, heads, head_dim = x.shape
     groups, state_size = B.shape[2], B.shape[3]
     x, B, C = _rows(x), *_same_strides(_rows(B), _rows(C))
@@ -375,30 +385,30 @@ def ssd_forward(x, dt, A, B, C, D, chunk, initial_state):
     D = None if D is None else D.contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
     ieee = x.dtype == torch.float32
-    states, final = _states(x, dt_c, A_c, B, h0, chunk, False, ieee)
+    states, final = _states(x, dt_c, A_c, B, h0, chunk, False, ieee, direct)
     num_chunks = states.shape[2]
-    y = x.new_empty(x.shape)
+    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
     _chunk_output_kernel[(num_chunks, batch * heads)](
         x, dt_c, A_c, B, C, D if D is not None else A_c, states, y, seq_len, num_chunks, *x.stride()[:3],
         *B.stride()[:3], H=heads, G=groups, P=head_dim, N=state_size, CHUNK=chunk, BP=min(_BLOCK_P, _block(head_dim)),
-        BN=_block(state_size), HAS_D=D is not None, IEEE=ieee, UPCAST=not x.is_cuda, num_warps=_WARPS)
+        BN=_block(state_size), HAS_D=D is not None, IEEE=ieee, UPCAST=not x.is_cuda, DIRECT=direct, num_warps=_WARPS)
     return y, final, (x, dt_c, A_c, B, C, D, h0)
 
 
-def ssd_backward(saved, chunk, dy, dfinal, dx_out=None, dB_out=None, dC_out=None):
-    """The gradients (dx, d dt fp32, dA, dB, dC, dD, d initial state fp32) of `ssd_forward`'s inputs, from
-    its `saved` tuple. dx_out [b, T, H, P] (heads P apart, any batch and time strides) and dB_out, dC_out
+def ssd_backward(saved, chunk, dy, dfinal, dx_out=None, dB_out=None, dC_out=None, direct=False):
+    """The gradients (dx, d dt fp32, dA (None when `direct`), dB, dC, dD, d initial state fp32) of `ssd_forward`'s
+    inputs, from its `saved` tuple. dx_out [b, T, H, P] (heads P apart, any batch and time strides) and dB_out, dC_out
     [b, T, G, N] (any strides): where to write dx, dB, dC (slices of the convolution's gradient), else new
     tensors in x's, B's, C's dtype."""
     x, dt, A, B, C, D, h0 = saved
     batch, seq_len, heads, head_dim = x.shape
     groups, state_size = B.shape[2], B.shape[3]
     ieee = x.dtype == torch.float32
-    states, _ = _states(x, dt, A, B, h0, chunk, False, ieee)
+    states, _ = _states(x, dt, A, B, h0, chunk, False, ieee, direct)
     num_chunks = states.shape[2]
     dy = (torch.zeros_like(x) if dy is None else dy).to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
-    dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee)
+    dstates, dh0 = _states(dy, dt, A, C, dfinal, chunk, True, ieee, direct)
     dx = x.new_empty(x.shape) if dx_out is None else dx_out
     if dx.stride(-1) != 1 or dx.stride(-2) != head_dim or dx.shape != x.shape:
         raise ValueError(f"ssd_backward: dx_out must be [b, T, H, P] = {tuple(x.shape)} with heads {head_dim} apart")
@@ -409,7 +419,8 @@ def ssd_backward(saved, chunk, dy, dfinal, dx_out=None, dB_out=None, dC_out=None
     dD = torch.empty_like(dA) if D is not None else dA
     ds = x.new_empty(batch * heads, num_chunks * chunk, dtype=torch.float32)  # d s but the part through x
     meta = {"H": heads, "G": groups, "P": head_dim, "N": state_size, "CHUNK": chunk, "BP": min(_BWD_BLOCK_P, _block(head_dim)),
-            "BN": _block(state_size), "HAS_D": D is not None, "IEEE": ieee, "UPCAST": not x.is_cuda, "num_warps": _BWD_WARPS}
+            "BN": _block(state_size), "HAS_D": D is not None, "IEEE": ieee, "UPCAST": not x.is_cuda, "DIRECT": direct,
+            "num_warps": _BWD_WARPS}
     _chunk_backward_bc_kernel[(num_chunks, batch * heads)](
         x, dt, A, B, C, states, dstates, dy, dB, dC, ds, dD, seq_len, num_chunks, *x.stride()[:3], *B.stride()[:3],
         **meta)
@@ -422,7 +433,7 @@ def ssd_backward(saved, chunk, dy, dfinal, dx_out=None, dB_out=None, dC_out=None
     dC = dC.view(per_group).sum(3)
     dB = dB.to(B.dtype) if dB_out is None else dB_out.copy_(dB)
     dC = dC.to(C.dtype) if dC_out is None else dC_out.copy_(dC)
-    dA = dA.sum((0, 2)).to(A.dtype)
+    dA = None if direct else dA.sum((0, 2)).to(A.dtype)
     dD = dD.sum((0, 2)).to(D.dtype) if D is not None else None
     return dx, ddt, dA, dB, dC, dD, dh0
 
@@ -442,6 +453,25 @@ class _SSD(torch.autograd.Function):
         dt_dtype, init_dtype = ctx.dtypes
         dh0 = dh0.to(init_dtype) if init_dtype is not None else None
         return dx, ddt.to(dt_dtype), dA, dB, dC, dD, None, dh0
+
+
+class _LinearSSD(torch.autograd.Function):
+    """`ssd_forward`'s direct form (log decays given per token, x unscaled) with its gradients."""
+
+    @staticmethod
+    def forward(ctx, x, log_decay, B, C, chunk, initial_state, out_dtype):
+        no_A = x.new_ones(x.shape[2], dtype=torch.float32)  # the direct form reads no A
+        y, final, saved = ssd_forward(x, log_decay, no_A, B, C, None, chunk, initial_state, direct=True, out_dtype=out_dtype)
+        ctx.save_for_backward(*saved)
+        ctx.chunk = chunk
+        ctx.dtypes = log_decay.dtype, None if initial_state is None else initial_state.dtype
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        dx, dlog, _, dB, dC, _, dh0 = ssd_backward(ctx.saved_tensors, ctx.chunk, dy, dfinal, direct=True)
+        log_dtype, init_dtype = ctx.dtypes
+        return dx, dlog.to(log_dtype), dB, dC, None, None if init_dtype is None else dh0.to(init_dtype), None
 
 
 def _chunk_ok(chunk_size: int) -> bool:
@@ -495,3 +525,23 @@ def ssd_triton(
     _check(x, B, chunk)
     y, state = _SSD.apply(x, dt, A, B, C, D, chunk, initial_state)
     return y, (state if output_final_state else None)
+
+
+@outside_compile
+def linear_attention_ssd(
+    x: torch.Tensor, log_decay: torch.Tensor | None, B: torch.Tensor, C: torch.Tensor, chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear attention with a scalar decay per token and head on these kernels: per head h,
+
+        S_t = exp(a_t) S_{t-1} + x_t^T B_t,    y_t = S_t C_t,
+
+    x [b, T, H, P] (the values), B and C [b, T, G, N] (the keys and the queries, G dividing H), a = log_decay
+    [b, T, H] (None: no decay), initial_state [b, H, P, N] or None. Returns (y [b, T, H, P] in `out_dtype`,
+    default x's dtype; the final state [b, H, P, N] fp32). The attention family's power1 chunked form runs on it
+    (`kernels/attention_family/chunk.py`). chunk_size: as `ssd_triton`'s."""
+    chunk = kernel_chunk(chunk_size)
+    _check(x, B, chunk)
+    if log_decay is None:
+        log_decay = x.new_zeros(x.shape[:3], dtype=torch.float32)
+    return _LinearSSD.apply(x, log_decay, B, C, chunk, initial_state, out_dtype)
