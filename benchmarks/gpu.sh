@@ -11,7 +11,8 @@
 # eager steps of PROF_EAGER_MODELS under torch's profiler: the host's own time per aten op and the top kernels),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 4x4096 and 1x16384-65536 beside
-# mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked),
+# mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked;
+# ZOO_LONG_MODELS picks the family's presets, ZOO_LONG_MEDIUM=0 skips the medium model),
 # chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536;
 # CROSSOVER_ARGS adds options, e.g. "--preset linear_elu --shape 4x4096"),
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
@@ -61,11 +62,11 @@ for stage in "$@"; do case $stage in
     # the plot of the rows measured, also when the limit stopped the run before its end
     [ -f "$OUT/zoo.json" ] && python -c "import json,sys; from pathlib import Path; from attnlab.bench.plot import plot_zoo; p=Path(sys.argv[1]); print('wrote', plot_zoo(json.loads(p.read_text()), p.with_suffix('.png')))" "$OUT/zoo.json" ;;
   zoo-long) LONG_ZOO="$AL bench zoo --skip-ops --steps 3 --warmup 1"
-    run zoo-long-family "${ZOO_LONG_LIMIT:-300}" $LONG_ZOO --model 2mamba --model linear__output_norm --model linear_elu \
+    run zoo-long-family "${ZOO_LONG_LIMIT:-300}" $LONG_ZOO $(printf -- '--model %s ' ${ZOO_LONG_MODELS:-2mamba linear__output_norm linear_elu}) \
       --shape 1x16384 --shape 1x32768 --shape 1x65536 --shape 4x4096 --out "$OUT/zoo-long-family.json"
     run zoo-long-peers "${ZOO_PEERS_LIMIT:-150}" $LONG_ZOO --model mamba2 --model hf-llama --shape 1x16384 --shape 1x32768 \
       --shape 1x65536 --out "$OUT/zoo-long-peers.json"
-    run zoo-long-medium "${ZOO_MEDIUM_LIMIT:-100}" $LONG_ZOO --hidden 1536 --layers 27 --heads 24 --intermediate 3072 \
+    [ "${ZOO_LONG_MEDIUM:-1}" = 1 ] && run zoo-long-medium "${ZOO_MEDIUM_LIMIT:-100}" $LONG_ZOO --hidden 1536 --layers 27 --heads 24 --intermediate 3072 \
       --model 2mamba --model hf-llama --shape 2x8192 --out "$OUT/zoo-long-medium.json"
     python benchmarks/long_context_targets.py "$OUT"/zoo-long-*.json | tee -a "$OUT/summary.txt" ;;
   chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ${CROSSOVER_ARGS:-} ;;

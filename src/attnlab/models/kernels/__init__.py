@@ -79,19 +79,21 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 # Sequence lengths from which a linearizable attention-family layer (power1, power2 without a clamp) trains and
 # prefills chunked, in linear time (`kernels/attention_family/chunk.py`), instead of on the tiled quadratic kernels.
 # Measured on an H100 (torch 2.11, Triton 3.6; gpu.sh stage chunk-crossover: one layer's mixing forward and backward,
-# benchmarks/results/h100-chunk-crossover.txt), chunked over tiled:
-#   power1  linear__output_norm 1.35 at 1 x 16384, 0.47 at 1 x 32768, 0.26 at 1 x 65536;
-#           linear_elu          1.30,              0.65,              0.32.
+# 16 heads of 64), chunked at its best chunk size over tiled:
+#   power1  on the SSD kernels (`chunk.power1_on_ssd`; benchmarks/results/h100-chunk-crossover-power1-ssd.txt):
+#           shape               16x1024  8x2048  4x4096  2x8192  1x16384  1x32768  1x65536
+#           linear__output_norm    1.50    1.22    0.93    0.55     0.38     0.17     0.08
+#           linear_elu             1.28    1.20    1.06    0.76     0.44     0.22     0.11
+#           The whole 20-layer model at 4 x 4096 (`benchmarks/memory_peak.py`, captured): linear__output_norm tiled
+#           164,171 tokens/s, chunked 185,120; linear_elu 120,147 and 119,555 (its sum denominator's normaliser is a
+#           65th value column, which the kernels run as blocks of 64 and 1). From 8192 tokens both win.
 #   power2  2mamba, its features formed in memory (`FEATURES_IN_REGISTERS` off): 0.97 at 1 x 32768, 0.48 at 1 x 65536
 #           (benchmarks/results/h100-chunk-power2-in-memory.txt). The whole 20-layer model at 1 x 32768 (`bash
 #           benchmarks/gpu.sh memory`, captured): chunked 33,644 tokens/s in 32.46 GiB, tiled 30,739 in 31.64 GiB
 #           (benchmarks/results/h100-memory-2mamba-1x32768.txt), once the chunked form stopped keeping each group's
 #           chunk-start states alive through a view (45.64 GiB before).
-# Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py), power1 in its chunks of 128.
-# power1 from 16384: one layer's mixing alone (eager, above) was slower chunked at 1 x 16384, but the whole captured
-# model is faster (`bash benchmarks/gpu.sh memory`, benchmarks/results/h100-power1-chunked-1x16384.txt): tokens/s
-# tiled -> chunked, linear__output_norm 93,489 -> 126,205; linear_elu 75,830 -> 93,865 (mamba2 138,964).
-CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 16384, "power2": 32768}
+# Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py).
+CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 32768}
 
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):
