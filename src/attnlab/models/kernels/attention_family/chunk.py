@@ -1,5 +1,6 @@
 """The attention family's linearizable variants (power1, power2 without a clamp) in linear time:
-chunked, state-passing training and prefill.
+chunked, state-passing training and prefill. On CUDA power1 runs on the Mamba-2 SSD kernels instead (`_power1_ssd`,
+below); what follows is power2's form, and power1's elsewhere.
 
 Time is cut into chunks of C tokens. Inside a chunk the quadratic form runs (`intra_terms`: the tiled
 kernels of `kernels/attention_family/parallel.py` on CUDA, the reference on CPU), on the chunks side by side as
@@ -44,7 +45,7 @@ from attnlab.models.ops.attention_family import SUM_DENOMINATORS, finish_output,
 from attnlab.models.ops.attention_family import attention_terms as reference_terms
 from attnlab.models.kernels.eager import outside_compile
 
-# Tokens per chunk, measured on an H100 (`benchmarks/attention_family_chunk.py`, one layer's mixing forward and backward,
+# Tokens per chunk of the form below, measured on an H100 (`benchmarks/attention_family_chunk.py`, one layer's mixing forward and backward,
 # 16 heads of 64: benchmarks/results/h100-chunk-crossover.txt). power1: 128 is the fastest from 1 x 16384 on
 # (linear__output_norm 8.8 ms at 1 x 32768 against 16.3 with 64; linear_elu 14.0 against 25.7). power2: 512 is the
 # fastest of 128-512 at every shape (its state part, 4 F (Dv + 8) flops per token and head at F = 2080, wants long chunks).
@@ -710,7 +711,8 @@ def chunk_attention(
 # chunks] matrix, nothing formed in PyTorch) and keep no states for the backward. A sum denominator's normaliser is
 # one more value column (a column of ones). Heads up to `SSD_MAX_HEAD_DIM` wide (the kernels hold a chunk's keys
 # and queries whole), on CUDA; elsewhere the chunks above (PyTorch's products).
-POWER1_SSD_CHUNK = 64  # tokens per chunk on the SSD kernels (16 to 128)
+POWER1_SSD_CHUNK = 64  # tokens per chunk on the SSD kernels (16 to 128): the fastest of 32, 64, 128 from 2 x 8192 to 1 x 16384
+# (benchmarks/results/h100-chunk-crossover-power1-ssd.txt; 128 was 5-8% faster for linear__output_norm from 32768 tokens)
 SSD_MAX_HEAD_DIM = 128
 
 
