@@ -439,39 +439,22 @@ def ssd_backward(saved, chunk, dy, dfinal, dx_out=None, dB_out=None, dC_out=None
 
 
 class _SSD(torch.autograd.Function):
+    """`ssd_forward` with its gradients; `direct`: its direct form (dt holds the log decays, A is not read)."""
+
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, chunk, initial_state):
-        y, final, saved = ssd_forward(x, dt, A, B, C, D, chunk, initial_state)
+    def forward(ctx, x, dt, A, B, C, D, chunk, initial_state, direct=False, out_dtype=None):
+        y, final, saved = ssd_forward(x, dt, A, B, C, D, chunk, initial_state, direct=direct, out_dtype=out_dtype)
         ctx.save_for_backward(*saved)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.direct = chunk, direct
         ctx.dtypes = dt.dtype, None if initial_state is None else initial_state.dtype
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        dx, ddt, dA, dB, dC, dD, dh0 = ssd_backward(ctx.saved_tensors, ctx.chunk, dy, dfinal)
+        dx, ddt, dA, dB, dC, dD, dh0 = ssd_backward(ctx.saved_tensors, ctx.chunk, dy, dfinal, direct=ctx.direct)
         dt_dtype, init_dtype = ctx.dtypes
         dh0 = dh0.to(init_dtype) if init_dtype is not None else None
-        return dx, ddt.to(dt_dtype), dA, dB, dC, dD, None, dh0
-
-
-class _LinearSSD(torch.autograd.Function):
-    """`ssd_forward`'s direct form (log decays given per token, x unscaled) with its gradients."""
-
-    @staticmethod
-    def forward(ctx, x, log_decay, B, C, chunk, initial_state, out_dtype):
-        no_A = x.new_ones(x.shape[2], dtype=torch.float32)  # the direct form reads no A
-        y, final, saved = ssd_forward(x, log_decay, no_A, B, C, None, chunk, initial_state, direct=True, out_dtype=out_dtype)
-        ctx.save_for_backward(*saved)
-        ctx.chunk = chunk
-        ctx.dtypes = log_decay.dtype, None if initial_state is None else initial_state.dtype
-        return y, final
-
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        dx, dlog, _, dB, dC, _, dh0 = ssd_backward(ctx.saved_tensors, ctx.chunk, dy, dfinal, direct=True)
-        log_dtype, init_dtype = ctx.dtypes
-        return dx, dlog.to(log_dtype), dB, dC, None, None if init_dtype is None else dh0.to(init_dtype), None
+        return dx, ddt.to(dt_dtype), dA, dB, dC, dD, None, dh0, None, None
 
 
 def _chunk_ok(chunk_size: int) -> bool:
@@ -544,4 +527,5 @@ def linear_attention_ssd(
     _check(x, B, chunk)
     if log_decay is None:
         log_decay = x.new_zeros(x.shape[:3], dtype=torch.float32)
-    return _LinearSSD.apply(x, log_decay, B, C, chunk, initial_state, out_dtype)
+    no_A = x.new_ones(x.shape[2], dtype=torch.float32)  # the direct form reads no A
+    return _SSD.apply(x, log_decay, no_A, B, C, None, chunk, initial_state, True, out_dtype)
