@@ -5,6 +5,9 @@ a_t = dt_t * A_h and the group g = h // (heads / groups) it reads B, C from,
 
     S_t = exp(a_t) S_{t-1} + dt_t x_t^T B_t,    y_t = S_t C_t + D_h x_t.
 
+Their direct form (`DIRECT`, `linear_attention_ssd`) takes the log decays a_t themselves in dt's place and leaves
+x unscaled: linear attention with a scalar decay per token, the attention family's power1 chunked form.
+
 Time is cut into chunks of `chunk` tokens (a power of two from 16 to 128: the [chunk, chunk] tiles
 of the output and backward kernels must fit registers and shared memory). Every kernel that needs
 them rebuilds a chunk's log decays s (dt * A summed from the chunk start: a cumsum of `chunk`
