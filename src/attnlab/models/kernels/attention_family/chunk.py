@@ -44,6 +44,7 @@ import triton.language as tl
 from attnlab.models.ops.attention_family import SUM_DENOMINATORS, finish_output, unpack_power2_state
 from attnlab.models.ops.attention_family import attention_terms as reference_terms
 from attnlab.models.kernels.eager import outside_compile
+from attnlab.models.kernels.mamba2.ssd import linear_attention_ssd
 
 # Tokens per chunk of the form below, measured on an H100 (`benchmarks/attention_family_chunk.py`, one layer's mixing forward and backward,
 # 16 heads of 64: benchmarks/results/h100-chunk-crossover.txt). power1: 128 is the fastest from 1 x 16384 on
@@ -724,8 +725,6 @@ def power1_on_ssd(q: torch.Tensor) -> bool:
 def _power1_ssd(q, k, v, log_decay, *, scale, denominator, count_power, key_mask, state, normalizer, count_before,
                 chunk_size, out_dtype, divide):
     """`chunk_attention` for power1 on `linear_attention_ssd`: the same result and state."""
-    from attnlab.models.kernels.mamba2.ssd import linear_attention_ssd
-
     batch, seq_len, heads, head_dim = q.shape
     value_dim = v.shape[-1]
     want_sum = denominator in SUM_DENOMINATORS
