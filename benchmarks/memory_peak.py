@@ -5,7 +5,8 @@ attnlab (or torch) that allocated them.
 
 Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs; after the name, `+chunked`: power1 and
 power2 layers on the chunked form at any length, `+tiled`: on the tiled kernels at any length (without either: from the
-lengths `CHUNKED_MIN_TOKENS` names, as attnlab ships), `+chunkN`: chunks of N tokens (`chunk.CHUNK_SIZES`), and
+lengths `CHUNKED_MIN_TOKENS` names, as attnlab ships), `+chunkN`: chunks of N tokens (`chunk.CHUNK_SIZES`, and
+`chunk.POWER1_SSD_CHUNK` for power1 on the SSD kernels, which take 16 to 128 and run others at 64 with a warning), and
 `+recompute`: the chunked form's forward run again in its backward, `chunk.RECOMPUTE_IN_BACKWARD`) takes its warm-up
 steps, then
 one step under the allocator's history (`torch.cuda.memory._record_memory_history`). The history's
@@ -84,12 +85,14 @@ def main() -> None:
     batch, seq_len = (int(n) for n in args.shape.lower().split("x"))
     device = torch.device("cuda")
     chunked_from, chunk_sizes = dict(kernels.CHUNKED_MIN_TOKENS), dict(chunk_module.CHUNK_SIZES)
+    ssd_chunk = chunk_module.POWER1_SSD_CHUNK
     for label in args.model or DEFAULT_MODELS:
         name, *variants = label.split("+")
         sizes = [int(v[5:]) for v in variants if v.startswith("chunk") and v[5:].isdigit()]
         if unknown := set(variants) - {"chunked", "tiled", "recompute"} - {f"chunk{n}" for n in sizes}:
             parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +tiled, +chunkN, +recompute")
         chunk_module.CHUNK_SIZES = {s: sizes[-1] for s in chunk_sizes} if sizes else dict(chunk_sizes)
+        chunk_module.POWER1_SSD_CHUNK = sizes[-1] if sizes else ssd_chunk
         if {"chunked", "tiled"} <= set(variants):
             parser.error(f"{label}: +chunked or +tiled, not both")
         forced = 1 if "chunked" in variants else float("inf") if "tiled" in variants else None

@@ -95,17 +95,18 @@ def _use_feature_kernels(x: torch.Tensor) -> bool:
     if not (x.is_cuda and x.dim() == 5 and x.dtype != torch.float64 and x.stride(-1) == 1):
         return False
     if x.shape[-1] > FEATURE_KERNEL_MAX_HEAD_DIM:
-        _say_wide_heads(x.shape[-1])
+        _say_wide_heads(x.shape[-1], "power2", FEATURE_KERNEL_MAX_HEAD_DIM,
+                        "its features are formed in memory and multiplied by cuBLAS")
         return False
     return True
 
 
 @functools.cache
-def _say_wide_heads(head_dim: int) -> None:
+def _say_wide_heads(head_dim: int, similarity: str, limit: int, instead: str) -> None:
     import warnings
 
-    warnings.warn(f"the chunked attention family's power2 kernels cover head dims up to {FEATURE_KERNEL_MAX_HEAD_DIM}; at "
-                  f"{head_dim} its features are formed in memory and multiplied by cuBLAS (slower, same result)", stacklevel=4)
+    warnings.warn(f"the chunked attention family's {similarity} kernels cover head dims up to {limit}; at {head_dim} "
+                  f"{instead} (slower, same result)", stacklevel=4)
 
 
 def power2_features(x: torch.Tensor, query: bool = False) -> torch.Tensor:
@@ -650,12 +651,12 @@ def chunk_attention(
     if len(dtypes) > 1:  # autocast may leave a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
         dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64) if d in dtypes)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if key_mask is not None:  # padding adds nothing to the state
+        k = k * key_mask[..., None, None].to(k.dtype)
     if similarity == "power1" and power1_on_ssd(q):
         return _power1_ssd(q, k, v, log_decay, scale=scale, denominator=denominator, count_power=count_power,
                            key_mask=key_mask, state=state, normalizer=normalizer, count_before=count_before,
                            chunk_size=chunk_size, out_dtype=out_dtype, divide=getattr(intra_terms, "divide", None))
-    if key_mask is not None:  # padding adds nothing to the state
-        k = k * key_mask[..., None, None].to(k.dtype)
     if padded != seq_len:  # zeros after the last token: no weight, no decay, outputs dropped
         pad = padded - seq_len
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
@@ -718,18 +719,22 @@ SSD_MAX_HEAD_DIM = 128
 
 
 def power1_on_ssd(q: torch.Tensor) -> bool:
-    """Whether power1's chunked form runs on the SSD kernels (`_power1_ssd`) for queries q [B, T, H, D]."""
-    return q.is_cuda and q.shape[-1] <= SSD_MAX_HEAD_DIM and q.dtype != torch.float64
+    """Whether power1's chunked form runs on the SSD kernels (`_power1_ssd`) for queries q [B, T, H, D]; wider heads
+    than `SSD_MAX_HEAD_DIM` run on PyTorch's products (said once)."""
+    if not (q.is_cuda and q.dtype != torch.float64):
+        return False
+    if q.shape[-1] > SSD_MAX_HEAD_DIM:
+        _say_wide_heads(q.shape[-1], "power1", SSD_MAX_HEAD_DIM, "its chunks run on PyTorch's products")
+        return False
+    return True
 
 
 def _power1_ssd(q, k, v, log_decay, *, scale, denominator, count_power, key_mask, state, normalizer, count_before,
                 chunk_size, out_dtype, divide):
-    """`chunk_attention` for power1 on `linear_attention_ssd`: the same result and state."""
+    """`chunk_attention` for power1 on `linear_attention_ssd`: the same result and state (k already zero at padding)."""
     batch, seq_len, heads, head_dim = q.shape
     value_dim = v.shape[-1]
     want_sum = denominator in SUM_DENOMINATORS
-    if key_mask is not None:  # padding adds nothing to the state
-        k = k * key_mask[..., None, None].to(k.dtype)
     x = torch.cat((v, v.new_ones(batch, seq_len, heads, 1)), dim=-1) if want_sum else v
     init = None
     if state is not None or (want_sum and normalizer is not None):  # [B, H, Dv (+ 1), D]: the SSD's layout, transposed
@@ -739,13 +744,13 @@ def _power1_ssd(q, k, v, log_decay, *, scale, denominator, count_power, key_mask
         if want_sum and normalizer is not None:
             init[:, :, value_dim] = normalizer.float()
     # no division to follow (denominator none): the output in its final dtype straight from the kernel
-    direct = denominator == "none"
+    undivided = denominator == "none"
     # the state holds scale k^T v, as the decoding step keeps it
     y, end = linear_attention_ssd(x, log_decay, k * scale, q, chunk_size or POWER1_SSD_CHUNK, init,
-                                  out_dtype=(out_dtype or torch.float32) if direct else torch.float32)
+                                  out_dtype=(out_dtype or torch.float32) if undivided else torch.float32)
     new_state = end[:, :, :value_dim].transpose(-1, -2).contiguous()  # [B, H, D, Dv]
     new_normalizer = end[:, :, value_dim].contiguous() if want_sum else None
-    if direct:
+    if undivided:
         return y, new_state, new_normalizer
     num = y[..., :value_dim].transpose(1, 2)  # [B, H, T, Dv]
     if want_sum:
