@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from attnlab.models.kernels.eager import compiling
 from attnlab.models.kernels.limits import attention_family_gap, causal_conv1d_gap, nsa_gap, nsa_step_gap  # noqa: F401
 from attnlab.models.ops import attention_family as attention_family_ops
 from attnlab.models.ops import nsa as nsa_ops
@@ -132,6 +133,18 @@ def attention_family_state_update_fn(choice: str, x: torch.Tensor):
     from attnlab.models.kernels.attention_family.step import linear_state_update
 
     return linear_state_update
+
+
+def rotary_fn(choice: str, x: torch.Tensor):
+    """attnlab's rotary kernel for this call (`kernels/common/rotary.py`: `rotary_feature_map(q, k, positions, theta,
+    feature_map)`, rotary positions and the feature map on q and k in one launch each way), or None: the caller
+    rotates in PyTorch (`apply_rotary`). None as well under torch.compile, which fuses PyTorch's form itself, and for
+    float64 (the kernel computes in fp32)."""
+    if not use_triton(choice, x) or compiling() or x.dtype == torch.float64:
+        return None
+    from attnlab.models.kernels.common.rotary import rotary_feature_map
+
+    return rotary_feature_map
 
 
 def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):

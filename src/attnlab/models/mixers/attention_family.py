@@ -360,10 +360,15 @@ class AttentionFamily(Mixer):
             if getattr(self, "_inv_freq", None) is None or self._inv_freq.device != x.device:
                 self._inv_freq = rotary_inv_freq(head_dim, self.rope_theta, x.device)
             q, k = (t[:, None] for t in rope_(q[:, 0], k[:, 0], self._inv_freq, positions[:, 0]))
-        elif opts["rope"]:
-            cos, sin = rotary_cos_sin(positions, head_dim, self.rope_theta)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
+            q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
+        elif opts["rope"] and (rotate := kernels.rotary_fn(self.kernels, x)) is not None:
+            # rotary and the feature map in one launch each way (in PyTorch, about forty with their backward)
+            q, k = rotate(q, k, positions, self.rope_theta, opts["feature_map"])
+        else:
+            if opts["rope"]:
+                cos, sin = rotary_cos_sin(positions, head_dim, self.rope_theta)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
 
         residual = v * self.D if opts["d_residual"] else None
         dt = F.softplus(self.dt_proj(x).float()) if hasattr(self, "dt_proj") else None  # [B, T, H]

@@ -232,8 +232,11 @@ class NativeSparseAttention(Mixer):
             pos = torch.arange(seq_len, device=x.device).expand(batch, seq_len) + past_len[:, None]
         else:
             pos = (is_token.long().cumsum(-1) - 1 + past_len[:, None]).masked_fill(~is_token, -1)
-        cos, sin = rotary_cos_sin(pos.clamp(min=0), self.head_dim, self.rope_theta)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if (rotate := kernels.rotary_fn(self.kernels, x)) is not None:  # one launch each way (PyTorch's: about forty)
+            q, k = rotate(q, k, pos.clamp(min=0), self.rope_theta)
+        else:
+            cos, sin = rotary_cos_sin(pos.clamp(min=0), self.head_dim, self.rope_theta)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         k, v, length = self._append(cache, past_len, k, v, is_token)  # [B, L, Hkv, D], left-aligned
         k_cmp, v_cmp = self._compress(cache, past_len, k, v)

@@ -151,13 +151,16 @@ class SoftmaxAttention(FusedProjections, Mixer):
             positions = torch.arange(past_len, past_len + seq_len, device=x.device).expand(batch, seq_len)
         else:
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]  # [B, T]
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
 
         q, k, v = self.project(x)
         q = q.view(batch, seq_len, self.num_heads, self.head_dim)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if (rotate := kernels.rotary_fn(self.kernels, x)) is not None:  # one launch each way (PyTorch's: about forty)
+            q, k = rotate(q, k, positions, self.rope_theta)
+        else:
+            cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_k is not None:
             k = torch.cat((past_k, k), dim=1)  # [B, past + T, Hkv, D]
             v = torch.cat((past_v, v), dim=1)
