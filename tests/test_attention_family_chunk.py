@@ -401,7 +401,8 @@ def test_power1_on_the_ssd_kernels_in_bf16_stays_within_bf16_tolerance(case, pow
     assert_close(reference, chunked, 2e-2, case, grad_tol=BF16_GRAD_TOLERANCE)
 
 
-@pytest.mark.parametrize("case", [("power1", "sum", True), ("power1", "count", False), ("power1", "none", True)], ids=str)
+@pytest.mark.parametrize("case", [("power1", "sum", True), ("power1", "sum", False), ("power1", "count", False),
+                                  ("power1", "none", True)], ids=str)
 def test_power1_on_the_ssd_kernels_continues_a_state_and_differentiates_it(case, power1_on_ssd):
     """The state and normaliser of earlier tokens in, 27 tokens on: the outputs, the state and normaliser handed
     on, and every gradient (the earlier state's too) as the differentiable reference prefill gives them."""
@@ -436,16 +437,20 @@ def test_power1_on_the_ssd_kernels_continues_a_state_and_differentiates_it(case,
         assert rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
 
 
-def test_power1_on_the_ssd_kernels_is_causal(power1_on_ssd):
+@pytest.mark.parametrize("decay", [True, False], ids=["decay", "running key sum"])
+def test_power1_on_the_ssd_kernels_is_causal(decay, power1_on_ssd):
     case = ("power1", "sum", True)
     q, k, v, log_decay, _ = case_inputs(case, 1, 40, 2, 8)
+    if not decay:  # the sum normaliser beside the kernels (`_RunningKeySum`)
+        log_decay = None
     kwargs = dict(similarity="power1", scale=8**-0.5, denominator="sum", chunk_size=16)
     o = chunk_attention(q, k, v, log_decay, **kwargs)[0]
     cut = 21
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     for t in (q2, k2, v2):
         t[:, cut:] = torch.randn_like(t[:, cut:]).abs()
-    o2 = chunk_attention(q2, k2, v2, torch.cat((log_decay[:, :cut], -torch.rand_like(log_decay[:, cut:])), 1), **kwargs)[0]
+    later = None if log_decay is None else torch.cat((log_decay[:, :cut], -torch.rand_like(log_decay[:, cut:])), 1)
+    o2 = chunk_attention(q2, k2, v2, later, **kwargs)[0]
     assert torch.equal(o[:, :cut], o2[:, :cut])
     assert not torch.allclose(o[:, cut:], o2[:, cut:])
 
