@@ -70,6 +70,7 @@ def test_bad_inputs_are_refused():
         rotary(q, k, torch.arange(5)[None], THETA)
 
 
+@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
