@@ -26,7 +26,7 @@ from attnlab.models.kernels.attention_family import chunk as chunk_module
 from attnlab.models.kernels.attention_family.parallel import attention_terms as tiled_terms
 from attnlab.models.mixers import MIXERS
 from attnlab.models.mixers.attention_family import mixing_denominator
-from attnlab.models.ops.attention_family import SUM_DENOMINATORS, apply_feature_map, log_decay_cumsum, parallel_attention
+from attnlab.models.ops.attention_family import apply_feature_map, log_decay_cumsum, parallel_attention
 
 PRESETS = ("2mamba", "linear__output_norm", "linear_elu")
 SHAPES = ("16x1024", "8x2048", "4x4096", "2x8192", "1x16384", "1x32768", "1x65536")
@@ -120,11 +120,6 @@ def main() -> None:
                 with features_in_registers():
                     ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
                 variant = f"  features in registers: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in registers: {gib}"
-            elif denominator in SUM_DENOMINATORS and options["decay"] == "none":
-                # the sum normaliser as the SSD kernels' 65th value column, as before `POWER1_RUNNING_KEY_SUM`
-                with normaliser_as_column():
-                    ms, gib = timed(functools.partial(chunked, size=chunk_module.POWER1_SSD_CHUNK), leaves, args.repeats)
-                variant = f"  ones column: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  ones column: {gib}"
             else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
                 with power1_in_pytorch_chunks():
                     ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power1"]), leaves, args.repeats)
@@ -155,17 +150,6 @@ def profile(args) -> None:
         torch.cuda.synchronize()
     print(f"2mamba's chunked mixing at {batch}x{seq_len}, {args.heads} heads of {args.head_dim}: forward + backward")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
-
-
-@contextlib.contextmanager
-def normaliser_as_column():
-    """power1's sum normaliser as the SSD kernels' last value column for a while (`POWER1_RUNNING_KEY_SUM` off)."""
-    before = chunk_module.POWER1_RUNNING_KEY_SUM
-    chunk_module.POWER1_RUNNING_KEY_SUM = False
-    try:
-        yield
-    finally:
-        chunk_module.POWER1_RUNNING_KEY_SUM = before
 
 
 @contextlib.contextmanager

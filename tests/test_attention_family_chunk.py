@@ -437,11 +437,11 @@ def test_power1_on_the_ssd_kernels_continues_a_state_and_differentiates_it(case,
         assert rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
 
 
-@pytest.mark.parametrize("decay", [True, False], ids=["decay", "running key sum"])
+@pytest.mark.parametrize("decay", [True, False], ids=["decay", "no decay"])
 def test_power1_on_the_ssd_kernels_is_causal(decay, power1_on_ssd):
     case = ("power1", "sum", True)
     q, k, v, log_decay, _ = case_inputs(case, 1, 40, 2, 8)
-    if not decay:  # the sum normaliser beside the kernels (`_RunningKeySum`)
+    if not decay:
         log_decay = None
     kwargs = dict(similarity="power1", scale=8**-0.5, denominator="sum", chunk_size=16)
     o = chunk_attention(q, k, v, log_decay, **kwargs)[0]

@@ -716,11 +716,6 @@ def chunk_attention(
 POWER1_SSD_CHUNK = 64  # tokens per chunk on the SSD kernels (16 to 128): the fastest of 32, 64, 128 from 2 x 8192 to 1 x 16384
 # (benchmarks/results/h100-chunk-crossover-power1-ssd.txt; 128 was 5-8% faster for linear__output_norm from 32768 tokens)
 SSD_MAX_HEAD_DIM = 128
-# Without a decay, the sum denominator's normaliser is q_t . (the keys' running sum): one cumulative sum beside the SSD
-# kernels (`_RunningKeySum`) instead of a 65th value column inside them, which every kernel runs as one more block of
-# the values (at 1 x 65536, 16 heads of 64, linear_elu's mixing took 9.0 ms against linear__output_norm's 6.1 without
-# a normaliser: benchmarks/NOTES.md, "power1 on the SSD kernels"). With a decay the column stays.
-POWER1_RUNNING_KEY_SUM = True
 
 
 def power1_on_ssd(q: torch.Tensor) -> bool:
@@ -740,63 +735,29 @@ def _power1_ssd(q, k, v, log_decay, *, scale, denominator, count_power, key_mask
     batch, seq_len, heads, head_dim = q.shape
     value_dim = v.shape[-1]
     want_sum = denominator in SUM_DENOMINATORS
-    running_sum = want_sum and log_decay is None and POWER1_RUNNING_KEY_SUM  # the normaliser beside the kernels
-    column = want_sum and not running_sum  # the normaliser as the SSD's last value column (a column of ones)
-    x = torch.cat((v, v.new_ones(batch, seq_len, heads, 1)), dim=-1) if column else v
+    x = torch.cat((v, v.new_ones(batch, seq_len, heads, 1)), dim=-1) if want_sum else v
     init = None
-    if state is not None or (column and normalizer is not None):  # [B, H, Dv (+ 1), D]: the SSD's layout, transposed
+    if state is not None or (want_sum and normalizer is not None):  # [B, H, Dv (+ 1), D]: the SSD's layout, transposed
         init = q.new_zeros(batch, heads, x.shape[-1], head_dim, dtype=torch.float32)
         if state is not None:
             init[:, :, :value_dim] = state.float().transpose(-1, -2)
-        if column and normalizer is not None:
+        if want_sum and normalizer is not None:
             init[:, :, value_dim] = normalizer.float()
     # no division to follow (denominator none): the output in its final dtype straight from the kernel
     undivided = denominator == "none"
-    keys = k * scale  # the state holds scale k^T v, as the decoding step keeps it
-    y, end = linear_attention_ssd(x, log_decay, keys, q, chunk_size or POWER1_SSD_CHUNK, init,
+    # the state holds scale k^T v, as the decoding step keeps it
+    y, end = linear_attention_ssd(x, log_decay, k * scale, q, chunk_size or POWER1_SSD_CHUNK, init,
                                   out_dtype=(out_dtype or torch.float32) if undivided else torch.float32)
     new_state = end[:, :, :value_dim].transpose(-1, -2).contiguous()  # [B, H, D, Dv]
-    new_normalizer = end[:, :, value_dim].contiguous() if column else None
-    if running_sum:
-        start = None if normalizer is None else normalizer.float()
-        new_normalizer = keys.float().sum(1) if start is None else start + keys.float().sum(1)  # [B, H, D]
+    new_normalizer = end[:, :, value_dim].contiguous() if want_sum else None
     if undivided:
         return y, new_state, new_normalizer
     num = y[..., :value_dim].transpose(1, 2)  # [B, H, T, Dv]
-    if running_sum:
-        den = _RunningKeySum.apply(q, keys, start).transpose(1, 2)[..., None]  # [B, H, T, 1]
-    elif want_sum:
+    if want_sum:
         den = y[..., value_dim:].transpose(1, 2)  # [B, H, T, 1]
     else:  # the count denominators
         den = _counts(key_mask, batch, seq_len, count_before, q.device)[:, None, :, None].expand(batch, heads, seq_len, 1)
     return finish_output(num, den, denominator, count_power, divide, out_dtype), new_state, new_normalizer
-
-
-class _RunningKeySum(torch.autograd.Function):
-    """power1's sum normaliser without a decay: q_t . (z0 + k_1 + ... + k_t) in fp32, from q, k [B, T, H, D] and
-    the earlier tokens' sum z0 [B, H, D] fp32 (or None); [B, T, H]. The running sum is not kept: the backward
-    forms it again (dq_t = g_t z_t), and the keys' gradient is the reversed running sum of g_t q_t."""
-
-    @staticmethod
-    def forward(ctx, q, k, start):
-        ctx.save_for_backward(q, k, start)
-        ctx.start_grad = start is not None and start.requires_grad
-        return torch.linalg.vecdot(q.float(), _running_sum(k, start))
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, start = ctx.saved_tensors
-        grad = grad.float()[..., None]  # [B, T, H, 1]
-        dq = (grad * _running_sum(k, start)).to(q.dtype)
-        dz = grad * q.float()
-        total = dz.sum(1, keepdim=True)
-        dk = (total - dz.cumsum(1) + dz).to(k.dtype)  # the sum over t >= s
-        return dq, dk, total[:, 0] if ctx.start_grad else None
-
-
-def _running_sum(k: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
-    z = k.float().cumsum(1)
-    return z if start is None else z + start[:, None]
 
 
 # True: a call with gradients keeps for its backward only its inputs and runs its forward again there
