@@ -15,6 +15,8 @@
 # ZOO_LONG_MODELS picks the family's presets, ZOO_LONG_MEDIUM=0 skips the medium model),
 # chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536;
 # CROSSOVER_ARGS adds options, e.g. "--preset linear_elu --shape 4x4096"),
+# chunk-profile (2mamba's chunked mixing under torch's profiler at PROFILE_SHAPE, default 1x65536: its kernels by GPU time),
+# prefill (a prompt's prefill through the engine against its length, 1K to 64K, PREFILL_ARCHS: issue 36's linear-time prefill),
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
 # tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768;
 # MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds), chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
@@ -77,6 +79,10 @@ for stage in "$@"; do case $stage in
       run memory "${MEMORY_LIMIT:-300}" python benchmarks/memory_peak.py \
         ${MEMORY_MODELS:+$(printf -- '--model %s ' $MEMORY_MODELS)} --shape "${MEMORY_SHAPE:-1x32768}"
     fi ;;
+  chunk-profile) run chunk-profile "${PROFILE_LIMIT:-120}" python benchmarks/attention_family_chunk.py --profile --shape "${PROFILE_SHAPE:-1x65536}" ;;
+  prefill) run prefill "${PREFILL_LIMIT:-240}" python benchmarks/prefill_scaling.py \
+      $(printf -- '--arch %s ' ${PREFILL_ARCHS:-attnlab-2mamba attnlab-linear__output_norm attnlab-linear_elu attnlab-mamba2})
+    grep -E "proportional" "$OUT/prefill.log" | tee -a "$OUT/summary.txt" ;;
   chunk-blocks) run chunk-blocks "${BLOCKS_LIMIT:-240}" python benchmarks/attention_family_chunk.py --sweep ;;
   zoo-nsa) run zoo-nsa "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model fla-nsa --model hf-llama \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
