@@ -7,7 +7,8 @@ Each model (`attnlab bench train`'s names: `-eager` runs without CUDA graphs; af
 power2 layers on the chunked form at any length, `+tiled`: on the tiled kernels at any length (without either: from the
 lengths `CHUNKED_MIN_TOKENS` names, as attnlab ships), `+chunkN`: chunks of N tokens (`chunk.CHUNK_SIZES`, and
 `chunk.POWER1_SSD_CHUNK` for power1 on the SSD kernels, which take 16 to 128 and run others at 64 with a warning), and
-`+recompute`: the chunked form's forward run again in its backward, `chunk.RECOMPUTE_IN_BACKWARD`) takes its warm-up
+`+recompute`: the chunked form's forward run again in its backward, `chunk.RECOMPUTE_IN_BACKWARD`, `+torch-rotary`: rotary
+positions and the feature map in PyTorch, not in attnlab's rotary kernel, `kernels.ROTARY_KERNEL`) takes its warm-up
 steps, then
 one step under the allocator's history (`torch.cuda.memory._record_memory_history`). The history's
 allocations and frees are replayed in order to find the peak; the blocks alive there are summed by the
@@ -89,8 +90,8 @@ def main() -> None:
     for label in args.model or DEFAULT_MODELS:
         name, *variants = label.split("+")
         sizes = [int(v[5:]) for v in variants if v.startswith("chunk") and v[5:].isdigit()]
-        if unknown := set(variants) - {"chunked", "tiled", "recompute"} - {f"chunk{n}" for n in sizes}:
-            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +tiled, +chunkN, +recompute")
+        if unknown := set(variants) - {"chunked", "tiled", "recompute", "torch-rotary"} - {f"chunk{n}" for n in sizes}:
+            parser.error(f"unknown variant {sorted(unknown)} of {label}: +chunked, +tiled, +chunkN, +recompute, +torch-rotary")
         chunk_module.CHUNK_SIZES = {s: sizes[-1] for s in chunk_sizes} if sizes else dict(chunk_sizes)
         chunk_module.POWER1_SSD_CHUNK = sizes[-1] if sizes else ssd_chunk
         if {"chunked", "tiled"} <= set(variants):
@@ -98,6 +99,7 @@ def main() -> None:
         forced = 1 if "chunked" in variants else float("inf") if "tiled" in variants else None
         kernels.CHUNKED_MIN_TOKENS = {s: forced for s in chunked_from} if forced else dict(chunked_from)
         chunk_module.RECOMPUTE_IN_BACKWARD = "recompute" in variants
+        kernels.ROTARY_KERNEL = "torch-rotary" not in variants
         torch.manual_seed(0)
         release(device)
         model = build(name, args.hidden, args.layers, args.heads, args.vocab).cuda().train()

@@ -135,12 +135,15 @@ def attention_family_state_update_fn(choice: str, x: torch.Tensor):
     return linear_state_update
 
 
+ROTARY_KERNEL = True  # False: PyTorch's rotary everywhere (benchmarks/memory_peak.py's `+torch-rotary` measures both)
+
+
 def rotary_fn(choice: str, x: torch.Tensor):
     """attnlab's rotary kernel for this call (`kernels/common/rotary.py`: `rotary_feature_map(q, k, positions, theta,
     feature_map)`, rotary positions and the feature map on q and k in one launch each way), or None: the caller
     rotates in PyTorch (`apply_rotary`). None as well under torch.compile, which fuses PyTorch's form itself, and for
     float64 (the kernel computes in fp32)."""
-    if not use_triton(choice, x) or compiling() or x.dtype == torch.float64:
+    if not ROTARY_KERNEL or not use_triton(choice, x) or compiling() or x.dtype == torch.float64:
         return None
     from attnlab.models.kernels.common.rotary import rotary_feature_map
 
