@@ -17,6 +17,7 @@ from attnlab.models.kernels.attention_family.chunk import CHUNK_SIZES, _Power2Fe
 from attnlab.models.mixers import MIXERS
 from attnlab.models.mixers.attention_family import AttentionFamily, is_linearizable
 from attnlab.models.ops.attention_family import (
+    FUSED_FIRST_CHUNK,
     chunk_linear_attention,
     linear_features,
     log_decay_cumsum,
@@ -306,6 +307,12 @@ def test_dispatch_chooses_the_chunked_form_only_for_long_linearizable_calls_on_c
         assert kernels.attention_family_chunked("torch", cpu, threshold, similarity) is None
     for similarity in ("exp", "softmax", "taylor"):
         assert kernels.attention_family_chunked("auto", cpu, 10**6, similarity) is None
+    # a prompt past the quadratic form's one chunk is chunked from there, whatever the training threshold
+    monkeypatch.setattr(kernels, "CHUNKED_MIN_TOKENS", {"power1": 8192, "power2": 32768})
+    first = FUSED_FIRST_CHUNK
+    assert kernels.attention_family_chunked("auto", cpu, first + 1, "power2", prompt=True) is chunk_attention_recomputable
+    assert kernels.attention_family_chunked("auto", cpu, first, "power2", prompt=True) is None
+    assert kernels.attention_family_chunked("auto", cpu, first + 1, "power2") is None
 
 
 def family_config(name: str, hidden: int, heads: int, **overrides) -> AttnLabConfig:
@@ -339,7 +346,7 @@ def test_every_linearizable_preset_trains_and_prefills_chunked_as_the_reference(
     reference = forward_and_grads()
     calls = []
 
-    def chunked(choice, x, seq_len, similarity):
+    def chunked(choice, x, seq_len, similarity, prompt=False):
         calls.append(seq_len)
         return functools.partial(chunk_attention_recomputable, chunk_size=8, group_chunks=2) if seq_len > 1 else None
 

@@ -15,7 +15,10 @@ the value from the query key, and nothing else. Accuracy is per query, exact: th
 argmax of the logits at the key is the value.
 
 Example `i` of a stream is made by its own generator seeded by (seed, stream, i): deterministic per seed,
-in any order, and the evaluation stream never repeats the training stream's generators.
+in any order, and the evaluation stream never repeats the training stream's generators. `mqar_batch` makes many
+examples at once: each generator draws, example by example, the keys, the values, the filler, the keys found in the
+filler, the query slots and the keys asked, in that order; the placing is done once for all rows (a training step
+of a small model must not wait milliseconds for its data). `mqar_example` is one row of it.
 """
 
 from __future__ import annotations
@@ -28,62 +31,123 @@ from .packing import PackedData
 
 TRAIN, EVAL = 0, 1
 MQAR = "mqar"
+KEEP_TOKENS = 1 << 24  # the most tokens a kept stream holds (ids and labels: 256 MiB); a larger one is made when read
 
 
 def mqar_example(vocab_size: int, num_pairs: int, num_queries: int, seq_len: int, seed: int, index: int,
                  stream: int = TRAIN, filler: str = "blank") -> tuple[np.ndarray, np.ndarray]:
     """(input ids [seq_len], labels [seq_len]) of example `index` of `stream`; filler 'blank' (token 0) or 'random'."""
-    rng = np.random.default_rng([seed, stream, index])
+    ids, labels = mqar_batch(vocab_size, num_pairs, num_queries, seq_len, seed, [index], stream, filler)
+    return ids[0], labels[0]
+
+
+def mqar_batch(vocab_size: int, num_pairs: int, num_queries: int, seq_len: int, seed: int, indices,
+               stream: int = TRAIN, filler: str = "blank") -> tuple[np.ndarray, np.ndarray]:
+    """(input ids [rows, seq_len], labels [rows, seq_len]) of examples `indices` of `stream`: row r is exactly
+    `mqar_example(..., indices[r], stream, filler)`. Each example's generator makes the same draws in the same order as
+    there; placing the pairs, the filler and the queries is done once for all rows."""
+    if filler not in ("blank", "random"):
+        raise ValueError(f"MQAR filler {filler!r} is not one of 'blank', 'random'")
+    rows = len(indices)
+    if rows == 0:
+        return np.empty((0, seq_len), dtype=np.int64), np.empty((0, seq_len), dtype=np.int64)
     n_keys = (vocab_size - 1) // 2
     n_values = vocab_size - 1 - n_keys
-    keys = 1 + rng.choice(n_keys, size=num_pairs, replace=False)
-    values = 1 + n_keys + rng.choice(n_values, size=num_pairs, replace=False)
-    ids = np.empty(seq_len, dtype=np.int64)
-    labels = np.full(seq_len, -100, dtype=np.int64)
     context = 2 * num_pairs
-    ids[0:context:2], ids[1:context:2] = keys, values
+    n_slots = (seq_len - context) // 2
+    keys = np.empty((rows, num_pairs), dtype=np.int64)
+    values = np.empty((rows, num_pairs), dtype=np.int64)
+    ids = np.zeros((rows, seq_len), dtype=np.int64)  # the blank filler, where nothing else is written
+    rest = ids[:, context:]  # the filler, a view
+    rngs = []
+    for r, index in enumerate(indices):  # draws up to the filler, example by example
+        rng = np.random.default_rng([seed, stream, int(index)])
+        keys[r] = rng.choice(n_keys, size=num_pairs, replace=False)
+        values[r] = rng.choice(n_values, size=num_pairs, replace=False)
+        if filler == "random":
+            rest[r] = rng.integers(1, vocab_size, size=seq_len - context)
+        rngs.append(rng)
+    keys += 1
+    values += 1 + n_keys
+    ids[:, 0:context:2], ids[:, 1:context:2] = keys, values
+    is_key = None
     if filler == "random":
-        rest = rng.integers(1, vocab_size, size=seq_len - context)
-        key_ids = np.zeros(vocab_size, dtype=bool)
-        key_ids[keys] = True
-        is_key = key_ids[rest]
-        rest[is_key] = 1 + n_keys + rng.integers(n_values, size=int(is_key.sum()))  # a key occurs only in its pair and query
-        ids[context:] = rest
-    elif filler == "blank":
-        ids[context:] = 0
-    else:
-        raise ValueError(f"MQAR filler {filler!r} is not one of 'blank', 'random'")
-    slots = rng.choice((seq_len - context) // 2, size=num_queries, replace=False)
-    asked = rng.choice(num_pairs, size=num_queries, replace=False)
+        key_ids = np.zeros((rows, vocab_size), dtype=bool)
+        key_ids[np.arange(rows)[:, None], keys] = True
+        is_key = np.take_along_axis(key_ids, rest, axis=1)
+        counts = is_key.sum(axis=1).tolist()
+    slots = np.empty((rows, num_queries), dtype=np.int64)
+    asked = np.empty((rows, num_queries), dtype=np.int64)
+    replaced = []
+    for r, rng in enumerate(rngs):  # the draws after the filler, example by example
+        if is_key is not None:
+            replaced.append(rng.integers(n_values, size=counts[r]))
+        slots[r] = rng.choice(n_slots, size=num_queries, replace=False)
+        asked[r] = rng.choice(num_pairs, size=num_queries, replace=False)
+    if is_key is not None:
+        rest[is_key] = 1 + n_keys + np.concatenate(replaced)  # row by row, in the order each row's mask lists them
+    rows_at = np.arange(rows)[:, None]
     at = context + 2 * slots
-    ids[at], ids[at + 1] = keys[asked], values[asked]
-    labels[at + 1] = values[asked]
+    asked_values = np.take_along_axis(values, asked, axis=1)
+    ids[rows_at, at], ids[rows_at, at + 1] = np.take_along_axis(keys, asked, axis=1), asked_values
+    labels = np.full((rows, seq_len), -100, dtype=np.int64)
+    labels[rows_at, at + 1] = asked_values
     return ids, labels
 
 
 class MqarDataset(Dataset):
-    """`size` MQAR examples of one stream, made when asked for: {"input_ids", "labels"} as the Trainer wants them."""
+    """`size` MQAR examples of one stream, made when asked for: {"input_ids", "labels"} as the Trainer wants them.
 
-    def __init__(self, options, seq_len: int, size: int, stream: int = TRAIN):
+    A DataLoader asks for a whole batch at once (`__getitems__`), which `mqar_batch` makes. `keep`: hold the examples
+    once made (up to KEEP_TOKENS), for a stream read again and again (the evaluation stream, at every evaluation of a run)."""
+
+    def __init__(self, options, seq_len: int, size: int, stream: int = TRAIN, keep: bool = False):
         self.options, self.seq_len, self.size, self.stream = options, seq_len, size, stream
+        self.keep = keep
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None  # every example, [size, seq_len] each, once made
 
     def __len__(self) -> int:
         return self.size
 
-    def example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def _check(self, index: int) -> int:
         if not 0 <= index < self.size:
             raise IndexError(f"MQAR example {index} is outside 0..{self.size - 1}")
+        return index
+
+    def example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         o = self.options
-        return mqar_example(o.vocab_size, o.num_pairs, o.num_queries, self.seq_len, o.seed, index, self.stream, o.filler)
+        return mqar_example(o.vocab_size, o.num_pairs, o.num_queries, self.seq_len, o.seed, self._check(index), self.stream, o.filler)
+
+    def rows(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, labels) of the examples `indices`, in that order: [rows, seq_len] each."""
+        indices = [self._check(int(i)) for i in indices]
+        if self.keep and self.kept is None and self.size * self.seq_len <= KEEP_TOKENS:
+            self.kept = self._make(range(self.size))
+        if self.kept is not None:
+            at = torch.tensor(indices, dtype=torch.long)
+            return self.kept[0][at], self.kept[1][at]
+        return self._make(indices)
+
+    def _make(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.options
+        ids, labels = mqar_batch(o.vocab_size, o.num_pairs, o.num_queries, self.seq_len, o.seed, indices, self.stream, o.filler)
+        return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self.kept is not None:
+            ids, labels = self.rows([index])
+            return {"input_ids": ids[0], "labels": labels[0]}
         ids, labels = self.example(int(index))
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
 
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The examples of one batch, made together; the collator stacks them again."""
+        ids, labels = self.rows(indices)
+        return [{"input_ids": i, "labels": l} for i, l in zip(ids.unbind(), labels.unbind())]
+
     def batch(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, labels) of examples start..stop-1, stacked: [rows, seq_len] each."""
-        pairs = [self.example(i) for i in range(start, min(stop, self.size))]
-        return torch.from_numpy(np.stack([p[0] for p in pairs])), torch.from_numpy(np.stack([p[1] for p in pairs]))
+        return self.rows(range(start, min(stop, self.size)))
 
 
 def build_mqar(data_section, rows: int):
@@ -100,8 +164,10 @@ def build_mqar(data_section, rows: int):
 def mqar_accuracy(model, dataset: MqarDataset, batch_size: int = 32) -> dict[str, float | int]:
     """Exact per-query accuracy (argmax at each query key is its value), the loss on the values (nats), and counts."""
     device = next(model.parameters()).device
-    correct = queries = 0
-    nll = 0.0
+    # summed on the device and read once at the end: the host does not wait for the device batch by batch
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    queries = torch.zeros((), dtype=torch.int64, device=device)
+    nll = torch.zeros((), dtype=torch.float64, device=device)  # each batch's float32 sum, added in double precision
     for start in range(0, len(dataset), batch_size):
         ids, labels = dataset.batch(start, start + batch_size)
         ids, labels = ids.to(device), labels.to(device)
@@ -110,7 +176,8 @@ def mqar_accuracy(model, dataset: MqarDataset, batch_size: int = 32) -> dict[str
         mask = target != -100
         scores = logits[:, :-1][mask]  # [answers, vocab]
         answers = target[mask]
-        correct += int((scores.argmax(-1) == answers).sum())
-        nll += float(torch.nn.functional.cross_entropy(scores, answers, reduction="sum"))
-        queries += int(mask.sum())
+        correct += (scores.argmax(-1) == answers).sum()
+        nll += torch.nn.functional.cross_entropy(scores, answers, reduction="sum").double()
+        queries += mask.sum()
+    correct, queries, nll = int(correct), int(queries), float(nll)
     return {"accuracy": correct / queries, "loss": nll / queries, "queries": queries, "examples": len(dataset)}

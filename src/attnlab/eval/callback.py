@@ -43,7 +43,8 @@ class EvalDuringTraining(TrainerCallback):
             if spec.task == "mqar":
                 if data is None or data.source != "mqar":
                     raise ConfigError("eval task mqar needs a run on data.source=mqar (its options are data.mqar)")
-                self.jobs.append((spec, "mqar", MqarDataset(data.mqar, data.seq_len, spec.limit or MQAR_EXAMPLES, EVAL)))
+                # kept: the same held-out examples are read at every evaluation
+                self.jobs.append((spec, "mqar", MqarDataset(data.mqar, data.seq_len, spec.limit or MQAR_EXAMPLES, EVAL, keep=True)))
             elif spec.task == "perplexity":
                 load_texts(resolve_data("perplexity", spec.data), spec.split)
                 self.jobs.append((spec, None, None))

@@ -87,6 +87,7 @@ class AttnLabTrainer(Trainer):
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
         self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
         self.finite = FiniteLossCheck()
+        self.flop_parameters: int | None = None  # the parameters outside the embeddings, counted once (floating_point_ops)
         self.grad_reduce_dtype = grad_reduce_dtype  # the dtype DDP's processes average their gradients in (None: fp32)
         if cuda_graphs and world_size() > 1 and graph_blocker(self.model, sharded=self.is_fsdp_enabled, hf=True) is None:
             # only a step that will be captured: DDP on the capture stream makes an eager backward wait across streams
@@ -248,6 +249,17 @@ class AttnLabTrainer(Trainer):
         """Weight decay on matrices only (as nanoGPT): never on norms, biases, or 1-D SSM parameters
         (A_log, D, dt_bias), nor on any parameter flagged `_no_weight_decay`."""
         return [name for name, p in model.named_parameters() if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's estimate, 6 x tokens x parameters outside the embeddings, with the parameters counted once:
+        the Trainer counts them again at every micro-batch, a walk over every module that costs a tiny model's step
+        a tenth of a millisecond of host time."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self.flop_parameters is None:
+            self.flop_parameters = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self.flop_parameters
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)

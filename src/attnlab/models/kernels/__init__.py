@@ -97,12 +97,21 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 32768}
 
 
-def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str):
+def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str, prompt: bool = False):
     """attnlab's chunked, linear-time form of a linearizable attention-family layer (`chunk_attention` of
     `kernels/attention_family/chunk.py`) for a call of `seq_len` tokens on this tensor, or None: the
     quadratic form runs (the tiled kernels on CUDA, the reference elsewhere). Chosen on CUDA (as attnlab's
-    other kernels) from `CHUNKED_MIN_TOKENS` tokens on, for every option of those layers."""
-    if similarity not in CHUNKED_MIN_TOKENS or seq_len < CHUNKED_MIN_TOKENS[similarity] or not use_triton(choice, x):
+    other kernels) from `CHUNKED_MIN_TOKENS` tokens on, for every option of those layers. A `prompt` (a
+    prefill that hands on its state) longer than the quadratic form's one chunk (`FUSED_FIRST_CHUNK`) takes it
+    from there: the prefill's alternative is PyTorch's loop over chunks of features (for power2 at 1 x 16384, a
+    20-layer model's prefill took 588 ms that way, against 199 ms chunked at 1 x 32768: H200,
+    benchmarks/prefill_scaling.py)."""
+    if similarity not in CHUNKED_MIN_TOKENS or not use_triton(choice, x):
+        return None
+    threshold = CHUNKED_MIN_TOKENS[similarity]
+    if prompt:
+        threshold = min(threshold, attention_family_ops.FUSED_FIRST_CHUNK + 1)
+    if seq_len < threshold:
         return None
     from attnlab.models.kernels.attention_family.chunk import chunk_attention_recomputable
 

@@ -462,6 +462,8 @@ class AttentionFamily(Mixer):
         if recent is not None:  # more tokens after steps: the window's go into the state first
             state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=kwargs["similarity"],
                                                     scale=self.scale, packed=packed)
+        if chunked is None:  # a prompt past the quadratic form's one chunk is chunked from there
+            chunked = kernels.attention_family_chunked(self.kernels, q, q.shape[1], self.options["similarity"], prompt=True)
         if chunked is not None:  # a long prompt: chunked, its state handed on in the decoding layout
             o, state, normalizer = chunked(q, k, v, log_decay, key_mask=token_mask, state=state, normalizer=normalizer,
                                            count_before=tokens_before, packed=packed, intra_terms=terms, **kwargs)
