@@ -23,7 +23,8 @@
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
 # before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
-# recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 21), stopped at RECALL_LIMIT seconds
+# recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 21),
+# or with RECALL_SPLIT=1 its 128- and 256-token jobs on GPU 0 beside its 512-token ones on GPU 1, stopped at RECALL_LIMIT seconds
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
 # random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_DECAY_BIAS=1 runs 2mamba and 2mamba-e
 # with mixer_options.decay_bias beside the suite, RECALL_BIAS_PER_GPU at a time on each GPU (default 3); RECALL_TINY=1 runs the same commands
@@ -148,15 +149,27 @@ PY
     suite_s=0; if [ "${RECALL_SUITE:-1}" = 1 ]; then
       t0=$SECONDS
       if [ "${RECALL_DECAY_BIAS:-0}" = 1 ]; then  # beside the suite: 2mamba and 2mamba-e with mixer_options.decay_bias
-        only=(); for l in 128 256 512; do for lr in 0.003 0.01; do for m in 2mamba 2mamba-e; do only+=(--only "len$l-lr$lr-$m"); done; done; done
+        only=(); for l in 128 256 512; do for m in 2mamba 2mamba-e; do only+=(--only "len$l-$m"); done; done
         bias_where=("${where[@]}"); [ "${RECALL_TINY:-0}" = 1 ] || bias_where[3]=${RECALL_BIAS_PER_GPU:-3}
         run recall-decay-bias "${RECALL_LIMIT:-330}" $AL sweep recall "${bias_where[@]}" ${toy[@]+"${toy[@]}"} "${only[@]}" \
           --set "model.mixer_options={decay_bias: true}" --out-dir "$R/decay-bias" &
       fi
-      run recall-suite "${RECALL_LIMIT:-330}" $AL sweep recall "${where[@]}" ${toy[@]+"${toy[@]}"} --out-dir "$R/runs"; wait; suite_s=$((SECONDS - t0))
-      for d in runs decay-bias; do
+      if [ "${RECALL_SPLIT:-0}" = 1 ]; then  # GPU 0 the 128- and 256-token jobs, GPU 1 the 512-token ones, side by side:
+        # what one GPU takes for the suite is the sum of the two walls (each GPU with half of a two-GPU host's cores)
+        short=(); long=(); for m in softmax 2mamba 2mamba-e mamba2 gla nsa linear__output_norm; do
+          short+=(--only "len128-$m" --only "len256-$m"); long+=(--only "len512-$m"); done
+        ( t1=$SECONDS; run recall-suite-short "${RECALL_LIMIT:-330}" $AL sweep recall --gpus 0 --per-gpu 14 ${toy[@]+"${toy[@]}"} "${short[@]}" --out-dir "$R/runs"
+          echo $((SECONDS - t1)) > "$R/runs.wall" ) &
+        ( t1=$SECONDS; run recall-suite-512 "${RECALL_LIMIT:-330}" $AL sweep recall --gpus 1 --per-gpu 7 ${toy[@]+"${toy[@]}"} "${long[@]}" --out-dir "$R/runs-512"
+          echo $((SECONDS - t1)) > "$R/runs-512.wall" ) &
+      else
+        run recall-suite "${RECALL_LIMIT:-330}" $AL sweep recall "${where[@]}" ${toy[@]+"${toy[@]}"} --out-dir "$R/runs"
+      fi
+      wait; suite_s=$((SECONDS - t0))
+      [ -d "$R/runs-512" ] && run recall-report-suite 120 $AL report "$R/runs" "$R/runs-512" --out "$OUT/recall-report-suite.html"
+      for d in runs runs-512 decay-bias; do
         [ -d "$R/$d" ] || continue
-        run "recall-report-$d" 120 $AL report "$R/$d" --out "$OUT/recall-report-$d.html"
+        [ -d "$R/runs-512" ] && [ $d != decay-bias ] || run "recall-report-$d" 120 $AL report "$R/$d" --out "$OUT/recall-report-$d.html"
         find "$R/$d" -mindepth 2 -maxdepth 2 -type d \( -name checkpoints -o -name final \) -exec rm -rf {} +  # weights: not brought back
       done
     fi
@@ -174,17 +187,20 @@ from pathlib import Path
 from attnlab.report.load import load_runs
 from attnlab.report.recall import mqar_rows, mqar_series
 root, suite_s, niah_s = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-for d, what in (("runs", "the suite"), ("decay-bias", "mixer_options.decay_bias=true")):
-    header, rows = mqar_rows(mqar_series(load_runs([root / d]))) if (root / d).is_dir() else ([], [])
+for dirs, what in ((("runs", "runs-512"), "the suite"), (("decay-bias",), "mixer_options.decay_bias=true")):
+    dirs = [root / d for d in dirs if (root / d).is_dir()]
+    header, rows = mqar_rows(mqar_series(load_runs(dirs))) if dirs else ([], [])
     if not rows:
         continue
     print(f"MQAR accuracy (per query, held-out sequences) by mixer and sequence length: {what}")
     print(" ".join(f"{h:>20s}" if i == 0 else f"{h:>7s}" for i, h in enumerate(header)))
     for row in rows:
         print(" ".join(f"{c:>20s}" if i == 0 else f"{c:>7s}" for i, c in enumerate(row)))
-    sweep = json.loads((root / d / "sweep.json").read_text()) if (root / d / "sweep.json").is_file() else {}
-    done = sum(j.get("state") == "finished" for j in sweep.get("jobs", []))
-    print(f"{what}: {done}/{len(sweep.get('jobs', []))} runs finished in {suite_s} s wall")
+    for d in dirs:
+        sweep = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
+        done = sum(j.get("state") == "finished" for j in sweep.get("jobs", []))
+        wall = (root / f"{d.name}.wall").read_text().strip() if (root / f"{d.name}.wall").is_file() else suite_s
+        print(f"{what}, {d.name}: {done}/{len(sweep.get('jobs', []))} runs finished in {wall} s wall")
 metrics = root / "niah" / "metrics.json"
 niah = json.loads(metrics.read_text()).get("metrics", {}) if metrics.is_file() else {}
 if niah: print(f"niah: {niah.get('examples', '?')} prompts, 1k-8k tokens, in {niah_s} s wall (generation {niah.get('generation_s', float('nan')):.1f} s), "
