@@ -7,7 +7,8 @@ sees them), and the chunked form under several chunk sizes.
 
 Prints, per preset and shape, the median ms of forward + backward (gradients of q, k, v and the log-decays)
 and the peak memory beyond the inputs, tiled and chunked, and the ratio (and, for power2, the default chunk with
-its features' products in registers, `FEATURES_IN_REGISTERS` on; for power1, whose chunks run on the SSD kernels,
+its features' products in registers, `FEATURES_IN_REGISTERS` on, and with the states between chunks by their
+recurrence, `STATES_BY_RECURRENCE` on; for power1, whose chunks run on the SSD kernels,
 the chunks of PyTorch's products it ran on before, `power1_on_ssd` off); `CHUNKED_MIN_TOKENS`
 (`attnlab.models.kernels`) is the shortest T where chunked wins, `CHUNK_SIZES` the fastest chunk size.
 """
@@ -120,6 +121,9 @@ def main() -> None:
                 with features_in_registers():
                     ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
                 variant = f"  features in registers: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in registers: {gib}"
+                with states_by_recurrence():  # the states between chunks by their recurrence, not the product with the decays
+                    ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
+                variant += f"  states by recurrence: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  states by recurrence: {gib}"
             else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
                 with power1_in_pytorch_chunks():
                     ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power1"]), leaves, args.repeats)
@@ -161,6 +165,17 @@ def power1_in_pytorch_chunks():
         yield
     finally:
         chunk_module.power1_on_ssd = before
+
+
+@contextlib.contextmanager
+def states_by_recurrence():
+    """The states at the chunks' starts by their recurrence for a while (`STATES_BY_RECURRENCE`)."""
+    before = chunk_module.STATES_BY_RECURRENCE
+    chunk_module.STATES_BY_RECURRENCE = True
+    try:
+        yield
+    finally:
+        chunk_module.STATES_BY_RECURRENCE = before
 
 
 @contextlib.contextmanager
