@@ -197,7 +197,8 @@ def test_fsdp_reaches_accelerate_as_fsdp2_sharding_each_decoder_block(tmp_path):
         assert [name for name, module in model.named_modules() if wrap(module)] == ["model.layers.0", "model.layers.1"]
         # Why preflight refuses fsdp on CPU: accelerate keeps CPU processes on DDP and drops the plugin.
         state = Accelerator(cpu=True, fsdp_plugin=plugin).state
-        print("distributed type on CPU:", state.distributed_type.value, "fsdp plugin:", getattr(state, "fsdp_plugin", None))
+        if state.process_index == 0:  # one process prints: two would interleave their words on the shared pipe
+            print("distributed type on CPU:", state.distributed_type.value, "fsdp plugin:", getattr(state, "fsdp_plugin", None))
     """)
     assert "distributed type on CPU: MULTI_CPU fsdp plugin: None" in out
 
