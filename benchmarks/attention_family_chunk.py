@@ -16,8 +16,8 @@ the chunks of PyTorch's products it ran on before, `power1_on_ssd` off); `CHUNKE
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -116,18 +116,17 @@ def main() -> None:
                 cells.append(f"{ms:8.2f} {gib:5.2f}" if ms is not None else f"{gib:>14s}")
                 if ms is not None and (best is None or ms < best):
                     best = ms
-            variant = ""
-            if similarity == "power2":  # the default chunk with the features' products in registers instead of on cuBLAS
-                with features_in_registers():
-                    ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
-                variant = f"  features in registers: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  features in registers: {gib}"
-                with states_by_recurrence():  # the states between chunks by their recurrence, not the product with the decays
-                    ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power2"]), leaves, args.repeats)
-                variant += f"  states by recurrence: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  states by recurrence: {gib}"
+            def beside(label, name, value, size):  # the chunked form at one chunk size with `chunk.<name>` = value
+                with patched(name, value):
+                    ms, gib = timed(functools.partial(chunked, size=size), leaves, args.repeats)
+                return f"  {label}: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  {label}: {gib}"
+
+            if similarity == "power2":  # the features' products in registers; the states between chunks by their recurrence
+                size = chunk_module.CHUNK_SIZES["power2"]
+                variant = (beside("features in registers", "FEATURES_IN_REGISTERS", True, size)
+                           + beside("states by recurrence", "STATES_BY_RECURRENCE", True, size))
             else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
-                with power1_in_pytorch_chunks():
-                    ms, gib = timed(functools.partial(chunked, size=chunk_module.CHUNK_SIZES["power1"]), leaves, args.repeats)
-                variant = f"  PyTorch chunks: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  PyTorch chunks: {gib}"
+                variant = beside("PyTorch chunks", "power1_on_ssd", lambda q: False, chunk_module.CHUNK_SIZES["power1"])
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
             ratio = f"{best / tiled_ms:10.2f}" if best is not None and tiled_ms is not None else f"{'':>10s}"
             print(f"{preset:22s} {spec:>8s} {tiled_cell} " + " ".join(cells) + f" {ratio}{variant}", flush=True)
@@ -156,37 +155,10 @@ def profile(args) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-@contextlib.contextmanager
-def power1_in_pytorch_chunks():
-    """power1's chunked form on PyTorch's products for a while, not on the SSD kernels (`power1_on_ssd`)."""
-    before = chunk_module.power1_on_ssd
-    chunk_module.power1_on_ssd = lambda q: False
-    try:
-        yield
-    finally:
-        chunk_module.power1_on_ssd = before
-
-
-@contextlib.contextmanager
-def states_by_recurrence():
-    """The states at the chunks' starts by their recurrence for a while (`STATES_BY_RECURRENCE`)."""
-    before = chunk_module.STATES_BY_RECURRENCE
-    chunk_module.STATES_BY_RECURRENCE = True
-    try:
-        yield
-    finally:
-        chunk_module.STATES_BY_RECURRENCE = before
-
-
-@contextlib.contextmanager
-def features_in_registers():
-    """power2's chunked products on the register-feature kernels for a while (`FEATURES_IN_REGISTERS`)."""
-    before = chunk_module.FEATURES_IN_REGISTERS
-    chunk_module.FEATURES_IN_REGISTERS = True
-    try:
-        yield
-    finally:
-        chunk_module.FEATURES_IN_REGISTERS = before
+def patched(name: str, value):
+    """The chunked form with `chunk.<name>` set to `value` for a while: `power1_on_ssd` (a function: off, power1 in
+    the chunks of PyTorch's products it ran on before), `STATES_BY_RECURRENCE`, `FEATURES_IN_REGISTERS`."""
+    return mock.patch.object(chunk_module, name, value)
 
 
 def sweep(args) -> None:
@@ -201,7 +173,7 @@ def sweep(args) -> None:
 
     print("2mamba's mixing at 1x32768 with the features in registers, forward + backward ms, per block choice (the first: "
           "the committed one)")
-    with features_in_registers():
+    with patched("FEATURES_IN_REGISTERS", True):
         sweep_blocks(names, base, mix, leaves, args.repeats)
 
 

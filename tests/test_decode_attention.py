@@ -147,7 +147,8 @@ def test_family_step_on_the_kernel_matches_the_reference_form(options):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_cache_write_in_one_kernel_match_the_separate_steps(dtype):
     from attnlab.models.kernels.softmax.decode import rope_write_
-    from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq, write_static_kv
+    from attnlab.models.mixers.softmax import write_static_kv
+    from attnlab.models.ops.common import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, capacity = 3, 4, 2, 12, 20
@@ -176,7 +177,7 @@ def test_rotary_and_cache_write_in_one_kernel_match_the_separate_steps(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_one_kernel_matches_the_reference(dtype):
     from attnlab.models.kernels.softmax.decode import rope_
-    from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq
+    from attnlab.models.ops.common import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
     torch.manual_seed(0)
     qkv = torch.randn(3, 3, 4, 8).to(dtype)  # q, k, v of 4 heads as views of one projection

@@ -12,7 +12,7 @@ from attnlab.data import ByteTokenizer
 from attnlab.generation import generate_ids
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM
 from attnlab.models.ops.mamba2 import chunk_ssd, naive_recurrent_ssd, ssd_step
-from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
+from attnlab.models.ops.common import apply_rotary, rotary_cos_sin
 from attnlab.models.ops.nsa import mean_pool_blocks, naive_nsa, nsa_step, parallel_nsa
 
 from conftest import random_nsa_inputs, run_cli, sets

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnlab.models.kernels.common.rotary import FEATURE_MAPS, rotary
-from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin
+from attnlab.models.ops.common import apply_rotary, rotary_cos_sin
 from attnlab.models.ops.attention_family import apply_feature_map
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

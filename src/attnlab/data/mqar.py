@@ -134,11 +134,8 @@ class MqarDataset(Dataset):
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self.kept is not None:
-            ids, labels = self.rows([index])
-            return {"input_ids": ids[0], "labels": labels[0]}
-        ids, labels = self.example(int(index))
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+        ids, labels = self.rows([index])
+        return {"input_ids": ids[0], "labels": labels[0]}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """The examples of one batch, made together; the collator stacks them again."""

@@ -20,6 +20,7 @@ import torch
 from attnlab.models.kernels.eager import compiling
 from attnlab.models.kernels.limits import attention_family_gap, causal_conv1d_gap, nsa_gap, nsa_step_gap  # noqa: F401
 from attnlab.models.ops import attention_family as attention_family_ops
+from attnlab.models.ops import common as common_ops
 from attnlab.models.ops import nsa as nsa_ops
 
 
@@ -148,15 +149,28 @@ ROTARY_KERNEL = True  # False: PyTorch's rotary everywhere (benchmarks/memory_pe
 
 
 def rotary_fn(choice: str, x: torch.Tensor):
-    """attnlab's rotary kernel for this call (`kernels/common/rotary.py`: `rotary_feature_map(q, k, positions, theta,
-    feature_map)`, rotary positions and the feature map on q and k in one launch each way), or None: the caller
-    rotates in PyTorch (`apply_rotary`). None as well under torch.compile, which fuses PyTorch's form itself, and for
-    float64 (the kernel computes in fp32)."""
+    """attnlab's rotary kernel for this call (`kernels/common/rotary.py`: `rotary_feature_map`), or None: PyTorch's
+    form runs. None as well under torch.compile, which fuses PyTorch's form itself, and for float64 (the kernel
+    computes in fp32)."""
     if not ROTARY_KERNEL or not use_triton(choice, x) or compiling() or x.dtype == torch.float64:
         return None
     from attnlab.models.kernels.common.rotary import rotary_feature_map
 
     return rotary_feature_map
+
+
+def rotate(choice: str, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float,
+           feature_map: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, H, D] and k [B, T, Hk, D] rotated at `positions` [B, T] (rotate-half RoPE, base `theta`), then through
+    the attention family's `feature_map`: on attnlab's rotary kernel where `rotary_fn` gives it (one launch each way,
+    where PyTorch's form and its backward take about forty), else `ops.common.apply_rotary` and
+    `ops.attention_family.apply_feature_map`."""
+    kernel = rotary_fn(choice, x)
+    if kernel is not None:
+        return kernel(q, k, positions, theta, feature_map)
+    cos, sin = common_ops.rotary_cos_sin(positions, q.shape[-1], theta)
+    q, k = common_ops.apply_rotary(q, cos, sin), common_ops.apply_rotary(k, cos, sin)
+    return attention_family_ops.apply_feature_map(q, feature_map), attention_family_ops.apply_feature_map(k, feature_map)
 
 
 def causal_conv1d_fn(choice: str, x: torch.Tensor, covered: bool = True):

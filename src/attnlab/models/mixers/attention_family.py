@@ -30,14 +30,7 @@ import torch.nn.functional as F
 from attnlab.models import kernels
 from attnlab.models.kernels.eager import outside_compile
 from attnlab.models.mixers.registry import Mixer, register_mixer
-from attnlab.models.mixers.softmax import (
-    SoftmaxAttention,
-    apply_rotary,
-    rotary_cos_sin,
-    rotary_inv_freq,
-    static_kv_state,
-    write_static_kv,
-)
+from attnlab.models.mixers.softmax import SoftmaxAttention, static_kv_state, write_static_kv
 from attnlab.models.modules import RMSNorm, slow_start_bias
 from attnlab.models.ops.attention_family import (
     DENOMINATORS,
@@ -58,6 +51,7 @@ from attnlab.models.ops.attention_family import (
     _divide,
     _finish_denominator,
 )
+from attnlab.models.ops.common import rotary_inv_freq
 
 OUTPUT_NORMS = ("none", "layernorm", "rmsnorm", "l2")
 OUT_GATES = ("none", "before_norm", "after_norm")
@@ -361,13 +355,9 @@ class AttentionFamily(Mixer):
                 self._inv_freq = rotary_inv_freq(head_dim, self.rope_theta, x.device)
             q, k = (t[:, None] for t in rope_(q[:, 0], k[:, 0], self._inv_freq, positions[:, 0]))
             q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
-        elif opts["rope"] and (rotate := kernels.rotary_fn(self.kernels, x)) is not None:
-            # rotary and the feature map in one launch each way (in PyTorch, about forty with their backward)
-            q, k = rotate(q, k, positions, self.rope_theta, opts["feature_map"])
+        elif opts["rope"]:
+            q, k = kernels.rotate(self.kernels, x, q, k, positions, self.rope_theta, opts["feature_map"])
         else:
-            if opts["rope"]:
-                cos, sin = rotary_cos_sin(positions, head_dim, self.rope_theta)
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             q, k = apply_feature_map(q, opts["feature_map"]), apply_feature_map(k, opts["feature_map"])
 
         residual = v * self.D if opts["d_residual"] else None
@@ -421,12 +411,14 @@ class AttentionFamily(Mixer):
         `decay_fn`: log_decay holds the decay projection's output, which the step kernel turns into the log-decay."""
         kwargs = self._attention_kwargs()
         state, normalizer = cache.get("state"), cache.get("normalizer")
-        # the one choice between the quadratic form and the chunked, linear-time one (CUDA, long sequences)
-        chunked = kernels.attention_family_chunked(self.kernels, q, q.shape[1], self.options["similarity"])
-        if "state" not in cache and not use_cache and chunked is not None:  # training, chunked
+        # the one choice between the quadratic form and the chunked, linear-time one (CUDA, long sequences; a prompt
+        # that hands on its state, from past the quadratic form's one chunk)
+        training = "state" not in cache and not use_cache
+        chunked = kernels.attention_family_chunked(self.kernels, q, q.shape[1], self.options["similarity"], prompt=not training)
+        if training and chunked is not None:  # training, chunked
             o, _, _ = chunked(q, k, v, log_decay, key_mask=token_mask, intra_terms=terms, out_dtype=v.dtype, **kwargs)
             return o, None
-        if "state" not in cache and not use_cache:  # training: quadratic form only
+        if training:  # quadratic form only
             c = log_decay_cumsum(log_decay)
             o = parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, key_mask=token_mask, terms=terms,
                                    out_dtype=v.dtype, **kwargs)
@@ -462,8 +454,6 @@ class AttentionFamily(Mixer):
         if recent is not None:  # more tokens after steps: the window's go into the state first
             state, normalizer, recent = fold_recent(state, normalizer, recent, similarity=kwargs["similarity"],
                                                     scale=self.scale, packed=packed)
-        if chunked is None:  # a prompt past the quadratic form's one chunk is chunked from there
-            chunked = kernels.attention_family_chunked(self.kernels, q, q.shape[1], self.options["similarity"], prompt=True)
         if chunked is not None:  # a long prompt: chunked, its state handed on in the decoding layout
             o, state, normalizer = chunked(q, k, v, log_decay, key_mask=token_mask, state=state, normalizer=normalizer,
                                            count_before=tokens_before, packed=packed, intra_terms=terms, **kwargs)

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from attnlab.models import kernels
 from attnlab.models.mixers.registry import Mixer, register_mixer
-from attnlab.models.mixers.softmax import apply_rotary, rotary_cos_sin, rotary_inv_freq
+from attnlab.models.ops.common import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from attnlab.models.ops.nsa import STAT_NAMES, check_selection_counts, mean_pool_blocks, nsa_step, stats_values
 
 COMPRESSIONS = ("mean", "mlp")
@@ -232,11 +232,7 @@ class NativeSparseAttention(Mixer):
             pos = torch.arange(seq_len, device=x.device).expand(batch, seq_len) + past_len[:, None]
         else:
             pos = (is_token.long().cumsum(-1) - 1 + past_len[:, None]).masked_fill(~is_token, -1)
-        if (rotate := kernels.rotary_fn(self.kernels, x)) is not None:  # one launch each way (PyTorch's: about forty)
-            q, k = rotate(q, k, pos.clamp(min=0), self.rope_theta)
-        else:
-            cos, sin = rotary_cos_sin(pos.clamp(min=0), self.head_dim, self.rope_theta)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = kernels.rotate(self.kernels, x, q, k, pos.clamp(min=0), self.rope_theta)
 
         k, v, length = self._append(cache, past_len, k, v, is_token)  # [B, L, Hkv, D], left-aligned
         k_cmp, v_cmp = self._compress(cache, past_len, k, v)

@@ -9,27 +9,8 @@ import torch.nn.functional as F
 from attnlab.models import kernels
 from attnlab.models.mixers.registry import Mixer, register_mixer
 from attnlab.models.modules import FusedProjections
+from attnlab.models.ops.common import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from attnlab.models.ops.softmax import decode_attention as reference_decode_attention
-
-
-def rotary_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
-    """The rotary frequencies [head_dim / 2], fp32."""
-    return theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [B, T, 1, head_dim] for integer positions [B, T]."""
-    inv_freq = rotary_inv_freq(head_dim, theta, positions.device)
-    angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
-    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [B, T, 1, head_dim]
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by position (the non-interleaved "rotate half" convention)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated_half = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated_half * sin).to(x.dtype)
 
 
 def interleaved_rope_permutation(head_dim: int) -> torch.Tensor:
@@ -156,11 +137,7 @@ class SoftmaxAttention(FusedProjections, Mixer):
         q = q.view(batch, seq_len, self.num_heads, self.head_dim)
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        if (rotate := kernels.rotary_fn(self.kernels, x)) is not None:  # one launch each way (PyTorch's: about forty)
-            q, k = rotate(q, k, positions, self.rope_theta)
-        else:
-            cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = kernels.rotate(self.kernels, x, q, k, positions, self.rope_theta)
         if past_k is not None:
             k = torch.cat((past_k, k), dim=1)  # [B, past + T, Hkv, D]
             v = torch.cat((past_v, v), dim=1)

@@ -1,5 +1,6 @@
-"""References in plain PyTorch of the pieces several families share: the causal depthwise convolution and the
-gated RMSNorm. They are the oracles of `attnlab.models.kernels.common` (`conv`, `gated_norm`), computed in fp32."""
+"""References in plain PyTorch of the pieces several families share: the causal depthwise convolution, the
+gated RMSNorm and rotary positions. They are the oracles of `attnlab.models.kernels.common` (`conv`, `gated_norm`,
+`rotary`), computed in fp32."""
 
 from __future__ import annotations
 
@@ -29,3 +30,23 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     grouped = h.view(*h.shape[:-1], D // group_size, group_size)
     normed = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)
     return (normed.view(h.shape) * weight.float()).to(x.dtype)
+
+
+def rotary_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """The rotary frequencies [head_dim / 2], fp32."""
+    return theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [B, T, 1, head_dim] for integer positions [B, T]."""
+    inv_freq = rotary_inv_freq(head_dim, theta, positions.device)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [B, T, 1, head_dim]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by position (the non-interleaved "rotate half" convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated_half = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated_half * sin).to(x.dtype)

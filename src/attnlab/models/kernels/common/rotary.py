@@ -1,7 +1,7 @@
 """Rotary positions on q and k, with an elementwise feature map after them, as one Triton kernel each way (training
 and prefill; a decoding step has its own, `kernels/softmax/decode.py`).
 
-In PyTorch (`mixers.softmax.apply_rotary` and `ops.attention_family.apply_feature_map`) the rotation of q and k and
+In PyTorch (`ops.common.apply_rotary` and `ops.attention_family.apply_feature_map`) the rotation of q and k and
 their backward take about forty launches and read and write each tensor a dozen times; here the forward reads each
 element once and writes it once, and so does the backward. For token t of a row, head h and channel i < D/2, with the
 angle a = position[t] * inv_freq[i] in fp32 (the non-interleaved "rotate half" convention of `apply_rotary`):
@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from attnlab.models.ops.attention_family import apply_feature_map
+from attnlab.models.ops.common import rotary_inv_freq
 
 FEATURE_MAPS = ("none", "relu", "elu1")  # the feature maps the kernel applies itself
 _PHI = {name: code for code, name in enumerate(FEATURE_MAPS)}
@@ -104,10 +105,10 @@ _INV_FREQ: dict[tuple, torch.Tensor] = {}
 
 
 def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """The rotary frequencies [D / 2] fp32, as `mixers.softmax.rotary_inv_freq` forms them, kept per device."""
+    """`ops.common.rotary_inv_freq`, kept per device (a training step would otherwise launch its arange and power)."""
     key = (head_dim, float(theta), device)
     if key not in _INV_FREQ:
-        _INV_FREQ[key] = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+        _INV_FREQ[key] = rotary_inv_freq(head_dim, theta, device)
     return _INV_FREQ[key]
 
 

@@ -224,7 +224,7 @@ def rope_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: tor
     rotary position); length [B] (the column to write). k rotated and v are written at each row's
     column of key, value [B, capacity, Hkv, D], and valid [B, capacity] (uint8) set there; the
     counters are left to the caller. Returns q rotated [B, H, D] in q's dtype (the non-interleaved
-    "rotate half" convention of `mixers.softmax.apply_rotary`)."""
+    "rotate half" convention of `ops.common.apply_rotary`)."""
     batch, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if head_dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
