@@ -163,7 +163,7 @@ def rotate(choice: str, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, posit
            feature_map: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D] and k [B, T, Hk, D] rotated at `positions` [B, T] (rotate-half RoPE, base `theta`), then through
     the attention family's `feature_map`: on attnlab's rotary kernel where `rotary_fn` gives it (one launch each way,
-    where PyTorch's form and its backward take about forty), else `ops.common.apply_rotary` and
+    where PyTorch's form and its backward make 55 aten calls), else `ops.common.apply_rotary` and
     `ops.attention_family.apply_feature_map`."""
     kernel = rotary_fn(choice, x)
     if kernel is not None:
