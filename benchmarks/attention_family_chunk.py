@@ -7,8 +7,8 @@ sees them), and the chunked form under several chunk sizes.
 
 Prints, per preset and shape, the median ms of forward + backward (gradients of q, k, v and the log-decays)
 and the peak memory beyond the inputs, tiled and chunked, and the ratio (and, for power2, the default chunk with
-its features' products in registers, `FEATURES_IN_REGISTERS` on, and with the states between chunks by their
-recurrence, `STATES_BY_RECURRENCE` on; for power1, whose chunks run on the SSD kernels,
+its state's products with the features formed in memory for cuBLAS, `POWER2_STATE_KERNELS` off; for power1,
+whose chunks run on the SSD kernels,
 the chunks of PyTorch's products it ran on before, `power1_on_ssd` off); `CHUNKED_MIN_TOKENS`
 (`attnlab.models.kernels`) is the shortest T where chunked wins, `CHUNK_SIZES` the fastest chunk size.
 """
@@ -16,6 +16,7 @@ the chunks of PyTorch's products it ran on before, `power1_on_ssd` off); `CHUNKE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 from unittest import mock
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from attnlab.bench.timing import median_time, release
 from attnlab.models.kernels.attention_family import chunk as chunk_module
+from attnlab.models.kernels.attention_family import power2_states
 from attnlab.models.kernels.attention_family.parallel import attention_terms as tiled_terms
 from attnlab.models.mixers import MIXERS
 from attnlab.models.mixers.attention_family import mixing_denominator
@@ -72,8 +74,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
-    parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at 1x32768 under each block choice of the "
-                        "kernels that form power2's features in registers (PHI_ROWS, PHI_FIRST, PHI_WARPS)")
+    parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at the first --shape (default 1x65536) under "
+                        "each block choice of power2's state kernels (power2_states: TOKEN_ROWS, TOKEN_WARPS, STATE_ROWS, "
+                        "STATE_WARPS) and chunk size")
     parser.add_argument("--profile", action="store_true", help="instead: the kernels of 2mamba's chunked mixing (forward + "
                         "backward) at the first --shape, by GPU time (torch.profiler), and the chunked form's Python time")
     args = parser.parse_args()
@@ -121,10 +124,9 @@ def main() -> None:
                     ms, gib = timed(functools.partial(chunked, size=size), leaves, args.repeats)
                 return f"  {label}: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  {label}: {gib}"
 
-            if similarity == "power2":  # the features' products in registers; the states between chunks by their recurrence
+            if similarity == "power2":  # the features formed in memory for cuBLAS, as before the state kernels
                 size = chunk_module.CHUNK_SIZES["power2"]
-                variant = (beside("features in registers", "FEATURES_IN_REGISTERS", True, size)
-                           + beside("states by recurrence", "STATES_BY_RECURRENCE", True, size))
+                variant = beside("features in memory", "POWER2_STATE_KERNELS", False, size)
             else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
                 variant = beside("PyTorch chunks", "power1_on_ssd", lambda q: False, chunk_module.CHUNK_SIZES["power1"])
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
@@ -157,38 +159,31 @@ def profile(args) -> None:
 
 def patched(name: str, value):
     """The chunked form with `chunk.<name>` set to `value` for a while: `power1_on_ssd` (a function: off, power1 in
-    the chunks of PyTorch's products it ran on before), `STATES_BY_RECURRENCE`, `FEATURES_IN_REGISTERS`."""
+    the chunks of PyTorch's products it ran on before), `POWER2_STATE_KERNELS`."""
     return mock.patch.object(chunk_module, name, value)
 
 
 def sweep(args) -> None:
+    batch, seq_len = (int(x) for x in (args.shape or ["1x65536"])[0].split("x"))
     options = MIXERS["2mamba"].resolve_options(None)
-    leaves = inputs(options, 1, 32768, args.heads, args.head_dim)
-    names = ("PHI_ROWS", "PHI_FIRST", "PHI_WARPS")
-    base = tuple(getattr(chunk_module, n) for n in names)
+    leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
+    names = ("TOKEN_ROWS", "TOKEN_WARPS", "STATE_ROWS", "STATE_WARPS")
+    base = tuple(getattr(power2_states, n) for n in names)
+    print(f"2mamba's mixing at {batch}x{seq_len} on power2's state kernels, forward + backward ms, per block choice and "
+          "chunk (the first: the committed blocks)")
+    for values in [base, (128, 8, 64, 4), (64, 4, 32, 4), (64, 4, 64, 8), (128, 4, 64, 4), (32, 4, 64, 4)]:
+        for size in (256, 512):
+            def mix(q, k, v, log_decay, size=size):
+                return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5,
+                                                    denominator="sum", intra_terms=tiled_terms, out_dtype=v.dtype,
+                                                    chunk_size=size)[0]
 
-    def mix(q, k, v, log_decay):
-        return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5, denominator="sum",
-                                            intra_terms=tiled_terms, out_dtype=v.dtype)[0]
-
-    print("2mamba's mixing at 1x32768 with the features in registers, forward + backward ms, per block choice (the first: "
-          "the committed one)")
-    with patched("FEATURES_IN_REGISTERS", True):
-        sweep_blocks(names, base, mix, leaves, args.repeats)
-
-
-def sweep_blocks(names, base, mix, leaves, repeats) -> None:
-    for values in [base, (32, 4, 4), (64, 2, 4), (64, 4, 8), (128, 2, 8), (128, 1, 4), (32, 2, 4)]:
-        for n, val in zip(names, values):
-            setattr(chunk_module, n, val)
-        try:
-            ms, gib = timed(mix, leaves, repeats)
-            cell = f"{ms:8.2f} ms" if ms is not None else f"fails ({gib})"
-            print(f"{cell}  " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
-        except Exception as exc:  # a block shape that does not compile: say so and go on
-            print(f"  fails: {type(exc).__name__}  " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
-    for n, val in zip(names, base):
-        setattr(chunk_module, n, val)
+            with contextlib.ExitStack() as stack:
+                for n, val in zip(names, values):
+                    stack.enter_context(mock.patch.object(power2_states, n, val))
+                ms, gib = timed(mix, leaves, args.repeats)
+            cell = f"{ms:8.2f} ms {gib:5.2f} GiB" if ms is not None else f"fails ({gib})"
+            print(f"{cell}  chunk {size}, " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@
 # prefill (a prompt's prefill through the engine against its length, 1K to 64K, PREFILL_ARCHS: issue 36's linear-time prefill),
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
 # tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768;
-# MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds), chunk-blocks (the chunked form's register-feature kernels under several block choices, 2mamba's mixing at 1x32768),
-# fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
+# MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds), chunk-blocks (power2's state kernels under several block choices and chunk sizes, 2mamba's mixing at BLOCKS_SHAPE, default 1x65536),
+# fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), ddp-ctas (benchmarks/ddp_capture.py on
+# DDP_GPUS GPUs, default 2: the captured DDP step of 2mamba-e and GLA with NCCL's collectives capped at each of DDP_CTAS CTAs in turn,
+# default "2 4 8 16", beside NCCL's own choice; NCCL's INIT log, the channels each communicator got, in $OUT/ddp-ctas-nccl.*), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
 # before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
 # recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 21),
@@ -84,7 +86,7 @@ for stage in "$@"; do case $stage in
   prefill) run prefill "${PREFILL_LIMIT:-240}" python benchmarks/prefill_scaling.py \
       $(printf -- '--arch %s ' ${PREFILL_ARCHS:-attnlab-2mamba attnlab-linear__output_norm attnlab-linear_elu attnlab-mamba2})
     grep -E "proportional" "$OUT/prefill.log" | tee -a "$OUT/summary.txt" ;;
-  chunk-blocks) run chunk-blocks "${BLOCKS_LIMIT:-240}" python benchmarks/attention_family_chunk.py --sweep ;;
+  chunk-blocks) run chunk-blocks "${BLOCKS_LIMIT:-240}" python benchmarks/attention_family_chunk.py --sweep --shape "${BLOCKS_SHAPE:-1x65536}" ;;
   zoo-nsa) run zoo-nsa "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model fla-nsa --model hf-llama \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
     $(printf -- '--shape %s ' ${NSA_SHAPES:-2x2048 1x8192}) --out "$OUT/zoo-nsa.json" ;;
@@ -101,6 +103,16 @@ for stage in "$@"; do case $stage in
   eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda ${FSDP_K:+-k "$FSDP_K"} tests/test_distributed.py ;;
+  ddp-ctas)  # NCCL_DEBUG_FILE: NCCL's log apart from the table, one file per process
+    run ddp-ctas "${DDP_CTAS_LIMIT:-480}" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV NCCL_DEBUG_FILE="$OUT/ddp-ctas-nccl.%h.%p.log" \
+      torchrun --standalone --nproc_per_node "${DDP_GPUS:-2}" benchmarks/ddp_capture.py --model attnlab-2mamba-e --model attnlab-gla \
+      $(printf -- '--nccl-max-ctas %s ' ${DDP_CTAS:-2 4 8 16})
+    sed -n '/^model .*max CTAs/,$p' "$OUT/ddp-ctas.log" | tee -a "$OUT/summary.txt"
+    # the communicators in the order they were made: the default group's, then one per cap
+    for f in "$OUT"/ddp-ctas-nccl.*.log; do [ -f "$f" ] || continue
+      echo "ddp-ctas: NCCL coll channels per communicator, ${f##*/} (NCCL's own choice, then ${DDP_CTAS:-2 4 8 16}):" \
+        $(grep -o '[0-9]* coll channels' "$f" | cut -d' ' -f1)
+    done | tee -a "$OUT/summary.txt" ;;
   scale|scale2) name=$stage; [ $stage = scale2 ] && { SCALE_MODELS=${SCALE2_MODELS:-$SCALE_MODELS}; SCALE_ARGS=${SCALE2_ARGS:-$SCALE_ARGS}; }
     run $name "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \
     ${SCALE_GPUS:+$(printf -- '--gpus %s ' $SCALE_GPUS)} ${SCALE_ARGS---no-ckpt} --out "$OUT/$name.json"

@@ -128,7 +128,7 @@ def test_the_split_into_chunks_and_groups_does_not_change_the_result(case):
 @pytest.mark.parametrize("case", [("power1", "sum", True), ("power2", "sum", True), ("power2", "none", False),
                                   ("power1", "count", True), ("power2", "count_power", True)], ids=str)
 @pytest.mark.parametrize("packed", [False, True], ids=["full", "packed"])
-def test_a_prefill_after_cached_tokens_continues_the_state_in_the_decoding_layout(case, packed):
+def test_a_prefill_after_cached_tokens_continues_the_state_in_the_decoding_layout(case, packed, chunk_size=8):
     """The state and normaliser of 10 earlier tokens in, 29 tokens on: outputs, the state and normaliser
     handed on (power2's packed d (d + 1) / 2 rows or full d^2) as the reference prefill computes them."""
     similarity, denominator, _ = case
@@ -143,7 +143,7 @@ def test_a_prefill_after_cached_tokens_continues_the_state_in_the_decoding_layou
     before = torch.full((2,), 10)
     ref = chunk_linear_attention(q[:, tail], k[:, tail], v[:, tail], decay(tail), state, normalizer, before, **kwargs)
     got = chunk_attention(q[:, tail], k[:, tail], v[:, tail], decay(tail), state=state, normalizer=normalizer,
-                          count_before=before, chunk_size=8, group_chunks=2, **kwargs)
+                          count_before=before, chunk_size=chunk_size, group_chunks=2, **kwargs)
     assert got[1].shape == ref[1].shape
     for name, fast, slow in zip(("output", "state", "normalizer"), got, ref):
         assert (fast is None) == (slow is None), name
@@ -152,7 +152,7 @@ def test_a_prefill_after_cached_tokens_continues_the_state_in_the_decoding_layou
 
 
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "sum", False), ("power2", "none", False)], ids=str)
-def test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(case):
+def test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(case, chunk_size=8):
     """A loss on the outputs and on the state and normaliser handed on: the gradients of q, k, v, the
     log-decays and the earlier state and normaliser, as the differentiable reference prefill gives them."""
     similarity, denominator, _ = case
@@ -180,7 +180,7 @@ def test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(cas
     ref = grads(lambda t: chunk_linear_attention(t["q"], t["k"], t["v"], t.get("log_decay"), t["state"], t.get("normalizer"),
                                                  before, chunk_size=27, **kwargs))
     got = grads(lambda t: chunk_attention(t["q"], t["k"], t["v"], t.get("log_decay"), state=t["state"],
-                                          normalizer=t.get("normalizer"), count_before=before, chunk_size=8, group_chunks=2,
+                                          normalizer=t.get("normalizer"), count_before=before, chunk_size=chunk_size, group_chunks=2,
                                           **kwargs))
     for fast, slow in zip(got, ref):
         assert rel_err(fast, slow) <= 1e-5
@@ -199,10 +199,10 @@ def test_the_states_by_their_recurrence_give_what_the_product_with_the_decays_gi
 
 
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "count", False)], ids=str)
-def test_chunked_outputs_are_causal(case):
+def test_chunked_outputs_are_causal(case, chunk_size=8):
     """Changing the tokens after position t, across chunk and group boundaries, leaves outputs through t."""
     q, k, v, log_decay, _ = case_inputs(case, 1, 40, 2, 8)
-    kwargs = dict(similarity=case[0], scale=8**-0.5, denominator=case[1], chunk_size=8, group_chunks=2)
+    kwargs = dict(similarity=case[0], scale=8**-0.5, denominator=case[1], chunk_size=chunk_size, group_chunks=2)
     o = chunk_attention(q, k, v, log_decay, **kwargs)[0]
     cut = 21
     q2, k2, v2 = (t.clone() for t in (q, k, v))
@@ -485,7 +485,148 @@ def test_power1_runs_on_the_ssd_kernels_on_cuda_only():
             assert not power1_on_ssd(torch.zeros(1, 4, 2, SSD_MAX_HEAD_DIM * 2, device="cuda"))
 
 
+# ---------------------------------------------------------------- power2's state on its kernels
+
+POWER2_CASES = [c for c in CASES if c[0] == "power2"]
+
+
+@pytest.fixture
+def power2_on_kernels(monkeypatch):
+    """power2's state across chunks on `power2_states`' kernels for CPU tensors: Triton's interpreter. Returns the
+    chunk sizes of the calls that took them."""
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("on a GPU the compiled kernels are tested below")
+    from attnlab.models.kernels.attention_family import chunk as chunk_module
+    from attnlab.models.kernels.attention_family import power2_states
+
+    calls = []
+
+    def on_kernels(q, value_dim, chunk):
+        calls.append(chunk)
+        return power2_states.covers(q.shape[-1], value_dim, chunk)
+
+    monkeypatch.setattr(chunk_module, "power2_on_kernels", on_kernels)
+    return calls
+
+
+@pytest.mark.parametrize("case, masked", [(c, True) for c in POWER2_CASES]
+                         + [(("power2", "sum", True), False), (("power2", "none", False), False)], ids=str)
+def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernels):
+    """37 tokens in chunks of 16 (the last one short), every denominator, with and without decay: outputs and the
+    gradients of q, k, v and the log-decays (theirs through the kernels' dq . q and dk . k), in fp32."""
+    q, k, v, log_decay, mask = case_inputs(case, 2, 37, 2, 8, masked=masked)
+    reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, chunk_size=16)
+    assert power2_on_kernels == [16]
+    assert_close(reference, chunked, 1e-5, case)
+
+
+@pytest.mark.parametrize("value_dim", [24, 80], ids=["values narrower than a block", "values in two blocks"])
+def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, power2_on_kernels):
+    """Chunks of 128 (the state kernel's walk in steps of 64 tokens, the token kernels in blocks of 64), values wider
+    and narrower than the heads and not a power of two: outputs, normaliser and gradients against the reference."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 300, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 300, 2, value_dim, generator=g)
+    log_decay = -F.softplus(torch.randn(1, 300, 2, generator=g)) * 0.1
+    grad_out = torch.randn(1, 300, 2, value_dim, generator=g)
+    kwargs = dict(similarity="power2", scale=8**-0.5, denominator="sum")
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, log_decay)]
+        o = fn(*leaves)
+        return o, torch.autograd.grad((o * grad_out).sum(), leaves)
+
+    def reference(q, k, v, log_decay):
+        c = log_decay_cumsum(log_decay)
+        return parallel_attention(q, k, v, query_log_decay=c, key_log_decay=c, **kwargs)
+
+    ref = run(reference)
+    got = run(lambda q, k, v, log_decay: chunk_attention(q, k, v, log_decay, chunk_size=128, **kwargs)[0])
+    assert power2_on_kernels == [128]
+    assert_close(ref, got, 1e-5, value_dim)
+
+
+@pytest.mark.parametrize("case", [("power2", "sum", True), ("power2", "none", False), ("power2", "count_power", True)],
+                         ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["full", "packed"])
+def test_power2_state_kernels_continue_a_cache_and_differentiate_it(case, packed, power2_on_kernels):
+    """A prefill after cached tokens (the state and normaliser handed on in the decoding layout), and the gradients of
+    q, k, v, the log-decays and the earlier state and normaliser from a loss on the outputs and the state handed on."""
+    test_a_prefill_after_cached_tokens_continues_the_state_in_the_decoding_layout(case, packed, chunk_size=16)
+    if packed and case != ("power2", "count_power", True):
+        test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(case, chunk_size=16)
+    assert power2_on_kernels and set(power2_on_kernels) == {16}
+
+
+@pytest.mark.parametrize("case", [("power2", "sum", True), ("power2", "none", False)], ids=str)
+def test_power2_state_kernels_in_bf16_and_causal(case, power2_on_kernels):
+    """bf16 under autocast within bf16's tolerance of the fp32 reference, and the outputs through t unchanged by
+    the tokens after it."""
+    test_bf16_inputs_under_autocast_stay_within_bf16_tolerance_of_the_fp32_reference(case)
+    test_chunked_outputs_are_causal(case, chunk_size=16)
+    assert power2_on_kernels and set(power2_on_kernels) == {16}
+
+
+def test_power2_state_kernels_take_what_they_cover_and_say_what_they_do_not():
+    from attnlab.models.kernels.attention_family import chunk as chunk_module
+    from attnlab.models.kernels.attention_family import power2_states
+
+    assert power2_states.covers(64, 64, 512) and power2_states.covers(64, 65, 16) and power2_states.covers(8, 128, 64)
+    assert not power2_states.covers(128, 64, 512)  # wider heads than a program's block of the state
+    assert not power2_states.covers(64, 256, 512)
+    assert not power2_states.covers(64, 64, 8) and not power2_states.covers(64, 64, 96)
+    assert not chunk_module.power2_on_kernels(torch.zeros(1, 4, 2, 64), 64, 512)  # CPU: PyTorch's products
+    if CUDA:
+        assert chunk_module.power2_on_kernels(torch.zeros(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16), 64, 512)
+        with pytest.warns(UserWarning, match="power2 state kernels cover head dims up to"):
+            assert not chunk_module.power2_on_kernels(torch.zeros(1, 4, 2, 128, device="cuda"), 128, 512)
+
+
 # ---------------------------------------------------------------- CUDA, compiled, bf16
+
+@pytest.mark.parametrize("case", [("power2", "sum", True), ("power2", "none", False)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_power2_state_kernels_on_cuda_match_the_products_in_memory(case, dtype, monkeypatch):
+    """The compiled state kernels (4 heads of 64, chunks of 128 and 512) against the features formed in memory for
+    cuBLAS, after 300 cached tokens: outputs, the state and normaliser handed on, and the gradients of q, k, v,
+    the log-decays and the earlier state; fp32 within 1e-4 (both multiply in fp32), bf16 within bf16's tolerance."""
+    from attnlab.models.kernels.attention_family import chunk as chunk_module
+    from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
+
+    similarity, denominator, _ = case
+    q, k, v, log_decay, _ = case_inputs(case, 2, 1300, 4, 64, device="cuda", seed=7)
+    _, state, normalizer = chunk_linear_attention(q[:, :300], k[:, :300], v[:, :300], None if log_decay is None else
+                                                  log_decay[:, :300], None, None, torch.zeros(2, dtype=torch.long, device="cuda"),
+                                                  similarity=similarity, scale=0.125, denominator=denominator, chunk_size=300)
+    inputs = [t for t in (q[:, 300:], k[:, 300:], v[:, 300:], None if log_decay is None else log_decay[:, 300:], state,
+                          normalizer) if t is not None]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    weights = [torch.randn(2, 1000, 4, 64, device="cuda", generator=g), torch.randn(state.shape, device="cuda", generator=g)]
+
+    def run(on_kernels, chunk):
+        monkeypatch.setattr(chunk_module, "POWER2_STATE_KERNELS", on_kernels)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        named = dict(zip([n for n, t in zip("q k v log_decay state normalizer".split(), (q, k, v, log_decay, state, normalizer))
+                          if t is not None], leaves))
+        low = [named[n].to(dtype) for n in "qkv"]
+        o, s, z = chunk_attention(*low, named.get("log_decay"), state=named["state"], normalizer=named.get("normalizer"),
+                                  similarity=similarity, scale=0.125, denominator=denominator, chunk_size=chunk,
+                                  intra_terms=fused)
+        loss = (o.float() * weights[0]).sum() + (s * weights[1]).sum() + (0 if z is None else z.sum())
+        return (o, s, z), torch.autograd.grad(loss, leaves)
+
+    tol = 1e-4 if dtype == torch.float32 else BF16_GRAD_TOLERANCE
+    for chunk in (128, 512):
+        (outs, grads), (ref_outs, ref_grads) = run(True, chunk), run(False, chunk)
+        for name, fast, slow in zip(("output", "state", "normalizer"), outs, ref_outs):
+            if slow is not None:
+                assert rel_err(fast, slow) <= tol, (chunk, name, rel_err(fast, slow))
+        for fast, slow in zip(grads, ref_grads):
+            assert rel_err(fast, slow) <= tol, (chunk, rel_err(fast, slow))
+
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] in ("sum", "none", "count_power")], ids=str)
 @pytest.mark.parametrize("seq_len", [1000, 3001])

@@ -193,10 +193,12 @@ class GradientBuckets:
     all-reduces are captured with the backward and overlap it on replay.
 
     `reduce_dtype` (bf16, say): the hooks write into buckets of that dtype, which are all-reduced and then
-    copied into `flats` (half the traffic of fp32, as DDP's bf16_compress_hook)."""
+    copied into `flats` (half the traffic of fp32, as DDP's bf16_compress_hook). `group`: the process group they
+    are averaged over (None: the default one)."""
 
-    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, reduce_dtype: torch.dtype | None = None, group=None):
         self.params = params
+        self.group = group
         self.layout = bucket_layout(params, bucket_bytes)
         self.flats, self.views = flat_views(params, bucket_bytes)
         self.bucket_of = {i: b for b, bucket in enumerate(self.layout) for i in bucket}
@@ -209,7 +211,7 @@ class GradientBuckets:
     def reducing(self):
         import torch.distributed as dist
 
-        world = dist.get_world_size()
+        world = dist.get_world_size(self.group)
         missing = [len(bucket) for bucket in self.layout]
         written = [False] * len(self.params)
         works, launched = [], 0
@@ -217,7 +219,7 @@ class GradientBuckets:
         def launch_ready():
             nonlocal launched
             while launched < len(self.layout) and missing[launched] == 0:
-                works.append(dist.all_reduce(self.wire[launched], async_op=True))
+                works.append(dist.all_reduce(self.wire[launched], group=self.group, async_op=True))
                 launched += 1
 
         def hook(i):
@@ -274,17 +276,19 @@ class CapturedLoss:
     CUDA graphs. Call it with tensors of that shape; `matches` says whether a batch fits.
     `flat`: the gradients land in flat buffers (`all_reduce_grads` reduces them over processes); `reduce`:
     the backward graph itself averages them over the processes, bucket by bucket while it runs
-    (`GradientBuckets`), for steps of one micro-batch; `reduce_dtype`: the dtype they are averaged in."""
+    (`GradientBuckets`), for steps of one micro-batch; `reduce_dtype`: the dtype they are averaged in; `group`: the
+    process group they are averaged over (None: the default one)."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype: torch.dtype | None,
-                 flat: bool = False, reduce: bool = False, reduce_dtype: torch.dtype | None = None):
+                 flat: bool = False, reduce: bool = False, reduce_dtype: torch.dtype | None = None, group=None):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.reduce_dtype = reduce_dtype  # the dtype the processes average their gradients in (None: their own)
+        self.group = group
         # an HF model (HF_CAPTURABLE) would otherwise fill a key-value cache nobody reads
         self.forward_extra = {} if isinstance(model, AttnLabForCausalLM) else {"use_cache": False}
         # flat: the backward graph's gradients and, across micro-batches, their sums live in flat buffers
-        self.buckets = GradientBuckets(self.params, BUCKET_BYTES, reduce_dtype) if reduce else None
+        self.buckets = GradientBuckets(self.params, BUCKET_BYTES, reduce_dtype, group) if reduce else None
         self.bucket_bytes = BUCKET_BYTES if reduce else None
         if self.buckets is not None:
             self.flats, self.flat_grads = self.buckets.flats, self.buckets.views
@@ -372,7 +376,7 @@ class CapturedLoss:
         return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(self.params, views))
 
     def all_reduce_grads(self) -> None:
-        """Average the parameters' gradients over the default process group, as DDP does: one
+        """Average the parameters' gradients over `group` (None: the default process group), as DDP does: one
         all-reduce per flat buffer where they lie in one (every captured step), else one per gradient."""
         import torch.distributed as dist
 
@@ -384,14 +388,14 @@ class CapturedLoss:
             tensors = self.sums[0]
         else:  # gradients made partly by an eager step: correct, not fast
             tensors = [p.grad for p in self.params if p.grad is not None]
-        world = dist.get_world_size()
+        world = dist.get_world_size(self.group)
         for t in tensors:
             if self.reduce_dtype is not None and t.is_floating_point() and t.dtype != self.reduce_dtype:
                 wire = t.div(world).to(self.reduce_dtype)  # divided, then rounded: as the buckets and the eager hook do
-                dist.all_reduce(wire)
+                dist.all_reduce(wire, group=self.group)
                 t.copy_(wire)
             else:
-                dist.all_reduce(t)
+                dist.all_reduce(t, group=self.group)
                 t.div_(world)
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ import triton.language as tl
 from attnlab.models.ops.attention_family import SUM_DENOMINATORS, finish_output, unpack_power2_state
 from attnlab.models.ops.attention_family import attention_terms as reference_terms
 from attnlab.models.kernels.eager import outside_compile
+from attnlab.models.kernels.attention_family import power2_states
 from attnlab.models.kernels.mamba2.ssd import linear_attention_ssd
 
 # Tokens per chunk of the form below, measured on an H100 (`benchmarks/attention_family_chunk.py`, one layer's mixing forward and backward,
@@ -739,9 +740,13 @@ def chunk_attention(
     width = value_dim + 1 if want_sum else value_dim
     width = -(-width // VALUE_ALIGN) * VALUE_ALIGN
     start = _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, v.device)
-    view5 = lambda t: t.view(batch, chunks, chunk, heads, t.shape[-1])  # noqa: E731
-    y, end = _ChunkStates.apply(view5(q), view5(k), view5(v), g, start, similarity, float(scale), group_chunks, width, want_sum)
-    y = y.transpose(1, 2)  # [B, L, H, C, Dv']
+    if similarity == "power2" and power2_on_kernels(q, value_dim, chunk):
+        y, end = _power2_states(q, k, v, g, start, float(scale), chunk, width, want_sum)
+    else:
+        view5 = lambda t: t.view(batch, chunks, chunk, heads, t.shape[-1])  # noqa: E731
+        y, end = _ChunkStates.apply(view5(q), view5(k), view5(v), g, start, similarity, float(scale), group_chunks, width,
+                                    want_sum)
+        y = y.transpose(1, 2)  # [B, L, H, C, Dv']
     num = num + y[..., :value_dim]  # [B, L, H, C, Dv]
     num = num.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, value_dim)[:, :seq_len].transpose(1, 2)  # [B, H, T, Dv]
     if want_sum:
@@ -760,6 +765,46 @@ def chunk_attention(
         new_state = unpack_power2_state(new_state, head_dim)
         new_normalizer = None if new_normalizer is None else unpack_power2_state(new_normalizer, head_dim, dim=-1)
     return o, new_state, new_normalizer
+
+
+# ---------------------------------------------------------------- power2's state on the kernels of power2_states.py
+# The features formed in registers, one first index at a time, inside ordinary tile products (`power2_states.py`):
+# nothing of d * d per token is written, where the products above form each features tensor in memory for cuBLAS.
+# CUDA only (and Triton's interpreter in the tests), heads and values as wide as `power2_states.covers` allows.
+POWER2_STATE_KERNELS = True
+
+
+def power2_on_kernels(q: torch.Tensor, value_dim: int, chunk: int) -> bool:
+    """Whether power2's state across chunks runs on `power2_states.Power2States` for queries q [B, T, H, D]; wider
+    heads or values than its kernels take run on PyTorch's products above (said once)."""
+    if not (POWER2_STATE_KERNELS and q.is_cuda and q.dtype != torch.float64):
+        return False
+    if not power2_states.covers(q.shape[-1], value_dim, chunk):
+        _say_wide_heads(q.shape[-1], "power2 state", power2_states.MAX_HEAD_DIM,
+                        f"(values {value_dim} wide, chunks of {chunk}) its state runs on PyTorch's products")
+        return False
+    return True
+
+
+def _power2_states(q, k, v, g, start, scale, chunk, width, want_sum):
+    """`_ChunkStates` for power2 on `Power2States`: (y [B, L, H, C, width] fp32, the end state [B, H, F, width]
+    packed, fp32). start: the packed state and normaliser before these tokens, [B, H, F, width] fp32, or None."""
+    batch, padded, heads, head_dim = q.shape
+    value_dim = v.shape[-1]
+    init = init_z = None
+    if start is not None:  # the kernels carry the full, symmetric state
+        init = unpack_power2_state(start[..., :value_dim], head_dim)
+        if want_sum:
+            init_z = unpack_power2_state(start[..., value_dim], head_dim, dim=-1)
+    y, final, final_z = power2_states.Power2States.apply(q, k, v, g, init, init_z, scale * scale, chunk, want_sum, width)
+    parts = [pack_power2_rows(final, head_dim)]
+    if want_sum:
+        parts.append(pack_power2_rows(final_z, head_dim, dim=-1)[..., None])
+    used = value_dim + int(want_sum)
+    if width > used:
+        parts.append(final.new_zeros(*final.shape[:2], parts[0].shape[2], width - used))
+    end = torch.cat(parts, dim=-1)
+    return y.view(batch, heads, padded // chunk, chunk, width).transpose(1, 2), end
 
 
 # ---------------------------------------------------------------- power1 on the SSD kernels

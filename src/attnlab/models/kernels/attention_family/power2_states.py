@@ -1,0 +1,376 @@
+"""power2's state across chunks on Triton kernels that form the features in registers, one first index at a time.
+
+The chunked form (`chunk.py`) carries power2's state between chunks: with phi(x) the d * d features x_a x_b (the
+full layout; the packed one of the decoding step keeps the rows a <= b of the same symmetric state),
+
+    S_{n+1} = exp(G_n) S_n + sum_{t in n} exp(G_n - g_t) scale^2 phi(k_t) [v_t, 1]^T          [d * d, Dv (+ 1)]
+    y_t     = exp(g_t) phi(q_t) S_n                                                          (t in chunk n)
+
+The rows of S for one first index a are a [d, Dv] block, and phi(x) restricted to them is x_a x: a [tokens, d]
+tile made from x's tile by scaling its rows. So every product with the features is an ordinary matrix product
+of tiles in registers, and nothing of size d * d per token is ever written:
+
+    1. `_states_kernel`   one program per (batch * head, first index a, block of Dv) walks the chunks, stores the
+                          rows a of the state when each chunk starts (in the inputs' dtype: its readers multiply
+                          them on it) and moves on: S_a <- exp(G) S_a + (k * (w k_a))^T v. REVERSE walks back from
+                          the last chunk with (q, dy) and weights exp(g): the gradient of the state when each
+                          chunk ends, and the gradient of the starting state last.
+    2. `_output_kernel`   per (block of tokens, batch * head): y = sum_a (q * exp(g) q_a) S_a.
+    3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T.
+    4. `_dkdv_kernel`     per (block of tokens, batch * head), dS the gradient of the chunk's end state:
+                          dk = 2 sum_a (v * w k_a) dS_a^T, dv = sum_a (k * w k_a) dS_a.
+
+The factor 2 and the single sum over a use the state's symmetry (S_ab = S_ba, and so its gradient's): the
+gradient of a final state that arrives unsymmetric (from the packed rows) is symmetrised first. A sum
+denominator's normaliser (the value column of ones) is a vector per a beside the block: z_a = sum (w k_a) k.
+The gradient of the log-decays needs no kernel of its own: y is of degree 2 in q and the chunk's state of degree
+2 in k, so <dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2, and each chunk's total adds
+exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes.
+
+Counted at d = 64: each product is a [tokens, 64] x [64, Dv] tile product for each of the 64 first indices, seven
+passes of them forward and backward (the states, the output; the states again, their gradient, dq, dk and dv):
+about 3.7 MFLOP per token and head, with the states per chunk (d * d * Dv in 16 bits: 512 KB per head at chunks of
+512 tokens) the only memory traffic beyond the inputs. Heads up to `MAX_HEAD_DIM` and values up to
+`MAX_VALUE_DIM` wide (a program holds a [d, Dv] block of the state in registers); wider ones run on PyTorch's
+products in `chunk.py`. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.models.kernels.mamba2.ssd import _dot
+
+MAX_HEAD_DIM = 64  # d: a program's [d, Dv] block of the state and [tokens, d] tiles in registers
+MAX_VALUE_DIM = 128
+TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
+TOKEN_WARPS = 4
+STATE_ROWS = 64  # tokens per step of the state kernel's walk through a chunk
+STATE_WARPS = 4
+
+
+@triton.jit
+def _rows_tile(base, t, stride_t, cols, width, in_t):
+    """The [tokens, cols] tile of a matrix whose rows (tokens) are stride_t apart, zero outside."""
+    return tl.load(base + t.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=in_t[:, None] & (cols < width)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _log_decays(G, i_b, i_h, c, j, NC, H: tl.constexpr, CHUNK: tl.constexpr, in_t, HAS_DECAY: tl.constexpr):
+    """(g at the chunk positions j of chunk c, G of chunk c): g [B, NC, H, CHUNK] summed from each chunk's start."""
+    if HAS_DECAY:
+        g_c = G + ((i_b.to(tl.int64) * NC + c) * H + i_h) * CHUNK
+        return tl.load(g_c + j, mask=in_t, other=0.0), tl.load(g_c + CHUNK - 1)
+    else:
+        none = tl.zeros(j.shape, dtype=tl.float32)
+        return none, tl.sum(none, axis=0)
+
+
+@triton.jit
+def _states_kernel(X, V, E, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, DOTS, T, NC, scale2,
+                   sxb, sxt, sxh, svb, svt, svh, seb, set_, seh,
+                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                   BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr,
+                   HAS_ONES: tl.constexpr, REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr, UPCAST: tl.constexpr):
+    """One (batch * head, first index a, block of P) through every chunk. Forward (X = k, V = v): STATES[bh, n] <- the
+    rows a of S when chunk n starts, then S_a <- exp(G_n) S_a + (k * scale2 exp(G_n - g) k_a)^T v (z_a with a column of
+    ones). REVERSE (X = q, V = dy, E = the normaliser column's gradient): from the last chunk back, STATES[bh, n] <-
+    the gradient of the rows a of the state when chunk n ends, then dS_a <- exp(G_n) dS_a + (q * exp(g) q_a)^T dy;
+    with WANT_DOTS, DOTS[bh, n, a, block] <- exp(G_n) <dS_a, S_a> (PREV: the forward's states)."""
+    i_bh, a, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NP: tl.constexpr = (P + BP - 1) // BP
+    x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
+    v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
+    rows = tl.arange(0, BD)
+    cols = i_p * BP + tl.arange(0, BP)
+    j = tl.arange(0, SUB)
+    block = (a * D + rows).to(tl.int64)[:, None] * P + cols[None, :]  # the block's offsets in a [D * D, P] state
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
+    z_rows = a * D + rows
+    z_mine = rows + i_p * BD < D  # the normaliser's rows: the first block of P alone keeps them
+    if HAS_INIT:
+        S = tl.load(INIT + i_bh.to(tl.int64) * D * D * P + block, mask=in_block, other=0.0).to(tl.float32)
+        z = tl.load(INIT_Z + i_bh.to(tl.int64) * D * D + z_rows, mask=rows < D, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BD, BP], dtype=tl.float32)
+        z = tl.zeros([BD], dtype=tl.float32)
+    for step in range(NC):
+        if REVERSE:
+            c = NC - 1 - step
+        else:
+            c = step
+        here = (i_bh.to(tl.int64) * NC + c) * D * D
+        tl.store(STATES + here * P + block, S.to(STATES.dtype.element_ty), mask=in_block)
+        if HAS_ONES:
+            tl.store(ZS + here + z_rows, z, mask=z_mine)
+        _, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
+        decay = tl.exp(g_last)
+        if WANT_DOTS:
+            prev = tl.load(PREV + here * P + block, mask=in_block, other=0.0).to(tl.float32)
+            dot = tl.sum(tl.sum(S * prev, axis=1), axis=0)
+            if HAS_ONES:
+                prev_z = tl.load(PREV_Z + here + z_rows, mask=z_mine, other=0.0)
+                dot += tl.sum(z * prev_z, axis=0)
+            tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * D + a) * NP + i_p, decay * dot)
+        S = S * decay
+        z = z * decay
+        for sub in range(CHUNK // SUB):
+            t = c * CHUNK + sub * SUB + j
+            in_t = t < T
+            g, _ = _log_decays(G, i_b, i_h, c, sub * SUB + j, NC, H, CHUNK, in_t, HAS_DECAY)
+            if REVERSE:
+                w = tl.exp(g)
+            else:
+                w = tl.exp(g_last - g) * scale2
+            x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)
+            xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32)
+            phi = x * tl.where(in_t, xa * w, 0.0)[:, None]  # [SUB, BD]: the features of first index a, weighted
+            vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
+            S += _dot(tl.trans(phi.to(vt.dtype)), vt, vt.dtype == tl.float32, UPCAST)
+            if HAS_ONES:
+                if REVERSE:
+                    e = tl.load(E + i_b.to(tl.int64) * seb + i_h * seh + t.to(tl.int64) * set_, mask=in_t, other=0.0)
+                    z += tl.sum(phi * e.to(tl.float32)[:, None], axis=0)
+                else:
+                    z += tl.sum(phi, axis=0)
+    tl.store(FINAL + i_bh.to(tl.int64) * D * D * P + block, S, mask=in_block)
+    if HAS_ONES:
+        tl.store(FINAL_Z + i_bh.to(tl.int64) * D * D + z_rows, z, mask=z_mine)
+
+
+@triton.jit
+def _token_block(X, G, sxb, sxt, sxh, T, NC, H: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
+                 BD: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """What the per-token kernels' programs start from: the batch row and head, the chunk, the tokens and which are
+    in the sequence, X's head, its [BL, BD] tile in fp32, g and G of the tokens' chunk."""
+    i_l, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    first = i_l * BL
+    c = first // CHUNK
+    t = first + tl.arange(0, BL)
+    in_t = t < T
+    x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
+    cols = tl.arange(0, BD)
+    x = _rows_tile(x_bh, t, sxt, cols, D, in_t).to(tl.float32)
+    g, g_last = _log_decays(G, i_b, i_h, c, t - c * CHUNK, NC, H, CHUNK, in_t, HAS_DECAY)
+    return i_bh, i_b, i_h, c, t, in_t, x_bh, x, g, g_last
+
+
+@triton.jit
+def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
+                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
+                   BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the
+    normaliser's part goes to column P of Y."""
+    i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
+    rows = tl.arange(0, BD)
+    cols = tl.arange(0, BP)
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
+    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    weight = tl.where(in_t, tl.exp(g), 0.0)
+    DT = STATES.dtype.element_ty
+    acc = tl.zeros([BL, BP], dtype=tl.float32)
+    den = tl.zeros([BL], dtype=tl.float32)
+    for a in range(D):
+        qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
+        phi = q * (qa * weight)[:, None]
+        S_a = tl.load(STATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
+        if HAS_ONES:
+            z_a = tl.load(ZS + here + a * D + rows, mask=rows < D, other=0.0)
+            den += tl.sum(phi * z_a[None, :], axis=1)
+    y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
+    tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
+    if HAS_ONES:
+        tl.store(y_bh + P, den[:, None], mask=in_t[:, None])
+
+
+@triton.jit
+def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
+               H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
+               BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """dq = 2 exp(g) sum_a q_a S_a dy for a block of tokens (S symmetric); DQ fp32, laid out as Q."""
+    i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
+    rows = tl.arange(0, BD)
+    cols = tl.arange(0, BP)
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
+    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    weight = tl.where(in_t, tl.exp(g), 0.0)
+    DT = STATES.dtype.element_ty
+    dy_bh = DY + i_b.to(tl.int64) * syb + i_h * syh
+    dy = _rows_tile(dy_bh, t, syt, cols, P, in_t).to(tl.float32) * weight[:, None]
+    if HAS_ONES:
+        dden = tl.load(dy_bh + t.to(tl.int64) * syt + P, mask=in_t, other=0.0).to(tl.float32) * weight
+    dq = tl.zeros([BL, BD], dtype=tl.float32)
+    for a in range(D):
+        qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
+        S_a = tl.load(STATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        dq += _dot((dy * qa[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
+        if HAS_ONES:
+            z_a = tl.load(ZS + here + a * D + rows, mask=rows < D, other=0.0)
+            dq += (dden * qa)[:, None] * z_a[None, :]
+    dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
+    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], 2.0 * dq, mask=in_t[:, None] & (rows < D)[None, :])
+
+
+@triton.jit
+def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
+                 H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
+                 BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
+    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a; DK, DV fp32, laid out as K, V."""
+    i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
+                                                                  HAS_DECAY)
+    rows = tl.arange(0, BD)
+    cols = tl.arange(0, BP)
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
+    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    weight = tl.where(in_t, tl.exp(g_last - g) * scale2, 0.0)
+    DT = DSTATES.dtype.element_ty
+    v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
+    v = _rows_tile(v_bh, t, svt, cols, P, in_t).to(tl.float32)
+    dk = tl.zeros([BL, BD], dtype=tl.float32)
+    dv = tl.zeros([BL, BP], dtype=tl.float32)
+    for a in range(D):
+        kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
+        dS_a = tl.load(DSTATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
+        dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
+        if HAS_ONES:
+            dz_a = tl.load(DZS + here + a * D + rows, mask=rows < D, other=0.0)
+            dk += kw[:, None] * dz_a[None, :]
+    dk_bh = DK + i_b.to(tl.int64) * skb + i_h * skh  # DK, DV are laid out as K, V
+    tl.store(dk_bh + t.to(tl.int64)[:, None] * skt + rows[None, :], 2.0 * dk, mask=in_t[:, None] & (rows < D)[None, :])
+    dv_bh = DV + i_b.to(tl.int64) * svb + i_h * svh
+    tl.store(dv_bh + t.to(tl.int64)[:, None] * svt + cols[None, :], dv, mask=in_t[:, None] & (cols < P)[None, :])
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _rows(chunk: int, rows: int) -> int:
+    """The tokens a program or step takes: `rows`, or the whole chunk where it is shorter."""
+    return min(rows, chunk)
+
+
+def covers(head_dim: int, value_dim: int, chunk: int) -> bool:
+    """Whether these kernels take heads of head_dim, values of value_dim and chunks of `chunk` tokens: blocks of
+    tokens (`TOKEN_ROWS`, `STATE_ROWS`, or the chunk where shorter) are powers of two from 16 that tile the chunk."""
+
+    def tiles(rows: int) -> bool:
+        used = _rows(chunk, rows)
+        return used >= 16 and not used & (used - 1) and chunk % used == 0
+
+    return head_dim <= MAX_HEAD_DIM and value_dim <= MAX_VALUE_DIM and tiles(TOKEN_ROWS) and tiles(STATE_ROWS)
+
+
+def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
+    """Launch `_states_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser rows [B * H, NC, D * D]
+    fp32 or None, the last state [B * H, D * D, P] fp32, its normaliser rows or None, the dots [B * H, NC, D, blocks]
+    fp32 or None)."""
+    batch, seq_len, heads, head_dim = x.shape
+    value_dim = v.shape[-1]
+    chunks = seq_len // chunk
+    bd, bp = _block(head_dim), min(_block(value_dim), 64)
+    blocks = triton.cdiv(value_dim, bp)
+    rows = head_dim * head_dim
+    states = v.new_empty(batch * heads, chunks, rows, value_dim)
+    final = v.new_empty(batch * heads, rows, value_dim, dtype=torch.float32)
+    zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
+    final_z = v.new_empty(batch * heads, rows, dtype=torch.float32) if ones else final
+    dots = v.new_empty(batch * heads, chunks, head_dim, blocks, dtype=torch.float32) if prev is not None else final
+    e_args = e.stride()[:3] if e is not None else (0, 0, 0)
+    _states_kernel[(batch * heads, head_dim, blocks)](
+        x, v, e if e is not None else final, g if g is not None else final, init if init is not None else final,
+        init_z if init_z is not None else final, states, zs, final, final_z, prev if prev is not None else final,
+        prev_z if prev_z is not None else final, dots, seq_len, chunks, scale2, *x.stride()[:3], *v.stride()[:3], *e_args,
+        H=heads, D=head_dim, P=value_dim, CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS), BD=bd, BP=bp, HAS_DECAY=g is not None,
+        HAS_INIT=init is not None, HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, UPCAST=not x.is_cuda,
+        num_warps=STATE_WARPS)
+    return states, zs if ones else None, final, final_z if ones else None, dots if prev is not None else None
+
+
+def _meta(heads, head_dim, value_dim, chunk, g, ones, x):
+    return dict(H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BL=_rows(chunk, TOKEN_ROWS), BD=_block(head_dim),
+                BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
+
+
+class Power2States(torch.autograd.Function):
+    """The chunks' share of power2's output, exp(g_t) phi(q_t) S_n, and the state after the last chunk, on the kernels
+    above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple of it; the caller pads),
+    last dims contiguous; g [B, T / chunk, H, chunk] fp32 (log-decays summed from each chunk's start) or None;
+    init [B, H, d * d, Dv] and init_z [B, H, d * d] fp32 (full, symmetric) or None; ones: the normaliser's column.
+    Returns (y [B, H, T, width] fp32: columns :Dv the values' part, column Dv the normaliser's with `ones`, the rest
+    unset; the final state [B, H, d * d, Dv] fp32; its normaliser rows [B, H, d * d] fp32 or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, init, init_z, scale2, chunk, ones, width):
+        batch, seq_len, heads, head_dim = q.shape
+        value_dim = v.shape[-1]
+        flat = lambda t: None if t is None else t.reshape(batch * heads, *t.shape[2:]).contiguous()  # noqa: E731
+        states, zs, final, final_z, _ = _walk(k, v, None, g, flat(init), flat(init_z), chunk, scale2, False, ones)
+        y = v.new_empty(batch, heads, seq_len, width, dtype=torch.float32)
+        _output_kernel[(seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)](
+            q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
+            y.stride(0), y.stride(2), y.stride(1), **_meta(heads, head_dim, value_dim, chunk, g, ones, q))
+        ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z))
+        ctx.opts = scale2, chunk, ones, init is not None
+        final = final.view(batch, heads, *final.shape[1:])
+        return y, final, None if final_z is None else final_z.view(batch, heads, -1)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal, dfinal_z):
+        q, k, v, g, init, init_z = ctx.saved_tensors
+        scale2, chunk, ones, has_init = ctx.opts
+        batch, seq_len, heads, head_dim = q.shape
+        value_dim = v.shape[-1]
+        chunks = seq_len // chunk
+        square = (batch * heads, head_dim, head_dim)
+        states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
+        if dy is None:
+            dy = v.new_zeros(batch, heads, seq_len, value_dim + int(ones), dtype=torch.float32)
+        dy_values = dy[..., :value_dim].to(v.dtype)  # the products' operand, as the forward's v
+        dden = dy[..., value_dim] if ones else None
+        d_init = None
+        if dfinal is not None:  # only its symmetric part reaches the state
+            d = dfinal.float().reshape(*square, value_dim)
+            d_init = ((d + d.transpose(1, 2)) * 0.5).reshape(batch * heads, head_dim * head_dim, value_dim)
+        d_init_z = None
+        if ones and dfinal_z is not None:
+            d = dfinal_z.float().reshape(square)
+            d_init_z = ((d + d.transpose(1, 2)) * 0.5).reshape(batch * heads, head_dim * head_dim)
+        # dy laid out [B, H, T, *]: the walk reads it through strides as [B, T, H, *]
+        as_bthp = lambda t: None if t is None else t.transpose(1, 2)  # noqa: E731
+        dstates, dzs, d_start, d_start_z, dots = _walk(
+            q, as_bthp(dy_values), as_bthp(dden), g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs)
+        meta = _meta(heads, head_dim, value_dim, chunk, g, ones, q)
+        grid = (seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        _dq_kernel[grid](q, g if g is not None else dq, dy, states, zs if ones else states, dq, seq_len, chunks,
+                         *q.stride()[:3], dy.stride(0), dy.stride(2), dy.stride(1), **meta)
+        del states, zs
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len, chunks,
+                           scale2, *k.stride()[:3], *v.stride()[:3], **meta)
+        del dstates, dzs
+        dg = None
+        if g is not None:
+            # <dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2 (degree 2 in q and in k)
+            qdq = (q.float() * dq).sum(-1).view(batch, chunks, chunk, heads).transpose(2, 3)
+            kdk = (k.float() * dk).sum(-1).view(batch, chunks, chunk, heads).transpose(2, 3)  # [B, NC, H, C]
+            dg = (qdq - kdk) * 0.5
+            # each chunk's total G also scales the state it starts from and weights all its keys
+            totals = dots.sum((-1, -2)).view(batch, heads, chunks).transpose(1, 2) + kdk.sum(-1) * 0.5
+            dg[..., -1] += totals
+        d_init = d_start.view(batch, heads, -1, value_dim) if has_init else None
+        d_init_z = d_start_z.view(batch, heads, -1) if has_init and ones else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, d_init, d_init_z, None, None, None, None
