@@ -107,7 +107,7 @@ def _states_kernel(X, V, E, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, P
         tl.store(STATES + here * P + block, S.to(STATES.dtype.element_ty), mask=in_block)
         if HAS_ONES:
             tl.store(ZS + here + z_rows, z, mask=z_mine)
-        _, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
+        g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
         decay = tl.exp(g_last)
         if WANT_DOTS:
             prev = tl.load(PREV + here * P + block, mask=in_block, other=0.0).to(tl.float32)
@@ -121,7 +121,7 @@ def _states_kernel(X, V, E, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, P
         for sub in range(CHUNK // SUB):
             t = c * CHUNK + sub * SUB + j
             in_t = t < T
-            g, _ = _log_decays(G, i_b, i_h, c, sub * SUB + j, NC, H, CHUNK, in_t, HAS_DECAY)
+            g, g_end = _log_decays(G, i_b, i_h, c, sub * SUB + j, NC, H, CHUNK, in_t, HAS_DECAY)
             if REVERSE:
                 w = tl.exp(g)
             else:
