@@ -10,11 +10,13 @@ The rows of S for one first index a are a [d, Dv] block, and phi(x) restricted t
 tile made from x's tile by scaling its rows. So every product with the features is an ordinary matrix product
 of tiles in registers, and nothing of size d * d per token is ever written:
 
-    1. `_states_kernel`   one program per (batch * head, first index a, block of Dv) walks the chunks, stores the
-                          rows a of the state when each chunk starts (in the inputs' dtype: its readers multiply
-                          them on it) and moves on: S_a <- exp(G) S_a + (k * (w k_a))^T v. REVERSE walks back from
-                          the last chunk with (q, dy) and weights exp(g): the gradient of the state when each
-                          chunk ends, and the gradient of the starting state last.
+    1. `_chunk_kernel`    one program per (chunk, first index a and block of Dv, batch * head): the chunk's own share
+                          of the rows a of the state, (k * (w k_a))^T v, in fp32: every chunk at once. REVERSE: with
+                          (q, dy) and weights exp(g), the share of the state's gradient.
+       `_pass_kernel`     one program per (batch * head, block of the state) walks the chunks, stores the state when
+                          each chunk starts (in the inputs' dtype: its readers multiply them on it) and moves on,
+                          S <- exp(G) S + the chunk's share. REVERSE walks back from the last chunk: the gradient of
+                          the state when each chunk ends, and the gradient of the starting state last.
     2. `_output_kernel`   per (block of tokens, batch * head): y = sum_a (q * exp(g) q_a) S_a.
     3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T.
     4. `_dkdv_kernel`     per (block of tokens, batch * head), dS the gradient of the chunk's end state:
@@ -47,8 +49,9 @@ MAX_HEAD_DIM = 64  # d: a program's [d, Dv] block of the state and [tokens, d] t
 MAX_VALUE_DIM = 128
 TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
-STATE_ROWS = 64  # tokens per step of the state kernel's walk through a chunk
+STATE_ROWS = 64  # tokens per step of the chunk kernel's walk through its chunk
 STATE_WARPS = 4
+PASS_ROWS, PASS_COLUMNS, PASS_WARPS = 64, 64, 4  # the pass kernel's block of a state
 
 
 @triton.jit
@@ -70,34 +73,76 @@ def _log_decays(G, i_b, i_h, c, j, NC, H: tl.constexpr, CHUNK: tl.constexpr, in_
 
 
 @triton.jit
-def _states_kernel(X, V, E, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, DOTS, T, NC, scale2,
-                   sxb, sxt, sxh, svb, svt, svh, seb, set_, seh,
-                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                   BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr,
-                   HAS_ONES: tl.constexpr, REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr, UPCAST: tl.constexpr):
-    """One (batch * head, first index a, block of P) through every chunk. Forward (X = k, V = v): STATES[bh, n] <- the
-    rows a of S when chunk n starts, then S_a <- exp(G_n) S_a + (k * scale2 exp(G_n - g) k_a)^T v (z_a with a column of
-    ones). REVERSE (X = q, V = dy, E = the normaliser column's gradient): from the last chunk back, STATES[bh, n] <-
-    the gradient of the rows a of the state when chunk n ends, then dS_a <- exp(G_n) dS_a + (q * exp(g) q_a)^T dy;
-    with WANT_DOTS, DOTS[bh, n, a, block] <- exp(G_n) <dS_a, S_a> (PREV: the forward's states)."""
-    i_bh, a, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
+def _chunk_kernel(X, V, E, G, LOCAL, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh, seb, set_, seh,
+                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+                  REVERSE: tl.constexpr, UPCAST: tl.constexpr):
+    """One (chunk n, first index a and block of P, batch * head): the chunk's own share of the rows a of the state,
+    in fp32. Forward (X = k, V = v): (k * scale2 exp(G_n - g) k_a)^T v, and z_a with a column of ones. REVERSE (X = q,
+    V = dy, E = the normaliser column's gradient): (q * exp(g) q_a)^T dy, and that of the normaliser."""
+    c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
+    a, i_p = i_ap // NP, i_ap % NP
+    i_b, i_h = i_bh // H, i_bh % H
     x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
     rows = tl.arange(0, BD)
     cols = i_p * BP + tl.arange(0, BP)
     j = tl.arange(0, SUB)
-    block = (a * D + rows).to(tl.int64)[:, None] * P + cols[None, :]  # the block's offsets in a [D * D, P] state
-    in_block = (rows < D)[:, None] & (cols < P)[None, :]
-    z_rows = a * D + rows
-    z_mine = rows + i_p * BD < D  # the normaliser's rows: the first block of P alone keeps them
+    g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
+    S = tl.zeros([BD, BP], dtype=tl.float32)
+    z = tl.zeros([BD], dtype=tl.float32)
+    for sub in range(CHUNK // SUB):
+        t = c * CHUNK + sub * SUB + j
+        in_t = t < T
+        g, g_end = _log_decays(G, i_b, i_h, c, sub * SUB + j, NC, H, CHUNK, in_t, HAS_DECAY)
+        if REVERSE:
+            w = tl.exp(g)
+        else:
+            w = tl.exp(g_last - g) * scale2
+        x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)
+        xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32)
+        phi = x * tl.where(in_t, xa * w, 0.0)[:, None]  # [SUB, BD]: the features of first index a, weighted
+        vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
+        S += _dot(tl.trans(phi.to(vt.dtype)), vt, vt.dtype == tl.float32, UPCAST)
+        if HAS_ONES:
+            if REVERSE:
+                e = tl.load(E + i_b.to(tl.int64) * seb + i_h * seh + t.to(tl.int64) * set_, mask=in_t, other=0.0)
+                z += tl.sum(phi * e.to(tl.float32)[:, None], axis=0)
+            else:
+                z += tl.sum(phi, axis=0)
+    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    tl.store(LOCAL + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], S,
+             mask=(rows < D)[:, None] & (cols < P)[None, :])
+    if HAS_ONES:
+        tl.store(LOCAL_Z + here + a * D + rows, z, mask=rows + i_p * BD < D)  # the first block of P alone
+
+
+@triton.jit
+def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, DOTS, NC,
+                 H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BR: tl.constexpr,
+                 BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
+                 REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
+    """One (batch * head, block of BR state rows, block of P) through every chunk: STATES[bh, n] <- S, the state when
+    chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL). REVERSE: from the last chunk back, STATES[bh, n]
+    <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS, DOTS[bh, n, rows block,
+    block of P] <- exp(G_n) <dS, S_n> over the block (PREV: the forward's states). The last S goes to FINAL (fp32)."""
+    i_bh, i_r, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NP: tl.constexpr = (P + BP - 1) // BP
+    NR: tl.constexpr = (D * D + BR - 1) // BR
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_r * BR + tl.arange(0, BR)
+    cols = i_p * BP + tl.arange(0, BP)
+    block = rows.to(tl.int64)[:, None] * P + cols[None, :]  # the block's offsets in a [D * D, P] state
+    in_block = (rows < D * D)[:, None] & (cols < P)[None, :]
+    z_mine = (rows < D * D) & (rows * 0 + i_p == 0)  # the normaliser's rows: the first block of P alone keeps them
+    j = tl.arange(0, 16)
     if HAS_INIT:
         S = tl.load(INIT + i_bh.to(tl.int64) * D * D * P + block, mask=in_block, other=0.0).to(tl.float32)
-        z = tl.load(INIT_Z + i_bh.to(tl.int64) * D * D + z_rows, mask=rows < D, other=0.0).to(tl.float32)
+        z = tl.load(INIT_Z + i_bh.to(tl.int64) * D * D + rows, mask=rows < D * D, other=0.0).to(tl.float32)
     else:
-        S = tl.zeros([BD, BP], dtype=tl.float32)
-        z = tl.zeros([BD], dtype=tl.float32)
+        S = tl.zeros([BR, BP], dtype=tl.float32)
+        z = tl.zeros([BR], dtype=tl.float32)
     for step in range(NC):
         if REVERSE:
             c = NC - 1 - step
@@ -106,40 +151,21 @@ def _states_kernel(X, V, E, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, P
         here = (i_bh.to(tl.int64) * NC + c) * D * D
         tl.store(STATES + here * P + block, S.to(STATES.dtype.element_ty), mask=in_block)
         if HAS_ONES:
-            tl.store(ZS + here + z_rows, z, mask=z_mine)
-        g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
+            tl.store(ZS + here + rows, z, mask=z_mine)
+        g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < 0, HAS_DECAY)
         decay = tl.exp(g_last)
         if WANT_DOTS:
             prev = tl.load(PREV + here * P + block, mask=in_block, other=0.0).to(tl.float32)
             dot = tl.sum(tl.sum(S * prev, axis=1), axis=0)
             if HAS_ONES:
-                prev_z = tl.load(PREV_Z + here + z_rows, mask=z_mine, other=0.0)
-                dot += tl.sum(z * prev_z, axis=0)
-            tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * D + a) * NP + i_p, decay * dot)
-        S = S * decay
-        z = z * decay
-        for sub in range(CHUNK // SUB):
-            t = c * CHUNK + sub * SUB + j
-            in_t = t < T
-            g, g_end = _log_decays(G, i_b, i_h, c, sub * SUB + j, NC, H, CHUNK, in_t, HAS_DECAY)
-            if REVERSE:
-                w = tl.exp(g)
-            else:
-                w = tl.exp(g_last - g) * scale2
-            x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)
-            xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32)
-            phi = x * tl.where(in_t, xa * w, 0.0)[:, None]  # [SUB, BD]: the features of first index a, weighted
-            vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
-            S += _dot(tl.trans(phi.to(vt.dtype)), vt, vt.dtype == tl.float32, UPCAST)
-            if HAS_ONES:
-                if REVERSE:
-                    e = tl.load(E + i_b.to(tl.int64) * seb + i_h * seh + t.to(tl.int64) * set_, mask=in_t, other=0.0)
-                    z += tl.sum(phi * e.to(tl.float32)[:, None], axis=0)
-                else:
-                    z += tl.sum(phi, axis=0)
+                dot += tl.sum(z * tl.load(PREV_Z + here + rows, mask=z_mine, other=0.0), axis=0)
+            tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * NR + i_r) * NP + i_p, decay * dot)
+        S = S * decay + tl.load(LOCAL + here * P + block, mask=in_block, other=0.0)
+        if HAS_ONES:
+            z = z * decay + tl.load(LOCAL_Z + here + rows, mask=rows < D * D, other=0.0)
     tl.store(FINAL + i_bh.to(tl.int64) * D * D * P + block, S, mask=in_block)
     if HAS_ONES:
-        tl.store(FINAL_Z + i_bh.to(tl.int64) * D * D + z_rows, z, mask=z_mine)
+        tl.store(FINAL_Z + i_bh.to(tl.int64) * D * D + rows, z, mask=z_mine)
 
 
 @triton.jit
@@ -273,28 +299,35 @@ def covers(head_dim: int, value_dim: int, chunk: int) -> bool:
 
 
 def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
-    """Launch `_states_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser rows [B * H, NC, D * D]
-    fp32 or None, the last state [B * H, D * D, P] fp32, its normaliser rows or None, the dots [B * H, NC, D, blocks]
-    fp32 or None)."""
+    """The states of `_chunk_kernel` and `_pass_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser
+    rows [B * H, NC, D * D] fp32 or None, the last state [B * H, D * D, P] fp32, its normaliser rows or None, the dots
+    [B * H, NC, row blocks, P blocks] fp32 or None)."""
     batch, seq_len, heads, head_dim = x.shape
     value_dim = v.shape[-1]
     chunks = seq_len // chunk
-    bd, bp = _block(head_dim), min(_block(value_dim), 64)
-    blocks = triton.cdiv(value_dim, bp)
     rows = head_dim * head_dim
+    local = v.new_empty(batch * heads, chunks, rows, value_dim, dtype=torch.float32)
+    local_z = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else local
+    bp = min(_block(value_dim), 64)
+    e_args = e.stride()[:3] if e is not None else (0, 0, 0)
+    g_arg = g if g is not None else local
+    _chunk_kernel[(chunks, head_dim * triton.cdiv(value_dim, bp), batch * heads)](
+        x, v, e if e is not None else local, g_arg, local, local_z, seq_len, chunks, scale2, *x.stride()[:3],
+        *v.stride()[:3], *e_args, H=heads, D=head_dim, P=value_dim, CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS),
+        BD=_block(head_dim), BP=bp, HAS_DECAY=g is not None, HAS_ONES=ones, REVERSE=reverse, UPCAST=not x.is_cuda,
+        num_warps=STATE_WARPS)
     states = v.new_empty(batch * heads, chunks, rows, value_dim)
     final = v.new_empty(batch * heads, rows, value_dim, dtype=torch.float32)
     zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
     final_z = v.new_empty(batch * heads, rows, dtype=torch.float32) if ones else final
-    dots = v.new_empty(batch * heads, chunks, head_dim, blocks, dtype=torch.float32) if prev is not None else final
-    e_args = e.stride()[:3] if e is not None else (0, 0, 0)
-    _states_kernel[(batch * heads, head_dim, blocks)](
-        x, v, e if e is not None else final, g if g is not None else final, init if init is not None else final,
-        init_z if init_z is not None else final, states, zs, final, final_z, prev if prev is not None else final,
-        prev_z if prev_z is not None else final, dots, seq_len, chunks, scale2, *x.stride()[:3], *v.stride()[:3], *e_args,
-        H=heads, D=head_dim, P=value_dim, CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS), BD=bd, BP=bp, HAS_DECAY=g is not None,
-        HAS_INIT=init is not None, HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, UPCAST=not x.is_cuda,
-        num_warps=STATE_WARPS)
+    br, bp = min(PASS_ROWS, _block(rows)), min(PASS_COLUMNS, _block(value_dim))
+    grid = (batch * heads, triton.cdiv(rows, br), triton.cdiv(value_dim, bp))
+    dots = v.new_empty(batch * heads, chunks, grid[1], grid[2], dtype=torch.float32) if prev is not None else final
+    _pass_kernel[grid](
+        local, local_z, g_arg, init if init is not None else final, init_z if init_z is not None else final, states, zs,
+        final, final_z, prev if prev is not None else final, prev_z if prev_z is not None else final, dots, chunks,
+        H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BR=br, BP=bp, HAS_DECAY=g is not None, HAS_INIT=init is not None,
+        HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, num_warps=PASS_WARPS)
     return states, zs if ones else None, final, final_z if ones else None, dots if prev is not None else None
 
 
