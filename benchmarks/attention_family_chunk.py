@@ -167,13 +167,12 @@ def sweep(args) -> None:
     batch, seq_len = (int(x) for x in (args.shape or ["1x65536"])[0].split("x"))
     options = MIXERS["2mamba"].resolve_options(None)
     leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
-    names = ("TOKEN_ROWS", "TOKEN_FIRSTS", "TOKEN_WARPS", "STATE_ROWS", "STATE_FIRSTS", "STATE_WARPS")
+    names = ("TOKEN_ROWS", "TOKEN_WARPS", "STATE_ROWS", "STATE_WARPS", "PASS_ROWS", "PASS_WARPS")
     base = tuple(getattr(power2_states, n) for n in names)
     print(f"2mamba's mixing at {batch}x{seq_len} on power2's state kernels, forward + backward ms, per block choice and "
           "chunk (the first: the committed blocks)")
-    choices = [(base, 256), (base, 512), ((64, 2, 4, 64, 2, 4), 512), ((64, 8, 8, 64, 8, 8), 512),
-               ((128, 4, 8, 64, 4, 8), 512), ((64, 4, 4, 64, 4, 4), 512), ((32, 4, 4, 32, 4, 4), 512),
-               ((64, 1, 4, 64, 1, 4), 512)]
+    choices = [(base, 256), (base, 512), ((32, 4, 64, 4, 64, 4), 512), ((64, 4, 32, 4, 64, 4), 512),
+               ((64, 4, 128, 8, 64, 4), 512), ((64, 4, 64, 4, 32, 4), 512), ((64, 4, 64, 4, 128, 8), 512)]
     for values, size in choices:
         def mix(q, k, v, log_decay, size=size):
             return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5,

@@ -105,7 +105,7 @@ for stage in "$@"; do case $stage in
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda ${FSDP_K:+-k "$FSDP_K"} tests/test_distributed.py ;;
   ddp-ctas)  # NCCL_DEBUG_FILE: NCCL's log apart from the table, one file per process
     run ddp-ctas "${DDP_CTAS_LIMIT:-480}" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV NCCL_DEBUG_FILE="$OUT/ddp-ctas-nccl.%h.%p.log" \
-      torchrun --standalone --nproc_per_node "${DDP_GPUS:-2}" benchmarks/ddp_capture.py --model attnlab-2mamba-e --model attnlab-gla \
+      torchrun --standalone --nproc_per_node "${DDP_GPUS:-2}" benchmarks/ddp_capture.py $(printf -- "--model %s " ${DDP_MODELS:-attnlab-2mamba-e attnlab-gla}) \
       $(printf -- '--nccl-max-ctas %s ' ${DDP_CTAS:-2 4 8 16})
     sed -n '/^model .*max CTAs/,$p' "$OUT/ddp-ctas.log" | tee -a "$OUT/summary.txt"
     # the communicators in the order they were made: the default group's, then one per cap

@@ -89,13 +89,14 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           The whole 20-layer model at 4 x 4096 (`benchmarks/memory_peak.py`, captured): linear__output_norm tiled
 #           164,171 tokens/s, chunked 185,120; linear_elu 120,147 and 119,555 (its sum denominator's normaliser is a
 #           65th value column, which the kernels run as blocks of 64 and 1). From 8192 tokens both win.
-#   power2  2mamba, its features formed in memory (`FEATURES_IN_REGISTERS` off): 0.97 at 1 x 32768, 0.48 at 1 x 65536
-#           (benchmarks/results/h100-chunk-power2-in-memory.txt). The whole 20-layer model at 1 x 32768 (`bash
-#           benchmarks/gpu.sh memory`, captured): chunked 33,644 tokens/s in 32.46 GiB, tiled 30,739 in 31.64 GiB
-#           (benchmarks/results/h100-memory-2mamba-1x32768.txt), once the chunked form stopped keeping each group's
-#           chunk-start states alive through a view (45.64 GiB before).
+#   power2  2mamba, its state on `power2_states`' kernels (the features in registers, a first index at a time; chunks of
+#           512), on an H200 (benchmarks/results/h200-chunk-crossover-power2-state-kernels.txt):
+#           shape               4x4096  2x8192  1x16384  1x32768  1x65536
+#           2mamba                2.29    1.51     0.80     0.42     0.21
+#           (the features formed in memory for cuBLAS, before them: 0.97 at 1 x 32768 and 0.48 at 1 x 65536 on an H100,
+#           benchmarks/results/h100-chunk-power2-in-memory.txt). From 16384 tokens chunked wins.
 # Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py).
-CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 32768}
+CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 16384}
 
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str, prompt: bool = False):

@@ -48,12 +48,11 @@ from attnlab.models.kernels.mamba2.ssd import _dot
 MAX_HEAD_DIM = 64  # d: a program's [d, Dv] block of the state and [tokens, d] tiles in registers
 MAX_VALUE_DIM = 128
 TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
-TOKEN_FIRSTS = 4  # first indices per product of those kernels: [TOKEN_ROWS, TOKEN_FIRSTS * d] by [TOKEN_FIRSTS * d, Dv]
-TOKEN_WARPS = 8
+TOKEN_WARPS = 4
 STATE_ROWS = 64  # tokens per step of the chunk kernel's walk through its chunk
-STATE_FIRSTS = 4  # first indices per program of the chunk kernel: a [STATE_FIRSTS * d, Dv] block of the chunk's share
-STATE_WARPS = 8
-PASS_ROWS, PASS_COLUMNS, PASS_WARPS = 64, 64, 4  # the pass kernel's block of a state
+STATE_WARPS = 4
+PASS_ROWS, PASS_WARPS = 64, 4  # the pass kernel's block of a state's rows (of all its value columns up to 64)
+PASS_COLUMNS = 64
 
 
 @triton.jit
@@ -77,26 +76,23 @@ def _log_decays(G, i_b, i_h, c, j, NC, H: tl.constexpr, CHUNK: tl.constexpr, in_
 @triton.jit
 def _chunk_kernel(X, V, E, G, LOCAL, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh, seb, set_, seh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  BD: tl.constexpr, BP: tl.constexpr, AG: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                   REVERSE: tl.constexpr, UPCAST: tl.constexpr):
-    """One (chunk n, AG first indices a and a block of P, batch * head): the chunk's own share of the rows a of the
-    state, in fp32, the AG first indices' features side by side as one [tokens, AG * BD] operand (the chunk's tiles
-    loaded once for all of them). Forward (X = k, V = v): (k * scale2 exp(G_n - g) k_a)^T v, and z_a with a column
-    of ones. REVERSE (X = q, V = dy, E = the normaliser column's gradient): (q * exp(g) q_a)^T dy, and that of the
-    normaliser."""
+    """One (chunk n, first index a and block of P, batch * head): the chunk's own share of the rows a of the state,
+    in fp32. Forward (X = k, V = v): (k * scale2 exp(G_n - g) k_a)^T v, and z_a with a column of ones. REVERSE (X = q,
+    V = dy, E = the normaliser column's gradient): (q * exp(g) q_a)^T dy, and that of the normaliser."""
     c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
-    first, i_p = (i_ap // NP) * AG, i_ap % NP
+    a, i_p = i_ap // NP, i_ap % NP
     i_b, i_h = i_bh // H, i_bh % H
     x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
     rows = tl.arange(0, BD)
-    firsts = first + tl.arange(0, AG)
     cols = i_p * BP + tl.arange(0, BP)
     j = tl.arange(0, SUB)
     g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
-    S = tl.zeros([AG * BD, BP], dtype=tl.float32)
-    z = tl.zeros([AG * BD], dtype=tl.float32)
+    S = tl.zeros([BD, BP], dtype=tl.float32)
+    z = tl.zeros([BD], dtype=tl.float32)
     for sub in range(CHUNK // SUB):
         t = c * CHUNK + sub * SUB + j
         in_t = t < T
@@ -106,9 +102,8 @@ def _chunk_kernel(X, V, E, G, LOCAL, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, svb,
         else:
             w = tl.exp(g_last - g) * scale2
         x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)
-        xa = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * tl.where(in_t, w, 0.0)[:, None]  # [SUB, AG]
-        # [SUB, AG * BD]: the features of the AG first indices, weighted
-        phi = tl.reshape(x[:, None, :] * xa[:, :, None], [SUB, AG * BD])
+        xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32)
+        phi = x * tl.where(in_t, xa * w, 0.0)[:, None]  # [SUB, BD]: the features of first index a, weighted
         vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
         S += _dot(tl.trans(phi.to(vt.dtype)), vt, vt.dtype == tl.float32, UPCAST)
         if HAS_ONES:
@@ -117,13 +112,11 @@ def _chunk_kernel(X, V, E, G, LOCAL, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, svb,
                 z += tl.sum(phi * e.to(tl.float32)[:, None], axis=0)
             else:
                 z += tl.sum(phi, axis=0)
-    r = tl.arange(0, AG * BD)
-    a, b = first + r // BD, r % BD
-    state_row = (i_bh.to(tl.int64) * NC + c) * D * D + a * D + b
-    ok = (a < D) & (b < D)
-    tl.store(LOCAL + state_row[:, None] * P + cols[None, :], S, mask=ok[:, None] & (cols < P)[None, :])
+    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    tl.store(LOCAL + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], S,
+             mask=(rows < D)[:, None] & (cols < P)[None, :])
     if HAS_ONES:
-        tl.store(LOCAL_Z + state_row, z, mask=ok & (r * 0 + i_p == 0))  # the first block of P alone
+        tl.store(LOCAL_Z + here + a * D + rows, z, mask=rows + i_p * BD < D)  # the first block of P alone
 
 
 @triton.jit
@@ -195,68 +188,29 @@ def _token_block(X, G, sxb, sxt, sxh, T, NC, H: tl.constexpr, D: tl.constexpr, C
 
 
 @triton.jit
-def _group_rows(first, D: tl.constexpr, AG: tl.constexpr, BD: tl.constexpr):
-    """The state rows (a, b) of AG first indices from `first`, as AG * BD rows a * D + b, and which exist."""
-    r = tl.arange(0, AG * BD)
-    a, b = first + r // BD, r % BD
-    return a * D + b, (a < D) & (b < D)
-
-
-@triton.jit
-def _state_block(STATES, here, first, P: tl.constexpr, D: tl.constexpr, AG: tl.constexpr, BD: tl.constexpr,
-                 BP: tl.constexpr):
-    """The rows of AG first indices from `first` of the state at `here`: [AG * BD, BP]."""
-    row, ok = _group_rows(first, D, AG, BD)
-    cols = tl.arange(0, BP)
-    return tl.load(STATES + (here + row).to(tl.int64)[:, None] * P + cols[None, :], mask=ok[:, None] & (cols < P)[None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _state_block_t(STATES, here, first, P: tl.constexpr, D: tl.constexpr, AG: tl.constexpr, BD: tl.constexpr,
-                   BP: tl.constexpr):
-    """The same rows, each first index's [BD, BP] block transposed, stacked: [AG * BP, BD], entry (a * BP + p, b)
-    the state's (a * D + b, p)."""
-    k = tl.arange(0, AG * BP)
-    a, p = first + k // BP, k % BP
-    b = tl.arange(0, BD)
-    offsets = (here + a * D).to(tl.int64)[:, None] * P + b.to(tl.int64)[None, :] * P + p.to(tl.int64)[:, None]
-    return tl.load(STATES + offsets, mask=((a < D) & (p < P))[:, None] & (b < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _firsts(x_bh, t, sxt, first, D: tl.constexpr, AG: tl.constexpr, in_t):
-    """x's columns first .. first + AG - 1 of the tokens t, in fp32: [tokens, AG]."""
-    return _rows_tile(x_bh, t, sxt, first + tl.arange(0, AG), D, in_t).to(tl.float32)
-
-
-@triton.jit
-def _side_by_side(x, xa, N: tl.constexpr):
-    """[tokens, AG * N]: x [tokens, N] scaled by each of xa's AG columns, side by side."""
-    return tl.reshape(x[:, None, :] * xa[:, :, None], [x.shape[0], N * xa.shape[1]])
-
-
-@triton.jit
 def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
-                   BD: tl.constexpr, BP: tl.constexpr, AG: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+                   BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                    UPCAST: tl.constexpr):
-    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: the sum over a of (q * exp(g) q_a) S_a, AG first indices
-    a product; with HAS_ONES the normaliser's part goes to column P of Y."""
-    i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, g_last = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD,
-                                                                  HAS_DECAY)
+    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the
+    normaliser's part goes to column P of Y."""
+    i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
+    rows = tl.arange(0, BD)
     cols = tl.arange(0, BP)
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
     here = (i_bh.to(tl.int64) * NC + c) * D * D
     weight = tl.where(in_t, tl.exp(g), 0.0)
     DT = STATES.dtype.element_ty
     acc = tl.zeros([BL, BP], dtype=tl.float32)
     den = tl.zeros([BL], dtype=tl.float32)
-    for first in range(0, D, AG):
-        phi = _side_by_side(q, _firsts(q_bh, t, sqt, first, D, AG, in_t) * weight[:, None], BD)  # [BL, AG * BD]
-        acc += _dot(phi.to(DT), _state_block(STATES, here, first, P, D, AG, BD, BP), DT == tl.float32, UPCAST)
+    for a in range(D):
+        qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
+        phi = q * (qa * weight)[:, None]
+        S_a = tl.load(STATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
-            row, ok = _group_rows(first, D, AG, BD)
-            den += tl.sum(phi * tl.load(ZS + here + row, mask=ok, other=0.0)[None, :], axis=1)
+            z_a = tl.load(ZS + here + a * D + rows, mask=rows < D, other=0.0)
+            den += tl.sum(phi * z_a[None, :], axis=1)
     y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
     tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
     if HAS_ONES:
@@ -264,25 +218,15 @@ def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
 
 
 @triton.jit
-def _normaliser_rows(Z, here, first, xa, D: tl.constexpr, AG: tl.constexpr, BD: tl.constexpr):
-    """sum over the AG first indices a of xa[:, a] z_a: [tokens, BD] (z the normaliser's rows at `here`)."""
-    a = first + tl.arange(0, AG)
-    b = tl.arange(0, BD)
-    z = tl.load(Z + here + a[:, None] * D + b[None, :], mask=(a < D)[:, None] & (b < D)[None, :], other=0.0)  # [AG, BD]
-    return tl.sum(xa[:, :, None] * z[None, :, :], axis=1)
-
-
-@triton.jit
 def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
                H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
-               BD: tl.constexpr, BP: tl.constexpr, AG: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+               BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                UPCAST: tl.constexpr):
-    """dq = 2 exp(g) sum_a q_a S_a dy for a block of tokens (S symmetric), AG first indices a product; DQ fp32, laid
-    out as Q."""
-    i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, g_last = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD,
-                                                                  HAS_DECAY)
+    """dq = 2 exp(g) sum_a q_a S_a dy for a block of tokens (S symmetric); DQ fp32, laid out as Q."""
+    i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows = tl.arange(0, BD)
     cols = tl.arange(0, BP)
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
     here = (i_bh.to(tl.int64) * NC + c) * D * D
     weight = tl.where(in_t, tl.exp(g), 0.0)
     DT = STATES.dtype.element_ty
@@ -291,12 +235,13 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
     if HAS_ONES:
         dden = tl.load(dy_bh + t.to(tl.int64) * syt + P, mask=in_t, other=0.0).to(tl.float32) * weight
     dq = tl.zeros([BL, BD], dtype=tl.float32)
-    for first in range(0, D, AG):
-        qa = _firsts(q_bh, t, sqt, first, D, AG, in_t)
-        dq += _dot(_side_by_side(dy, qa, BP).to(DT), _state_block_t(STATES, here, first, P, D, AG, BD, BP),
-                   DT == tl.float32, UPCAST)
+    for a in range(D):
+        qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
+        S_a = tl.load(STATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        dq += _dot((dy * qa[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
         if HAS_ONES:
-            dq += _normaliser_rows(ZS, here, first, qa * dden[:, None], D, AG, BD)
+            z_a = tl.load(ZS + here + a * D + rows, mask=rows < D, other=0.0)
+            dq += (dden * qa)[:, None] * z_a[None, :]
     dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
     tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], 2.0 * dq, mask=in_t[:, None] & (rows < D)[None, :])
 
@@ -304,15 +249,15 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
 @triton.jit
 def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
-                 BD: tl.constexpr, BP: tl.constexpr, AG: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
+                 BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                  UPCAST: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
-    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a, AG first indices a product; DK, DV
-    fp32, laid out as K, V."""
+    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a; DK, DV fp32, laid out as K, V."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
     rows = tl.arange(0, BD)
     cols = tl.arange(0, BP)
+    in_block = (rows < D)[:, None] & (cols < P)[None, :]
     here = (i_bh.to(tl.int64) * NC + c) * D * D
     weight = tl.where(in_t, tl.exp(g_last - g) * scale2, 0.0)
     DT = DSTATES.dtype.element_ty
@@ -320,14 +265,14 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
     v = _rows_tile(v_bh, t, svt, cols, P, in_t).to(tl.float32)
     dk = tl.zeros([BL, BD], dtype=tl.float32)
     dv = tl.zeros([BL, BP], dtype=tl.float32)
-    for first in range(0, D, AG):
-        kw = _firsts(k_bh, t, skt, first, D, AG, in_t) * weight[:, None]  # [BL, AG]
-        dk += _dot(_side_by_side(v, kw, BP).to(DT), _state_block_t(DSTATES, here, first, P, D, AG, BD, BP),
-                   DT == tl.float32, UPCAST)
-        dv += _dot(_side_by_side(k, kw, BD).to(DT), _state_block(DSTATES, here, first, P, D, AG, BD, BP),
-                   DT == tl.float32, UPCAST)
+    for a in range(D):
+        kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
+        dS_a = tl.load(DSTATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
+        dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
-            dk += _normaliser_rows(DZS, here, first, kw, D, AG, BD)
+            dz_a = tl.load(DZS + here + a * D + rows, mask=rows < D, other=0.0)
+            dk += kw[:, None] * dz_a[None, :]
     dk_bh = DK + i_b.to(tl.int64) * skb + i_h * skh  # DK, DV are laid out as K, V
     tl.store(dk_bh + t.to(tl.int64)[:, None] * skt + rows[None, :], 2.0 * dk, mask=in_t[:, None] & (rows < D)[None, :])
     dv_bh = DV + i_b.to(tl.int64) * svb + i_h * svh
@@ -367,12 +312,11 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     bp = min(_block(value_dim), 64)
     e_args = e.stride()[:3] if e is not None else (0, 0, 0)
     g_arg = g if g is not None else local
-    firsts = min(STATE_FIRSTS, triton.next_power_of_2(head_dim))
-    _chunk_kernel[(chunks, triton.cdiv(head_dim, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
+    _chunk_kernel[(chunks, head_dim * triton.cdiv(value_dim, bp), batch * heads)](
         x, v, e if e is not None else local, g_arg, local, local_z, seq_len, chunks, scale2, *x.stride()[:3],
         *v.stride()[:3], *e_args, H=heads, D=head_dim, P=value_dim, CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS),
-        BD=_block(head_dim), BP=bp, AG=firsts, HAS_DECAY=g is not None, HAS_ONES=ones, REVERSE=reverse,
-        UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+        BD=_block(head_dim), BP=bp, HAS_DECAY=g is not None, HAS_ONES=ones, REVERSE=reverse, UPCAST=not x.is_cuda,
+        num_warps=STATE_WARPS)
     states = v.new_empty(batch * heads, chunks, rows, value_dim)
     final = v.new_empty(batch * heads, rows, value_dim, dtype=torch.float32)
     zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
@@ -390,8 +334,7 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
 
 def _meta(heads, head_dim, value_dim, chunk, g, ones, x):
     return dict(H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BL=_rows(chunk, TOKEN_ROWS), BD=_block(head_dim),
-                BP=_block(value_dim), AG=min(TOKEN_FIRSTS, triton.next_power_of_2(head_dim)), HAS_DECAY=g is not None,
-                HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
+                BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
 
 
 class Power2States(torch.autograd.Function):
