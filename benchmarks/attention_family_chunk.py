@@ -119,14 +119,15 @@ def main() -> None:
                 cells.append(f"{ms:8.2f} {gib:5.2f}" if ms is not None else f"{gib:>14s}")
                 if ms is not None and (best is None or ms < best):
                     best = ms
-            def beside(label, name, value, size):  # the chunked form at one chunk size with `chunk.<name>` = value
-                with patched(name, value):
+            def beside(label, name, value, size, module=chunk_module):  # the chunked form at one chunk size, <name> = value
+                with mock.patch.object(module, name, value):
                     ms, gib = timed(functools.partial(chunked, size=size), leaves, args.repeats)
                 return f"  {label}: {ms:.2f} ms {gib:.2f} GiB" if ms is not None else f"  {label}: {gib}"
 
             if similarity == "power2":  # the features formed in memory for cuBLAS, as before the state kernels
                 size = chunk_module.CHUNK_SIZES["power2"]
-                variant = beside("features in memory", "POWER2_STATE_KERNELS", False, size)
+                variant = (beside("features in memory", "POWER2_STATE_KERNELS", False, size)
+                           + beside("features scaled in the chunk kernel", "SCALE_VALUES", False, size, power2_states))
             else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
                 variant = beside("PyTorch chunks", "power1_on_ssd", lambda q: False, chunk_module.CHUNK_SIZES["power1"])
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"
