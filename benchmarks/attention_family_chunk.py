@@ -127,7 +127,7 @@ def main() -> None:
             if similarity == "power2":  # the features formed in memory for cuBLAS, as before the state kernels
                 size = chunk_module.CHUNK_SIZES["power2"]
                 variant = (beside("features in memory", "POWER2_STATE_KERNELS", False, size)
-                           + beside("features scaled in the chunk kernel", "SCALE_VALUES", False, size, power2_states))
+                           + beside("values scaled in the chunk kernel", "SCALE_VALUES", True, size, power2_states))
             else:  # power1 in the chunks of PyTorch's products that ran before the SSD kernels took it
                 variant = beside("PyTorch chunks", "power1_on_ssd", lambda q: False, chunk_module.CHUNK_SIZES["power1"])
             tiled_cell = f"{tiled_ms:9.2f} {tiled_gib:6.2f}" if tiled_ms is not None else f"{tiled_gib:>16s}"

@@ -51,10 +51,12 @@ TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
 STATE_ROWS = 64  # tokens per step of the chunk kernel's walk through its chunk
 STATE_WARPS = 4
-# The chunk kernel's product per first index a: True, x^T (w x_a v), x's tile read transposed into the product and the
-# values' tile scaled; False, (w x_a x)^T v, the features' tile scaled and transposed in registers (20 of 37 ms of
-# `2mamba`'s mixing at 1 x 65536 on an H200, three calls at 2.8 times the output kernel's time for the same work).
-SCALE_VALUES = True
+# The chunk kernel's product per first index a: False, (w x_a x)^T v, the features' tile scaled and transposed in
+# registers; True, x^T (w x_a v), x's tile read transposed into the product and the values' tile scaled. On an H200
+# (`2mamba`'s mixing forward and backward, benchmarks/results/h200-chunk-crossover-power2-scale-values.txt) True took
+# 39.87 ms at 1 x 65536 and 10.73 at 1 x 16384, False 38.12 and 10.14: the register transpose is not what makes the
+# chunk kernel slow (20 of 37 ms at 1 x 65536, three calls at 2.8 times the output kernel's time for the same work).
+SCALE_VALUES = False
 PASS_ROWS, PASS_WARPS = 64, 4  # the pass kernel's block of a state's rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
 
