@@ -158,12 +158,6 @@ def profile(args) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def patched(name: str, value):
-    """The chunked form with `chunk.<name>` set to `value` for a while: `power1_on_ssd` (a function: off, power1 in
-    the chunks of PyTorch's products it ran on before), `POWER2_STATE_KERNELS`."""
-    return mock.patch.object(chunk_module, name, value)
-
-
 def sweep(args) -> None:
     batch, seq_len = (int(x) for x in (args.shape or ["1x65536"])[0].split("x"))
     options = MIXERS["2mamba"].resolve_options(None)

@@ -244,53 +244,6 @@ def test_power2_feature_kernels_match_pytorch_through_the_interpreter(query, hea
                           rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_products_with_features_in_registers_match_pytorch_through_the_interpreter(query, dtype):
-    """phi(x) S and x's gradient from dphi = dy S^T with the features formed in registers (power2's other CUDA path),
-    through Triton's interpreter, against the features formed in memory (bf16: operands rounded, fp32 sums)."""
-    pytest.importorskip("triton")
-    if CUDA:
-        pytest.skip("on a GPU the compiled kernels run in the tests below")
-    from attnlab.models.kernels.attention_family import chunk as chunked
-
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 3, 37, 2, 8, generator=g).to(dtype).permute(0, 3, 1, 2, 4)  # [B, H, n, C, d]
-    states = torch.randn(2, 2, 4, 36, 24, generator=g)[:, :, :3]  # [B, H, n, F, V], a strided view
-    dy = torch.randn(2, 2, 3, 37, 24, generator=g)
-    features = chunked.power2_features(x.float(), query)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel_err(chunked.phi_product(x, states, query), features @ states) <= tol
-    expected = chunked.power2_features_backward(x.float(), dy @ states.transpose(-1, -2), query)
-    assert rel_err(chunked.phi_backward(x, dy, states, query), expected) <= tol
-
-
-@pytest.mark.parametrize("decayed", [False, True], ids=["plain", "decayed-rows"])
-@pytest.mark.parametrize("query", [False, True], ids=["key", "query"])
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_products_with_features_in_registers_match_pytorch_on_cuda(query, decayed):
-    """The compiled register-feature kernels at the model's sizes (heads of 64, chunks of 512, two chunks of a
-    strided view, bf16), with dy's rows scaled as a decay scales them, against the features formed in memory
-    in fp32: what the chunked path's gradient of q and k rests on."""
-    from attnlab.models.kernels.attention_family import chunk as chunked
-
-    g = torch.Generator(device="cuda").manual_seed(3)
-    batch, heads, chunks, chunk, d, width = 2, 4, 2, 512, 64, 72
-    x = (torch.randn(batch, chunks, chunk, heads, d, device="cuda", generator=g) * 0.5).to(torch.bfloat16).permute(0, 3, 1, 2, 4)
-    features = d * (d + 1) // 2
-    states = torch.randn(batch, heads, chunks, features, width, device="cuda", generator=g) * 0.05
-    dy = torch.randn(batch, heads, chunks, chunk, width, device="cuda", generator=g)
-    if decayed:
-        log_decay = -torch.nn.functional.softplus(torch.randn(batch, heads, chunks, chunk, device="cuda", generator=g))
-        dy = dy * torch.exp(log_decay.cumsum(-1))[..., None]
-    cpu = [t.float().cpu() for t in (x, states, dy)]  # the expected values from PyTorch's features, on the CPU
-    phi = chunked.power2_features(cpu[0], query)
-    assert rel_err(chunked.phi_product(x, states, query).cpu(), phi @ cpu[1]) <= 2e-2
-    expected = chunked.power2_features_backward(cpu[0], cpu[2] @ cpu[1].transpose(-1, -2), query)
-    assert rel_err(chunked.phi_backward(x, dy, states, query).cpu(), expected) <= 2e-2
-
-
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "none", True), ("power2", "count", False)], ids=str)
 def test_chunks_on_the_triton_kernels_match_the_reference_through_the_interpreter(case, monkeypatch):
     """CUDA's path through Triton's interpreter on CPU: the chunks' quadratic part on attnlab's tiled kernels,
@@ -648,21 +601,6 @@ def test_chunked_in_bf16_matches_the_fp32_reference_on_cuda(case, seq_len):
     reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,
                                                intra_terms=fused, group_chunks=2 if seq_len > 2000 else None)
     assert_close(reference, chunked, 2e-2, (case, seq_len), grad_tol=BF16_GRAD_TOLERANCE)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_chunked_with_power2_features_in_registers_matches_the_fp32_reference_on_cuda(monkeypatch):
-    """The other CUDA path for power2 (`FEATURES_IN_REGISTERS` on: the products with the features in registers)."""
-    from attnlab.models.kernels.attention_family import chunk as chunked
-    from attnlab.models.kernels.attention_family.parallel import attention_terms as fused
-
-    monkeypatch.setattr(chunked, "FEATURES_IN_REGISTERS", True)
-    case = ("power2", "sum", True)  # power2 with decay and a sum denominator: the case most sensitive to rounding
-    q, k, v, log_decay, mask = case_inputs(case, 2, 3001, 4, 64, device="cuda", seed=3001, masked=True)
-    reference, result = reference_and_chunked(case, q, k, v, log_decay, mask, dtype=torch.bfloat16, autocast=True,
-                                              intra_terms=fused, group_chunks=2)
-    assert_close(reference, result, 2e-2, case, grad_tol=BF16_GRAD_TOLERANCE)
 
 
 @pytest.mark.parametrize("name", ["2mamba", "squared__output_norm__A_mask_type_neg_softplus__in_conv_k_2__dt_on_values",

@@ -27,8 +27,9 @@ Products run in the inputs' dtype (bf16 under autocast), accumulating in fp32; a
 are summed in fp32 and rounded to the inputs' dtype only as the operands of products, as the SSD kernels
 do. Every product with power2's features runs on cuBLAS from the features formed in memory, once per use
 (`_features_kernel`), and the gradients of q and k through phi read the features' gradient once
-(`_features_backward_kernel`). The kernels that form the features in registers instead (`_phi_product_kernel`,
-`_phi_backward_kernel`, `FEATURES_IN_REGISTERS`) write no features, but ran 3.9-4.1x slower on an H100. Off CUDA (and
+(`_features_backward_kernel`). On CUDA power2's state runs instead on the kernels of `power2_states.py`, which form the
+features in registers a first index at a time and write none (`power2_on_kernels`, below); the products here serve
+heads and values wider than those kernels take. Off CUDA (and
 for power1, whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.
 """
@@ -87,7 +88,7 @@ class _Power2Features(torch.autograd.Function):
         return power2_features_backward(x, grad, ctx.query), None
 
 
-FEATURE_KERNEL_MAX_HEAD_DIM = 128  # the register-feature kernels hold [rows, PHI_FIRST * d] feature tiles and d-row state tiles
+FEATURE_KERNEL_MAX_HEAD_DIM = 128  # the feature kernels hold [rows, FEATURE_FIRST * d] feature tiles
 
 
 def _use_feature_kernels(x: torch.Tensor) -> bool:
@@ -215,36 +216,6 @@ def _features_backward_kernel(X, G, DX, C, sxb, sxh, sxl, sxc, H: tl.constexpr, 
     tl.store(DX + row_index * D + offs_d[None, :], dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
-# Products with power2's features formed in registers, never in memory (x [B, H, n, C, d] views as above; the
-# second operand [B, H, n, F, V] with F = d (d + 1) / 2 packed rows, any strides but a contiguous last dim):
-#     `_phi_product_kernel`   out = phi(x) S                        [B, H, n, C, V] fp32
-#     `_phi_backward_kernel`  dx  = the gradient of x from dphi = dy S^T, dy [B, H, n, C, V]
-# A program holds PHI_ROWS rows and walks over the first indices a in steps of PHI_FIRST: the features (a, b) of
-# those rows as a [PHI_ROWS, PHI_FIRST * d] tile (zero for b < a), the state's rows (a, b) gathered beside them.
-# Every program reads its chunk's whole state (F x V, from L2 after the first), so more rows a program read less;
-# reasoned, not measured (`benchmarks/attention_family_chunk.py --sweep` times the candidates).
-PHI_ROWS = 64
-PHI_FIRST = 2
-PHI_WARPS = 4
-# True: phi(q) S, phi(k) dS and the gradients through phi on the kernels above, the features in registers. False: those
-# products on cuBLAS from the features formed in memory (`_features_kernel`) and the gradients through
-# `_features_backward_kernel`. Measured on an H100 (`benchmarks/attention_family_chunk.py`, 2mamba's mixing forward and
-# backward, 16 heads of 64, chunks of 512; benchmarks/results/h100-chunk-power2-in-memory.txt): in registers 173.7 ms at
-# 1 x 32768 and 346.1 at 1 x 65536, in memory 44.7 and 85.3 (the tiled kernels: 46.1 and 176.1).
-FEATURES_IN_REGISTERS = False
-
-
-@triton.jit
-def _operand(x, LOW: tl.constexpr, UPCAST: tl.constexpr):
-    """A product's operand: rounded to bf16 (LOW), then back to fp32 for Triton's interpreter (UPCAST), whose
-    16-bit products are wrong."""
-    if LOW:
-        x = x.to(tl.bfloat16)
-        if UPCAST:
-            x = x.to(tl.float32)
-    return x
-
-
 @triton.jit
 def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr):
     """Features (a, b) for a in [a0, a0 + BA), every b: (tile [BM, BA * BD] fp32, valid [BA * BD], their packed rows,
@@ -260,99 +231,6 @@ def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr
         phi = tl.where((b != a)[None, :], 2.0 * phi, phi)
     phi = tl.where(valid[None, :], phi, 0.0)
     return phi, valid, _packed_row(a, b, D), x_a
-
-
-@triton.jit
-def _phi_product_kernel(X, S, OUT, C, sxb, sxh, sxl, sxc, ssb, ssh, ssl, ssf, H: tl.constexpr, L: tl.constexpr,
-                        D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
-    i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    rows = i_m * BM + tl.arange(0, BM)
-    ok = rows < C
-    offs_d = tl.arange(0, BD)
-    offs_v = tl.arange(0, BV)
-    v_ok = offs_v < V
-    x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
-    x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
-    s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
-    acc = tl.zeros([BM, BV], tl.float32)
-    for a0 in range(0, D, BA):
-        phi, valid, srows, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
-        s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-        acc += tl.dot(_operand(phi, LOW, UPCAST), _operand(s.to(tl.float32), LOW, UPCAST), input_precision=PRECISION)
-    out = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * V + offs_v[None, :]
-    tl.store(out, acc, mask=ok[:, None] & v_ok[None, :])
-
-
-@triton.jit
-def _phi_backward_kernel(X, DY, S, DX, C, sxb, sxh, sxl, sxc, syb, syh, syl, syc, ssb, ssh, ssl, ssf,
-                         H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, V: tl.constexpr, QUERY: tl.constexpr,
-                         LOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
-                         BA: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
-    """x's gradient through phi(x) from dphi = dy S^T in registers, one first index a at a time (`_through_first_index`):
-    dphi_a = dy S_a^T [BM, BD] (S_a: the state's packed rows (a, b), b >= a), used as the product
-    leaves it (reshaping a product's [BM, BA * BD] tile to [BM, BA, BD], as this kernel did, gave wrong gradients
-    on an H100 where Triton's interpreter gave right ones)."""
-    i_m, i_l, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    rows = i_m * BM + tl.arange(0, BM)
-    ok = rows < C
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < D
-    offs_v = tl.arange(0, BV)
-    v_ok = offs_v < V
-    x_rows = X + i_b.to(tl.int64) * sxb + i_h * sxh + i_l * sxl + rows[:, None].to(tl.int64) * sxc
-    x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    dy_rows = DY + i_b.to(tl.int64) * syb + i_h * syh + i_l * syl + rows[:, None].to(tl.int64) * syc
-    dy = _operand(tl.load(dy_rows + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32), LOW, UPCAST)
-    s_base = S + i_b.to(tl.int64) * ssb + i_h * ssh + i_l * ssl
-    dx = tl.zeros([BM, BD], tl.float32)
-    for a in range(0, D):
-        valid = d_ok & (offs_d >= a)
-        srows = _packed_row(a, offs_d, D)
-        s = tl.load(s_base + srows[:, None].to(tl.int64) * ssf + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-        dphi = tl.dot(dy, tl.trans(_operand(s.to(tl.float32), LOW, UPCAST)), input_precision=PRECISION)  # [BM, BD]: (a, b)
-        dx = _through_first_index(dx, dphi, x, a, valid, offs_d, QUERY)
-    out = DX + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * D + offs_d[None, :]
-    tl.store(out, dx.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-
-
-def _phi_launch(x: torch.Tensor, s: torch.Tensor):
-    batch, heads, chunks, chunk, d = x.shape
-    width = s.shape[-1]
-    grid = (triton.cdiv(chunk, PHI_ROWS), chunks, batch * heads)
-    low = x.dtype != torch.float32
-    upcast = low and _interpreting()
-    meta = dict(H=heads, L=chunks, D=d, V=width, LOW=low, UPCAST=upcast, PRECISION="tf32" if low and not upcast else "ieee",
-                BM=PHI_ROWS, BA=PHI_FIRST, num_warps=PHI_WARPS,
-                BD=max(16, triton.next_power_of_2(d)), BV=max(16, triton.next_power_of_2(width)))
-    return grid, (chunk, *x.stride()[:4]), (s.stride(0), s.stride(1), s.stride(2), s.stride(3)), meta
-
-
-def phi_product(x: torch.Tensor, s: torch.Tensor, query: bool) -> torch.Tensor:
-    """phi(x) s for x [B, H, n, C, d] and s [B, H, n, F, V] (packed rows): [B, H, n, C, V] fp32, the features
-    in registers only. Products in x's dtype (bf16 operands, fp32 sums) or fp32."""
-    if s.stride(-1) != 1:
-        s = s.contiguous()
-    batch, heads, chunks, chunk, _ = x.shape
-    out = torch.empty(batch, heads, chunks, chunk, s.shape[-1], dtype=torch.float32, device=x.device)
-    grid, x_strides, s_strides, meta = _phi_launch(x, s)
-    _phi_product_kernel[grid](x, s, out, *x_strides, *s_strides, QUERY=bool(query), **meta)
-    return out
-
-
-def phi_backward(x: torch.Tensor, dy: torch.Tensor, s: torch.Tensor, query: bool) -> torch.Tensor:
-    """The gradient of x [B, H, n, C, d] through phi(x) from dphi = dy s^T (dy [B, H, n, C, V], s [B, H, n, F, V]),
-    dphi in registers only: [B, H, n, C, d] in x's dtype."""
-    if s.stride(-1) != 1:
-        s = s.contiguous()
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grid, x_strides, s_strides, meta = _phi_launch(x, s)
-    _phi_backward_kernel[grid](x, dy, s, dx, *x_strides, *dy.stride()[:4], *s_strides, QUERY=bool(query), **meta)
-    return dx
 
 
 def _interpreting() -> bool:
@@ -490,18 +368,14 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
 
 
 def _phi_times(x, s, similarity, query):
-    """phi(x) s: x [B, H, n, C, d] in the products' dtype, s [B, H, n, F, V] fp32 -> [B, H, n, C, V] fp32; the
-    features in registers only on CUDA (power2), s rounded to x's dtype as the operand."""
-    if similarity == "power2" and FEATURES_IN_REGISTERS and _use_feature_kernels(x):
-        return phi_product(x, s, query)
+    """phi(x) s: x [B, H, n, C, d] in the products' dtype, s [B, H, n, F, V] fp32 -> [B, H, n, C, V] fp32, s rounded
+    to x's dtype as the operand."""
     return (linear_features(x, similarity, query=query) @ s.to(x.dtype)).float()
 
 
 def _phi_grad(x, dy, s, similarity, query):
     """The gradient of x [B, H, n, C, d] through phi(x) from dphi = dy s^T (dy [B, H, n, C, V], s [B, H, n, F, V]),
-    in x's dtype; dphi in registers only on CUDA (power2)."""
-    if similarity == "power2" and FEATURES_IN_REGISTERS and _use_feature_kernels(x):
-        return phi_backward(x, dy, s, query)
+    in x's dtype."""
     return _features_backward(x, dy.to(x.dtype) @ s.to(x.dtype).transpose(-1, -2), similarity, query=query)
 
 
