@@ -387,6 +387,8 @@ class Power2States(torch.autograd.Function):
         states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
         if dy is None:
             dy = v.new_zeros(batch, heads, seq_len, value_dim + int(ones), dtype=torch.float32)
+        elif dy.stride(-1) != 1:  # the kernels read rows of it whose columns are contiguous
+            dy = dy.contiguous()
         dy_values = dy[..., :value_dim].to(v.dtype)  # the products' operand, as the forward's v
         dden = dy[..., value_dim] if ones else None
         d_init = None
