@@ -518,7 +518,7 @@ def test_power2_state_kernels_continue_a_cache_and_differentiate_it(case, packed
     assert power2_on_kernels and set(power2_on_kernels) == {16}
 
 
-@pytest.mark.parametrize("case", [("power2", "sum", True), ("power2", "none", False)], ids=str)
+@pytest.mark.parametrize("case", [("power2", "sum", True)], ids=str)
 def test_power2_state_kernels_in_bf16_and_causal(case, power2_on_kernels):
     """bf16 under autocast within bf16's tolerance of the fp32 reference, and the outputs through t unchanged by
     the tokens after it."""
