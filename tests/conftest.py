@@ -94,3 +94,13 @@ def captured_and_eager_tokens(model, tokenizer, prompts, eager_runner, monkeypat
     eager = generate(model, tokenizer, prompts, **settings)
     release_graphs(model)
     return [r.candidates[0].token_ids for r in graphed], [r.candidates[0].token_ids for r in eager]
+
+
+def masked_logits_and_grads(model, ids, mask, autocast: bool = False):
+    """A padded batch's logits (fp32) and every parameter's gradient of the mean squared logit over its tokens:
+    what the tests comparing two paths of one model (kernels and reference) look at."""
+    model.zero_grad()
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    (logits * mask[..., None]).square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -4,6 +4,8 @@ way) against `apply_rotary` and `apply_feature_map`: through Triton's interprete
 import pytest
 import torch
 
+from conftest import masked_logits_and_grads
+
 from attnlab.models.kernels.common.rotary import FEATURE_MAPS, rotary
 from attnlab.models.ops.common import apply_rotary, rotary_cos_sin
 from attnlab.models.ops.attention_family import apply_feature_map
@@ -97,16 +99,10 @@ def test_mixers_on_the_rotary_kernel_train_as_on_pytorch(mixer, monkeypatch):
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
 
-    def logits_and_grads():
-        model.zero_grad()
-        out = model(input_ids=ids, attention_mask=mask)
-        (out.logits * mask[..., None]).square().mean().backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    reference = logits_and_grads()
+    reference = masked_logits_and_grads(model, ids, mask)
     calls = []
     monkeypatch.setattr(kernels, "rotary_fn", lambda choice, x: calls.append(choice) or rotary_feature_map)
-    got = logits_and_grads()
+    got = masked_logits_and_grads(model, ids, mask)
     assert len(calls) == 2  # each layer's rotary ran on the kernel
     keep = mask.bool()
     torch.testing.assert_close(got[0][keep], reference[0][keep], rtol=1e-4, atol=1e-5)

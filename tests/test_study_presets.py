@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import masked_logits_and_grads
+
 from attnlab.models import MIXERS, AttnLabConfig
 from attnlab.models.mixers.attention_family import AttentionFamily
 from attnlab.models.mixers.attention_presets import ALIASES, CLEAN, FIRST_STUDY, LATER_STUDY
@@ -478,15 +480,8 @@ def test_study_preset_on_the_kernels_in_bf16_matches_the_fp32_reference(name):
     mask = torch.ones_like(ids)
     mask[0, :37] = 0
 
-    def run(model, autocast):
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        (logits * mask[..., None]).square().mean().backward()
-        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    fast_logits, fast_grads = run(fast, True)
-    ref_logits, ref_grads = run(reference, False)
+    fast_logits, fast_grads = masked_logits_and_grads(fast, ids, mask, autocast=True)
+    ref_logits, ref_grads = masked_logits_and_grads(reference, ids, mask)
     keep = mask.bool()
     assert gpu_rel_err(fast_logits[keep], ref_logits[keep]) < 2e-2
     assert set(fast_grads) == set(ref_grads)

@@ -204,6 +204,15 @@ def _token_block(X, G, sxb, sxt, sxh, T, NC, H: tl.constexpr, D: tl.constexpr, C
 
 
 @triton.jit
+def _state_tile(i_bh, c, NC, D: tl.constexpr, P: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
+    """One first index's [BD, BP] block of a [D * D, P] state: its rows and columns, which of them exist, and the
+    first row of chunk c's state of batch * head i_bh in a [B * H, NC, D * D, P] tensor of them."""
+    rows = tl.arange(0, BD)
+    cols = tl.arange(0, BP)
+    return rows, cols, (rows < D)[:, None] & (cols < P)[None, :], (i_bh.to(tl.int64) * NC + c) * D * D
+
+
+@triton.jit
 def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
@@ -211,10 +220,7 @@ def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
     """y = exp(g) phi(q) S_n for a block of tokens of chunk n: sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the
     normaliser's part goes to column P of Y."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
-    rows = tl.arange(0, BD)
-    cols = tl.arange(0, BP)
-    in_block = (rows < D)[:, None] & (cols < P)[None, :]
-    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
     DT = STATES.dtype.element_ty
     acc = tl.zeros([BL, BP], dtype=tl.float32)
@@ -240,10 +246,7 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
                UPCAST: tl.constexpr):
     """dq = 2 exp(g) sum_a q_a S_a dy for a block of tokens (S symmetric); DQ fp32, laid out as Q."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
-    rows = tl.arange(0, BD)
-    cols = tl.arange(0, BP)
-    in_block = (rows < D)[:, None] & (cols < P)[None, :]
-    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
     DT = STATES.dtype.element_ty
     dy_bh = DY + i_b.to(tl.int64) * syb + i_h * syh
@@ -271,10 +274,7 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
     dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a; DK, DV fp32, laid out as K, V."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
-    rows = tl.arange(0, BD)
-    cols = tl.arange(0, BP)
-    in_block = (rows < D)[:, None] & (cols < P)[None, :]
-    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g_last - g) * scale2, 0.0)
     DT = DSTATES.dtype.element_ty
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
