@@ -186,18 +186,6 @@ def test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(cas
         assert rel_err(fast, slow) <= 1e-5
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_the_states_by_their_recurrence_give_what_the_product_with_the_decays_gives(case, monkeypatch):
-    """`STATES_BY_RECURRENCE` on: the padded batch's outputs and gradients against the reference, and, for three
-    cases, the gradients through an earlier state and the state handed on."""
-    from attnlab.models.kernels.attention_family import chunk as chunk_module
-
-    monkeypatch.setattr(chunk_module, "STATES_BY_RECURRENCE", True)
-    test_chunked_outputs_and_gradients_match_the_reference(case, masked=True)
-    if case in (("power2", "sum", True), ("power1", "sum", False), ("power2", "none", False)):
-        test_gradients_reach_the_earlier_state_and_flow_from_the_state_handed_on(case)
-
-
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power1", "count", False)], ids=str)
 def test_chunked_outputs_are_causal(case, chunk_size=8):
     """Changing the tokens after position t, across chunk and group boundaries, leaves outputs through t."""

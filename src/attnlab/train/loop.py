@@ -252,8 +252,7 @@ class AttnLabTrainer(Trainer):
 
     def floating_point_ops(self, inputs) -> int:
         """The Trainer's estimate, 6 x tokens x parameters outside the embeddings, with the parameters counted once:
-        the Trainer counts them again at every micro-batch, a walk over every module that costs a tiny model's step
-        a tenth of a millisecond of host time."""
+        the Trainer counts them again at every micro-batch, a walk over every module on the host at every step."""
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(self.model, "num_parameters"):
             return 0

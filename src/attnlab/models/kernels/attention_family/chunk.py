@@ -189,7 +189,7 @@ def _features_kernel(X, OUT, C, sxb, sxh, sxl, sxc, H: tl.constexpr, L: tl.const
     x = tl.load(x_rows + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
     out_rows = OUT + ((i_bh.to(tl.int64) * L + i_l) * C + rows[:, None]) * F
     for a0 in range(0, D, BA):
-        phi, valid, packed, _ = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
+        phi, valid, packed = _phi_tile(X, x, x_rows, ok, a0, offs_d, D, QUERY, BA, BD)
         tl.store(out_rows + packed[None, :], phi.to(OUT.dtype.element_ty), mask=ok[:, None] & valid[None, :])
 
 
@@ -218,8 +218,7 @@ def _features_backward_kernel(X, G, DX, C, sxb, sxh, sxl, sxc, H: tl.constexpr, 
 
 @triton.jit
 def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr, BA: tl.constexpr, BD: tl.constexpr):
-    """Features (a, b) for a in [a0, a0 + BA), every b: (tile [BM, BA * BD] fp32, valid [BA * BD], their packed rows,
-    x_a [BM, BA])."""
+    """Features (a, b) for a in [a0, a0 + BA), every b: (tile [BM, BA * BD] fp32, valid [BA * BD], their packed rows)."""
     offs_a = a0 + tl.arange(0, BA)
     x_a = tl.load(x_rows + offs_a[None, :], mask=ok[:, None] & (offs_a < D)[None, :], other=0.0).to(tl.float32)
     flat = tl.arange(0, BA * BD)
@@ -230,13 +229,7 @@ def _phi_tile(X, x, x_rows, ok, a0, offs_d, D: tl.constexpr, QUERY: tl.constexpr
     if QUERY:
         phi = tl.where((b != a)[None, :], 2.0 * phi, phi)
     phi = tl.where(valid[None, :], phi, 0.0)
-    return phi, valid, _packed_row(a, b, D), x_a
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return phi, valid, _packed_row(a, b, D)
 
 
 def _grid_args(x: torch.Tensor):
@@ -284,49 +277,6 @@ def _segment_sums(chunk_totals: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~strict.logical_or(torch.eye(n + 1, dtype=torch.bool, device=x.device)), float("-inf"))
 
 
-# True: the states at the chunks' starts by their recurrence, S_{i+1} = exp(G_i) S_i + C_i, one fused multiply-add a chunk
-# (its backward the reversed recurrence, the decays' gradient one dot product a chunk), instead of one fp32 product of
-# the [n + 1, n] matrix of decays with the group's chunk states. That product ran as a cuBLAS GEMV: 12.0 of the 72.2 ms
-# of `2mamba`'s chunked mixing at 1 x 65536 on an H200 (benchmarks/results/h200-chunk-profile-2mamba-1x65536.txt), for
-# about 300 MB read and written. Off until measured: `python benchmarks/attention_family_chunk.py --preset 2mamba`
-# times both.
-STATES_BY_RECURRENCE = False
-
-
-def _pass_states(chunk_states: torch.Tensor, totals: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
-    """The states at each chunk's start and at the group's end, S_0 .. S_n [B, H, n + 1, X] fp32, from the chunks'
-    own states C [B, H, n, X] fp32, their total log-decays G [B, H, n] and the state before the group [B, H, X]
-    (None: zero): S_0 = state, S_{i+1} = exp(G_i) S_i + C_i."""
-    batch, heads, chunks, width = chunk_states.shape
-    states = chunk_states.new_empty(batch, heads, chunks + 1, width)
-    if state is None:
-        states[:, :, 0].zero_()
-    else:
-        states[:, :, 0].copy_(state)
-    decays = totals.exp()[..., None]  # [B, H, n, 1]
-    for i in range(chunks):
-        torch.addcmul(chunk_states[:, :, i], decays[:, :, i], states[:, :, i], out=states[:, :, i + 1])
-    return states
-
-
-def _pass_states_backward(states: torch.Tensor, totals: torch.Tensor, d_states: torch.Tensor, want_totals: bool):
-    """The gradients of `_pass_states`' inputs from those of its output d_states [B, H, n + 1, X]: (the chunks' own
-    states' [B, H, n, X], the state before the group's [B, H, X], the total log-decays' [B, H, n] or None). With
-    U_n = dS_n and U_i = dS_i + exp(G_i) U_{i+1} (all that S_i reaches): dC_i = U_{i+1}, d state = U_0 and
-    dG_i = exp(G_i) <U_{i+1}, S_i>."""
-    chunks = totals.shape[-1]
-    decays = totals.exp()
-    d_chunk_states = torch.empty_like(d_states[:, :, :chunks])
-    d_totals = torch.empty_like(totals) if want_totals else None
-    reach = d_states[:, :, chunks]
-    for i in reversed(range(chunks)):
-        d_chunk_states[:, :, i] = reach
-        if want_totals:
-            d_totals[:, :, i] = decays[:, :, i] * torch.linalg.vecdot(reach, states[:, :, i])
-        reach = torch.addcmul(d_states[:, :, i], decays[:, :, i, None], reach)
-    return d_chunk_states, reach, d_totals
-
-
 def _group_forward(q, k, v, g, state, *, similarity, scale):
     """One group of chunks. q, k [B, n, C, H, D]; v [B, n, C, H, Dv'] (with the normaliser's column);
     g [B, n, H, C] fp32 (log-decays summed from each chunk's start) or None; state [B, H, F, Dv'] fp32
@@ -349,14 +299,11 @@ def _group_forward(q, k, v, g, state, *, similarity, scale):
     chunk_states = (phi_k.transpose(-1, -2) @ vw).float()  # [B, H, n, F, Dv']: each chunk's own tokens
     del phi_k, vw
     features, width = chunk_states.shape[-2:]
-    # the state at each chunk start (rows 0..n-1) and at the group's end (row n)
-    if STATES_BY_RECURRENCE:
-        states = _pass_states(chunk_states.flatten(-2), totals, None if state is None else state.flatten(-2))
-    else:  # one product with the decays between them
-        decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]: exp(G_j + .. + G_{i-1}), 0 for j > i
-        states = decays[..., 1:] @ chunk_states.flatten(-2)  # [B, H, n + 1, F * Dv']
-        if state is not None:
-            states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
+    # the state at each chunk start (rows 0..n-1) and at the group's end (row n): one product with the decays between them
+    decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]: exp(G_j + .. + G_{i-1}), 0 for j > i
+    states = decays[..., 1:] @ chunk_states.flatten(-2)  # [B, H, n + 1, F * Dv']
+    if state is not None:
+        states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
     states = states.view(batch, heads, chunks + 1, features, width)
     del chunk_states
     y = _phi_times(qh, states[:, :, :chunks], similarity, query=True)  # [B, H, n, C, Dv']
@@ -412,16 +359,12 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     chunk_states = (phi_k.transpose(-1, -2) @ vw).float().flatten(-2)  # [B, H, n, F * Dv']
     features, width = phi_k.shape[-1], v.shape[-1]
     del phi_k
-    if STATES_BY_RECURRENCE:
-        states = _pass_states(chunk_states, totals, None if state is None else state.float().flatten(-2))
-    else:
-        decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]
-        states = decays[..., 1:] @ chunk_states  # [B, H, n + 1, F * Dv']
-        if state is not None:
-            states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
+    decays = torch.exp(_segment_sums(totals))  # [B, H, n + 1, n + 1]
+    states = decays[..., 1:] @ chunk_states  # [B, H, n + 1, F * Dv']
+    if state is not None:
+        states = states + decays[..., 0, None] * state.flatten(-2)[:, :, None]
     starts = states[:, :, :chunks].view(batch, heads, chunks, features, width)  # fp32
-    if not STATES_BY_RECURRENCE:  # the recurrence's backward reads them again
-        del states
+    del states
 
     # y = exp(g) phi(q) S: through the chunk-start states and the query features
     dy = dy.float()
@@ -442,22 +385,16 @@ def _group_backward(q, k, v, g, state, dy, dstate, *, similarity, scale):
     end = dstate.float().flatten(-2)[:, :, None] if dstate is not None else d_states.new_zeros(batch, heads, 1, d_states.shape[-1])
     d_states = torch.cat((d_states, end), dim=2)  # [B, H, n + 1, F * Dv']
     del d_starts
+    d_chunk_states = decays[..., 1:].transpose(-1, -2) @ d_states  # [B, H, n, F * Dv']
+    d_decays = torch.zeros_like(decays)
+    d_decays[..., 1:] = d_states @ chunk_states.transpose(-1, -2)
     d_state = None
-    if STATES_BY_RECURRENCE:
-        d_chunk_states, d_start, d_totals = _pass_states_backward(states, totals, d_states, want_totals=gh is not None)
-        if state is not None:
-            d_state = d_start.view_as(state)
-        del d_states, chunk_states, states, d_start
-    else:
-        d_chunk_states = decays[..., 1:].transpose(-1, -2) @ d_states  # [B, H, n, F * Dv']
-        d_decays = torch.zeros_like(decays)
-        d_decays[..., 1:] = d_states @ chunk_states.transpose(-1, -2)
-        if state is not None:
-            flat_state = state.float().flatten(-2)
-            d_decays[..., 0] = (d_states @ flat_state[..., None])[..., 0]
-            d_state = (decays[..., 0, None] * d_states).sum(2).view_as(state)
-        d_totals = _segment_sums_backward(d_decays * decays)  # [B, H, n]
-        del d_states, chunk_states, decays, d_decays
+    if state is not None:
+        flat_state = state.float().flatten(-2)
+        d_decays[..., 0] = (d_states @ flat_state[..., None])[..., 0]
+        d_state = (decays[..., 0, None] * d_states).sum(2).view_as(state)
+    d_totals = _segment_sums_backward(d_decays * decays)  # [B, H, n]
+    del d_states, chunk_states, decays, d_decays
 
     # the chunk states from the key features and the weighted values
     d_chunk_states = d_chunk_states.view(batch, heads, chunks, features, width)  # fp32
