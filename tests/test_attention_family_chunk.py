@@ -462,16 +462,17 @@ def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernel
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("scale_values", [True, False], ids=["values scaled", "features scaled"])
+@pytest.mark.parametrize("firsts", [1, 4], ids=["one first index a program", "four"])
 @pytest.mark.parametrize("value_dim", [24, 80], ids=["values narrower than a block", "values in two blocks"])
-def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, scale_values, power2_on_kernels,
+def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, power2_on_kernels,
                                                                       monkeypatch):
     """Chunks of 128 (the chunk kernel's walk in steps of 64 tokens, the token kernels in blocks of 64), values wider
-    and narrower than the heads and not a power of two, either product of the chunk kernel (`SCALE_VALUES`): outputs,
+    and narrower than the heads and not a power of two, the chunk kernel's first indices one or four a program
+    (`CHUNK_FIRSTS`), in blocks of 64 value columns (`CHUNK_COLUMNS`): outputs,
     normaliser and gradients against the reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
-    monkeypatch.setattr(power2_states, "SCALE_VALUES", scale_values)
+    monkeypatch.setattr(power2_states, "CHUNK_FIRSTS", firsts)
     g = torch.Generator().manual_seed(3)
     q, k = (torch.randn(1, 300, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 300, 2, value_dim, generator=g)

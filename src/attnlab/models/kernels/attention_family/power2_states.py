@@ -52,14 +52,11 @@ MAX_HEAD_DIM = 64  # d: a program's [d, Dv] block of the state and [tokens, d] t
 MAX_VALUE_DIM = 128
 TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
-STATE_ROWS = 64  # tokens per step of the chunk kernel's walk through its chunk
+STATE_ROWS = 32  # tokens per step of the chunk kernel's walk through its chunk
 STATE_WARPS = 4
-# The chunk kernel's product per first index a: False, (w x_a x)^T v, the features' tile scaled and transposed in
-# registers; True, x^T (w x_a v), x's tile read transposed into the product and the values' tile scaled. On an H200
-# (`2mamba`'s mixing forward and backward, benchmarks/results/h200-chunk-crossover-power2-scale-values.txt) True took
-# 39.87 ms at 1 x 65536 and 10.73 at 1 x 16384, False 38.12 and 10.14: the register transpose is not what makes the
-# chunk kernel slow (20 of 37 ms at 1 x 65536, three calls at 2.8 times the output kernel's time for the same work).
-SCALE_VALUES = False
+CHUNK_FIRSTS = 4  # first indices per program of the chunk kernel (a power of two): their features side by side in one product
+CHUNK_COLUMNS = 64  # the chunk kernel's block of value columns
+SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (as the states when chunks start)
 PASS_ROWS, PASS_WARPS = 64, 4  # the pass kernel's block of a state's rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
 
@@ -83,25 +80,31 @@ def _log_decays(G, i_b, i_h, c, j, NC, H: tl.constexpr, CHUNK: tl.constexpr, in_
 
 
 @triton.jit
-def _chunk_kernel(X, V, E, G, LOCAL, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh, seb, set_, seh,
+def _chunk_kernel(X, V, G, LOCAL, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                  REVERSE: tl.constexpr, SCALE_VALUES: tl.constexpr, UPCAST: tl.constexpr):
-    """One (chunk n, first index a and block of P, batch * head): the chunk's own share of the rows a of the state,
-    in fp32. Forward (X = k, V = v): (k * scale2 exp(G_n - g) k_a)^T v, and z_a with a column of ones. REVERSE (X = q,
-    V = dy, E = the normaliser column's gradient): (q * exp(g) q_a)^T dy, and that of the normaliser."""
+                  BD: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
+                  REVERSE: tl.constexpr, UPCAST: tl.constexpr):
+    """One (chunk n, FIRSTS first indices a and a block of P, batch * head): the chunk's own share of the rows a of the
+    state, transposed ([P, D * D] per chunk) and in fp32. Forward (X = k, V = v): v^T (k_a k * scale2 exp(G_n - g))
+    for each a; REVERSE (X = q, V = dy): dy^T (q_a q * exp(g)). The features of the FIRSTS first indices lie side by
+    side as one [tokens, FIRSTS * BD] operand, formed from one load of X's tile and its columns a, so the value tile
+    is read once for all of them."""
     c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
-    a, i_p = i_ap // NP, i_ap % NP
+    i_a, i_p = i_ap // NP, i_ap % NP
     i_b, i_h = i_bh // H, i_bh % H
     x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
-    rows = tl.arange(0, BD)
     cols = i_p * BP + tl.arange(0, BP)
+    rows = tl.arange(0, BD)
+    firsts = i_a * FIRSTS + tl.arange(0, FIRSTS)
+    pairs = tl.arange(0, FIRSTS * BD)  # the operand's columns: (a, b) with b the faster
+    a = i_a * FIRSTS + pairs // BD
+    b = pairs % BD
+    in_pairs = (a < D) & (b < D)
     j = tl.arange(0, SUB)
     g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
-    S = tl.zeros([BD, BP], dtype=tl.float32)
-    z = tl.zeros([BD], dtype=tl.float32)
+    S = tl.zeros([BP, FIRSTS * BD], dtype=tl.float32)
     for sub in range(CHUNK // SUB):
         t = c * CHUNK + sub * SUB + j
         in_t = t < T
@@ -110,29 +113,14 @@ def _chunk_kernel(X, V, E, G, LOCAL, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, svb,
             w = tl.exp(g)
         else:
             w = tl.exp(g_last - g) * scale2
-        xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32)
-        scale = tl.where(in_t, xa * w, 0.0)  # [SUB]: the first index's factor of each token's features, weighted
+        x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)  # [SUB, BD]
+        x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * tl.where(in_t, w, 0.0)[:, None]  # [SUB, FIRSTS]
         vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
-        if SCALE_VALUES:  # x^T (scale * v): x's tile read transposed straight into the product
-            xt = tl.load(x_bh + t.to(tl.int64)[None, :] * sxt + rows[:, None], mask=in_t[None, :] & (rows < D)[:, None],
-                         other=0.0)  # [BD, SUB]
-            S += _dot(xt, (vt.to(tl.float32) * scale[:, None]).to(vt.dtype), vt.dtype == tl.float32, UPCAST)
-        else:  # (x * scale)^T v
-            phi = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32) * scale[:, None]  # [SUB, BD]: the features
-            S += _dot(tl.trans(phi.to(vt.dtype)), vt, vt.dtype == tl.float32, UPCAST)
-        if HAS_ONES:
-            if REVERSE:
-                e = tl.load(E + i_b.to(tl.int64) * seb + i_h * seh + t.to(tl.int64) * set_, mask=in_t, other=0.0)
-                scale = scale * e.to(tl.float32)
-            if SCALE_VALUES:
-                z += tl.sum(xt.to(tl.float32) * scale[None, :], axis=1)
-            else:
-                z += tl.sum(_rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32) * scale[:, None], axis=0)
-    here = (i_bh.to(tl.int64) * NC + c) * D * D
-    tl.store(LOCAL + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], S,
-             mask=(rows < D)[:, None] & (cols < P)[None, :])
-    if HAS_ONES:
-        tl.store(LOCAL_Z + here + a * D + rows, z, mask=rows + i_p * BD < D)  # the first block of P alone
+        phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BD))  # the features, weighted
+        S += _dot(tl.trans(vt), phi.to(vt.dtype), vt.dtype == tl.float32, UPCAST)
+    here = (i_bh.to(tl.int64) * NC + c) * P * D * D
+    tl.store(LOCAL + here + cols.to(tl.int64)[:, None] * D * D + (a * D + b)[None, :], S,
+             mask=(cols < P)[:, None] & in_pairs[None, :])
 
 
 @triton.jit
@@ -141,7 +129,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
                  BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
                  REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
     """One (batch * head, block of BR state rows, block of P) through every chunk: STATES[bh, n] <- S, the state when
-    chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL). REVERSE: from the last chunk back, STATES[bh, n]
+    chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL, transposed). REVERSE: from the last chunk back, STATES[bh, n]
     <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS, DOTS[bh, n, rows block,
     block of P] <- exp(G_n) <dS, S_n> over the block (PREV: the forward's states). The last S goes to FINAL (fp32)."""
     i_bh, i_r, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -151,6 +139,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
     rows = i_r * BR + tl.arange(0, BR)
     cols = i_p * BP + tl.arange(0, BP)
     block = rows.to(tl.int64)[:, None] * P + cols[None, :]  # the block's offsets in a [D * D, P] state
+    block_t = cols.to(tl.int64)[None, :] * D * D + rows[:, None]  # and in a [P, D * D] one (the chunks' shares)
     in_block = (rows < D * D)[:, None] & (cols < P)[None, :]
     z_mine = (rows < D * D) & (rows * 0 + i_p == 0)  # the normaliser's rows: the first block of P alone keeps them
     j = tl.arange(0, 16)
@@ -177,7 +166,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
             if HAS_ONES:
                 dot += tl.sum(z * tl.load(PREV_Z + here + rows, mask=z_mine, other=0.0), axis=0)
             tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * NR + i_r) * NP + i_p, decay * dot)
-        S = S * decay + tl.load(LOCAL + here * P + block, mask=in_block, other=0.0)
+        S = S * decay + tl.load(LOCAL + here * P + block_t, mask=in_block, other=0.0)
         if HAS_ONES:
             z = z * decay + tl.load(LOCAL_Z + here + rows, mask=rows < D * D, other=0.0)
     tl.store(FINAL + i_bh.to(tl.int64) * D * D * P + block, S, mask=in_block)
@@ -315,6 +304,23 @@ def covers(head_dim: int, value_dim: int, chunk: int) -> bool:
     return head_dim <= MAX_HEAD_DIM and value_dim <= MAX_VALUE_DIM and tiles(TOKEN_ROWS) and tiles(STATE_ROWS)
 
 
+def _local_normalisers(x, e, g, chunk, scale2, reverse):
+    """Each chunk's own share of the normaliser's rows, [B * H, NC, D * D] fp32: sum_t w_t x_t x_t^T with the chunk
+    kernel's weights w (times e, the normaliser column's gradient, in REVERSE). d * d per chunk: PyTorch's product."""
+    batch, seq_len, heads, head_dim = x.shape
+    chunks = seq_len // chunk
+    xs = x.float().reshape(batch, chunks, chunk, heads, head_dim)
+    if g is None:
+        w = xs.new_full((1, 1, 1, 1), 1.0 if reverse else scale2)
+    else:
+        gs = g.transpose(2, 3)  # [B, NC, C, H]
+        w = gs.exp() if reverse else (gs[:, :, -1:] - gs).exp() * scale2
+    if e is not None:
+        w = w * e.float().reshape(batch, chunks, chunk, heads)
+    z = torch.einsum("bncha,bnchd->bhnad", xs * w[..., None], xs)
+    return z.reshape(batch * heads, chunks, head_dim * head_dim)
+
+
 def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
     """The states of `_chunk_kernel` and `_pass_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser
     rows [B * H, NC, D * D] fp32 or None, the last state [B * H, D * D, P] fp32, its normaliser rows or None, the dots
@@ -323,16 +329,16 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     value_dim = v.shape[-1]
     chunks = seq_len // chunk
     rows = head_dim * head_dim
-    local = v.new_empty(batch * heads, chunks, rows, value_dim, dtype=torch.float32)
-    local_z = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else local
-    bp = min(_block(value_dim), 64)
-    e_args = e.stride()[:3] if e is not None else (0, 0, 0)
+    local = v.new_empty(batch * heads, chunks, value_dim, rows, dtype=v.dtype if SHARES_16BIT else torch.float32)
+    local_z = _local_normalisers(x, e, g, chunk, scale2, reverse) if ones else local
+    bp = min(_block(value_dim), CHUNK_COLUMNS)
+    bd = _block(head_dim)
+    firsts = min(CHUNK_FIRSTS, bd)
     g_arg = g if g is not None else local
-    _chunk_kernel[(chunks, head_dim * triton.cdiv(value_dim, bp), batch * heads)](
-        x, v, e if e is not None else local, g_arg, local, local_z, seq_len, chunks, scale2, *x.stride()[:3],
-        *v.stride()[:3], *e_args, H=heads, D=head_dim, P=value_dim, CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS),
-        BD=_block(head_dim), BP=bp, HAS_DECAY=g is not None, HAS_ONES=ones, REVERSE=reverse, SCALE_VALUES=SCALE_VALUES,
-        UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+    _chunk_kernel[(chunks, triton.cdiv(head_dim, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
+        x, v, g_arg, local, seq_len, chunks, scale2, *x.stride()[:3], *v.stride()[:3], H=heads, D=head_dim, P=value_dim,
+        CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS), BD=bd, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
+        REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
     states = v.new_empty(batch * heads, chunks, rows, value_dim)
     final = v.new_empty(batch * heads, rows, value_dim, dtype=torch.float32)
     zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
