@@ -80,15 +80,28 @@ def _log_decays(G, i_b, i_h, c, j, NC, H: tl.constexpr, CHUNK: tl.constexpr, in_
 
 
 @triton.jit
+def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK: tl.constexpr,
+                   HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr):
+    """The chunk kernel's weights of the tokens at positions pos of chunk c, zero outside the sequence: forward
+    scale2 exp(G_n - g), REVERSE exp(g)."""
+    g, g_last = _log_decays(G, i_b, i_h, c, pos, NC, H, CHUNK, in_t, HAS_DECAY)
+    if REVERSE:
+        w = tl.exp(g)
+    else:
+        w = tl.exp(g_last - g) * scale2
+    return tl.where(in_t, w, 0.0)
+
+
+@triton.jit
 def _chunk_kernel(X, V, G, LOCAL, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                   BD: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
                   REVERSE: tl.constexpr, UPCAST: tl.constexpr):
     """One (chunk n, FIRSTS first indices a and a block of P, batch * head): the chunk's own share of the rows a of the
-    state, transposed ([P, D * D] per chunk) and in fp32. Forward (X = k, V = v): v^T (k_a k * scale2 exp(G_n - g))
-    for each a; REVERSE (X = q, V = dy): dy^T (q_a q * exp(g)). The features of the FIRSTS first indices lie side by
-    side as one [tokens, FIRSTS * BD] operand, formed from one load of X's tile and its columns a, so the value tile
-    is read once for all of them."""
+    state, transposed ([P, D * D] per chunk). Forward (X = k, V = v): v^T (k_a k * scale2 exp(G_n - g)) for each a;
+    REVERSE (X = q, V = dy): dy^T (q_a q * exp(g)). The features of the FIRSTS first indices lie side by side as one
+    [tokens, FIRSTS * BD] operand, formed from one load of X's tile and its columns a, so the value tile is read once
+    for all of them."""
     c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
     i_a, i_p = i_ap // NP, i_ap % NP
@@ -103,24 +116,44 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh,
     b = pairs % BD
     in_pairs = (a < D) & (b < D)
     j = tl.arange(0, SUB)
-    g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < CHUNK, HAS_DECAY)
     S = tl.zeros([BP, FIRSTS * BD], dtype=tl.float32)
     for sub in range(CHUNK // SUB):
         t = c * CHUNK + sub * SUB + j
         in_t = t < T
-        g, g_end = _log_decays(G, i_b, i_h, c, sub * SUB + j, NC, H, CHUNK, in_t, HAS_DECAY)
-        if REVERSE:
-            w = tl.exp(g)
-        else:
-            w = tl.exp(g_last - g) * scale2
+        w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
         x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)  # [SUB, BD]
-        x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * tl.where(in_t, w, 0.0)[:, None]  # [SUB, FIRSTS]
+        x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * w[:, None]  # [SUB, FIRSTS]
         vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
         phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BD))  # the features, weighted
         S += _dot(tl.trans(vt), phi.to(vt.dtype), vt.dtype == tl.float32, UPCAST)
-    here = (i_bh.to(tl.int64) * NC + c) * P * D * D
-    tl.store(LOCAL + here + cols.to(tl.int64)[:, None] * D * D + (a * D + b)[None, :], S,
+    here = (i_bh.to(tl.int64) * NC + c) * D * D
+    tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * D * D + (a * D + b)[None, :], S,
              mask=(cols < P)[:, None] & in_pairs[None, :])
+
+
+@triton.jit
+def _chunk_normaliser_kernel(X, E, G, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, seb, set_, seh, H: tl.constexpr,
+                             D: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BD: tl.constexpr,
+                             HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr, UPCAST: tl.constexpr):
+    """One (chunk, batch * head): the chunk's own share of the normaliser's rows, [D, D] in fp32: x^T (w x) with the
+    chunk kernel's weights w, times E (the normaliser column's gradient) in REVERSE."""
+    c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
+    rows = tl.arange(0, BD)
+    j = tl.arange(0, SUB)
+    Z = tl.zeros([BD, BD], dtype=tl.float32)
+    for sub in range(CHUNK // SUB):
+        t = c * CHUNK + sub * SUB + j
+        in_t = t < T
+        w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
+        if REVERSE:
+            e = tl.load(E + i_b.to(tl.int64) * seb + i_h * seh + t.to(tl.int64) * set_, mask=in_t, other=0.0)
+            w = w * e.to(tl.float32)
+        x = _rows_tile(x_bh, t, sxt, rows, D, in_t)
+        Z += _dot(tl.trans((x.to(tl.float32) * w[:, None]).to(x.dtype)), x, x.dtype == tl.float32, UPCAST)
+    tl.store(LOCAL_Z + (i_bh.to(tl.int64) * NC + c) * D * D + rows[:, None] * D + rows[None, :], Z,
+             mask=(rows < D)[:, None] & (rows < D)[None, :])
 
 
 @triton.jit
@@ -304,23 +337,6 @@ def covers(head_dim: int, value_dim: int, chunk: int) -> bool:
     return head_dim <= MAX_HEAD_DIM and value_dim <= MAX_VALUE_DIM and tiles(TOKEN_ROWS) and tiles(STATE_ROWS)
 
 
-def _local_normalisers(x, e, g, chunk, scale2, reverse):
-    """Each chunk's own share of the normaliser's rows, [B * H, NC, D * D] fp32: sum_t w_t x_t x_t^T with the chunk
-    kernel's weights w (times e, the normaliser column's gradient, in REVERSE). d * d per chunk: PyTorch's product."""
-    batch, seq_len, heads, head_dim = x.shape
-    chunks = seq_len // chunk
-    xs = x.float().reshape(batch, chunks, chunk, heads, head_dim)
-    if g is None:
-        w = xs.new_full((1, 1, 1, 1), 1.0 if reverse else scale2)
-    else:
-        gs = g.transpose(2, 3)  # [B, NC, C, H]
-        w = gs.exp() if reverse else (gs[:, :, -1:] - gs).exp() * scale2
-    if e is not None:
-        w = w * e.float().reshape(batch, chunks, chunk, heads)
-    z = torch.einsum("bncha,bnchd->bhnad", xs * w[..., None], xs)
-    return z.reshape(batch * heads, chunks, head_dim * head_dim)
-
-
 def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
     """The states of `_chunk_kernel` and `_pass_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser
     rows [B * H, NC, D * D] fp32 or None, the last state [B * H, D * D, P] fp32, its normaliser rows or None, the dots
@@ -330,15 +346,21 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     chunks = seq_len // chunk
     rows = head_dim * head_dim
     local = v.new_empty(batch * heads, chunks, value_dim, rows, dtype=v.dtype if SHARES_16BIT else torch.float32)
-    local_z = _local_normalisers(x, e, g, chunk, scale2, reverse) if ones else local
+    local_z = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else local
     bp = min(_block(value_dim), CHUNK_COLUMNS)
     bd = _block(head_dim)
     firsts = min(CHUNK_FIRSTS, bd)
     g_arg = g if g is not None else local
+    sub = _rows(chunk, STATE_ROWS)
     _chunk_kernel[(chunks, triton.cdiv(head_dim, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
         x, v, g_arg, local, seq_len, chunks, scale2, *x.stride()[:3], *v.stride()[:3], H=heads, D=head_dim, P=value_dim,
-        CHUNK=chunk, SUB=_rows(chunk, STATE_ROWS), BD=bd, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
-        REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+        CHUNK=chunk, SUB=sub, BD=bd, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None, REVERSE=reverse,
+        UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+    if ones:
+        _chunk_normaliser_kernel[(chunks, batch * heads)](
+            x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
+            *(e.stride()[:3] if e is not None else (0, 0, 0)), H=heads, D=head_dim, CHUNK=chunk, SUB=sub, BD=bd,
+            HAS_DECAY=g is not None, REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
     states = v.new_empty(batch * heads, chunks, rows, value_dim)
     final = v.new_empty(batch * heads, rows, value_dim, dtype=torch.float32)
     zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
