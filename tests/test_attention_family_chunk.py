@@ -462,6 +462,20 @@ def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernel
     assert_close(reference, chunked, 1e-5, case)
 
 
+@pytest.mark.parametrize("head_dim", [24, 64], ids=lambda d: f"heads of {d}")
+def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, power2_on_kernels):
+    """Heads of 24 and 64: the chunk kernel's packed rows in two and three bands of second indices (`_bands`), the
+    normaliser's too; outputs and gradients against the fp32 reference."""
+    from attnlab.models.kernels.attention_family import power2_states
+
+    assert len(power2_states._bands(head_dim)) == {24: 2, 64: 3}[head_dim]
+    case = ("power2", "sum", True)
+    q, k, v, log_decay, mask = case_inputs(case, 1, 40, 1, head_dim, masked=True)
+    reference, chunked = reference_and_chunked(case, q, k, v, log_decay, mask, chunk_size=16)
+    assert power2_on_kernels == [16]
+    assert_close(reference, chunked, 1e-5, case)
+
+
 @pytest.mark.parametrize("firsts", [1, 4], ids=["one first index a program", "four"])
 @pytest.mark.parametrize("value_dim", [24, 80], ids=["values narrower than a block", "values in two blocks"])
 def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, power2_on_kernels,

@@ -603,14 +603,14 @@ def _power2_states(q, k, v, g, start, scale, chunk, width, want_sum):
     batch, padded, heads, head_dim = q.shape
     value_dim = v.shape[-1]
     init = init_z = None
-    if start is not None:  # the kernels carry the full, symmetric state
-        init = unpack_power2_state(start[..., :value_dim], head_dim)
+    if start is not None:
+        init = start[..., :value_dim]
         if want_sum:
-            init_z = unpack_power2_state(start[..., value_dim], head_dim, dim=-1)
+            init_z = start[..., value_dim]
     y, final, final_z = power2_states.Power2States.apply(q, k, v, g, init, init_z, scale * scale, chunk, want_sum, width)
-    parts = [pack_power2_rows(final, head_dim)]
+    parts = [final]
     if want_sum:
-        parts.append(pack_power2_rows(final_z, head_dim, dim=-1)[..., None])
+        parts.append(final_z[..., None])
     used = value_dim + int(want_sum)
     if width > used:
         parts.append(final.new_zeros(*final.shape[:2], parts[0].shape[2], width - used))

@@ -57,7 +57,7 @@ STATE_WARPS = 4
 CHUNK_FIRSTS = 4  # first indices per program of the chunk kernel (a power of two): their features side by side in one product
 CHUNK_COLUMNS = 64  # the chunk kernel's block of value columns
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (as the states when chunks start)
-PASS_ROWS, PASS_WARPS = 64, 4  # the pass kernel's block of a state's rows (of all its value columns up to 64)
+PASS_ROWS, PASS_WARPS = 64, 8  # the pass kernel's block of a state's packed rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
 
 
@@ -80,6 +80,24 @@ def _log_decays(G, i_b, i_h, c, j, NC, H: tl.constexpr, CHUNK: tl.constexpr, in_
 
 
 @triton.jit
+def _packed_row(a, b, D: tl.constexpr):
+    """Row (a, b), a <= b, of a packed state: the rows a <= b of the full one, row-major."""
+    return a * D - a * (a - 1) // 2 + b - a
+
+
+@triton.jit
+def _packed_pair(rows, D: tl.constexpr):
+    """(a, b) of packed rows (those past the last taken as the last): a the root of a * D - a * (a - 1) / 2 = the
+    row's first, corrected for rounding."""
+    rows = tl.minimum(rows, D * (D + 1) // 2 - 1)
+    n = 2.0 * D + 1.0
+    a = ((n - tl.sqrt(n * n - 8.0 * rows.to(tl.float32))) * 0.5).to(tl.int32)
+    a = tl.where(_packed_row(a, a, D) > rows, a - 1, a)
+    a = tl.where(_packed_row(a + 1, a + 1, D) <= rows, a + 1, a)
+    return a, rows - _packed_row(a, a, D) + a
+
+
+@triton.jit
 def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr):
     """The chunk kernel's weights of the tokens at positions pos of chunk c, zero outside the sequence: forward
@@ -93,49 +111,50 @@ def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK
 
 
 @triton.jit
-def _chunk_kernel(X, V, G, LOCAL, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh,
+def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, svb, svt, svh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  BD: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
+                  BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
                   REVERSE: tl.constexpr, UPCAST: tl.constexpr):
-    """One (chunk n, FIRSTS first indices a and a block of P, batch * head): the chunk's own share of the rows a of the
-    state, transposed ([P, D * D] per chunk). Forward (X = k, V = v): v^T (k_a k * scale2 exp(G_n - g)) for each a;
-    REVERSE (X = q, V = dy): dy^T (q_a q * exp(g)). The features of the FIRSTS first indices lie side by side as one
-    [tokens, FIRSTS * BD] operand, formed from one load of X's tile and its columns a, so the value tile is read once
+    """One (chunk n, FIRSTS first indices a from A0 and a block of P, batch * head): the chunk's own share of the
+    packed rows (a, b), b >= a, of the state, transposed ([P, D (D + 1) / 2] per chunk); b runs over the BW columns
+    from B0 (a band: `_bands`). Forward (X = k, V = v): v^T (k_a k_b * scale2 exp(G_n - g)); REVERSE (X = q,
+    V = dy): dy^T (q_a q_b * exp(g)). The features of the FIRSTS first indices lie side by side as one
+    [tokens, FIRSTS * BW] operand, formed from one load of X's tile and its columns a, so the value tile is read once
     for all of them."""
     c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
+    F: tl.constexpr = D * (D + 1) // 2
     i_a, i_p = i_ap // NP, i_ap % NP
     i_b, i_h = i_bh // H, i_bh % H
     x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
     cols = i_p * BP + tl.arange(0, BP)
-    rows = tl.arange(0, BD)
-    firsts = i_a * FIRSTS + tl.arange(0, FIRSTS)
-    pairs = tl.arange(0, FIRSTS * BD)  # the operand's columns: (a, b) with b the faster
-    a = i_a * FIRSTS + pairs // BD
-    b = pairs % BD
-    in_pairs = (a < D) & (b < D)
+    seconds = B0 + tl.arange(0, BW)
+    firsts = A0 + i_a * FIRSTS + tl.arange(0, FIRSTS)
+    pairs = tl.arange(0, FIRSTS * BW)  # the operand's columns: (a, b) with b the faster
+    a = A0 + i_a * FIRSTS + pairs // BW
+    b = B0 + pairs % BW
     j = tl.arange(0, SUB)
-    S = tl.zeros([BP, FIRSTS * BD], dtype=tl.float32)
+    S = tl.zeros([BP, FIRSTS * BW], dtype=tl.float32)
     for sub in range(CHUNK // SUB):
         t = c * CHUNK + sub * SUB + j
         in_t = t < T
         w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
-        x = _rows_tile(x_bh, t, sxt, rows, D, in_t).to(tl.float32)  # [SUB, BD]
+        x = _rows_tile(x_bh, t, sxt, seconds, D, in_t).to(tl.float32)  # [SUB, BW]
         x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * w[:, None]  # [SUB, FIRSTS]
         vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
-        phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BD))  # the features, weighted
+        phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BW))  # the features, weighted
         S += _dot(tl.trans(vt), phi.to(vt.dtype), vt.dtype == tl.float32, UPCAST)
-    here = (i_bh.to(tl.int64) * NC + c) * D * D
-    tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * D * D + (a * D + b)[None, :], S,
-             mask=(cols < P)[:, None] & in_pairs[None, :])
+    here = (i_bh.to(tl.int64) * NC + c) * F
+    tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * F + _packed_row(a, b, D)[None, :], S.to(LOCAL.dtype.element_ty),
+             mask=(cols < P)[:, None] & ((a < A_END) & (b >= a) & (b < D))[None, :])
 
 
 @triton.jit
 def _chunk_normaliser_kernel(X, E, G, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, seb, set_, seh, H: tl.constexpr,
                              D: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BD: tl.constexpr,
                              HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr, UPCAST: tl.constexpr):
-    """One (chunk, batch * head): the chunk's own share of the normaliser's rows, [D, D] in fp32: x^T (w x) with the
+    """One (chunk, batch * head): the chunk's own share of the normaliser's packed rows in fp32: x^T (w x) with the
     chunk kernel's weights w, times E (the normaliser column's gradient) in REVERSE."""
     c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -152,8 +171,9 @@ def _chunk_normaliser_kernel(X, E, G, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, seb
             w = w * e.to(tl.float32)
         x = _rows_tile(x_bh, t, sxt, rows, D, in_t)
         Z += _dot(tl.trans((x.to(tl.float32) * w[:, None]).to(x.dtype)), x, x.dtype == tl.float32, UPCAST)
-    tl.store(LOCAL_Z + (i_bh.to(tl.int64) * NC + c) * D * D + rows[:, None] * D + rows[None, :], Z,
-             mask=(rows < D)[:, None] & (rows < D)[None, :])
+    F: tl.constexpr = D * (D + 1) // 2
+    tl.store(LOCAL_Z + (i_bh.to(tl.int64) * NC + c) * F + _packed_row(rows[:, None], rows[None, :], D), Z,
+             mask=(rows[:, None] <= rows[None, :]) & (rows < D)[None, :])
 
 
 @triton.jit
@@ -161,24 +181,34 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BR: tl.constexpr,
                  BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
                  REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
-    """One (batch * head, block of BR state rows, block of P) through every chunk: STATES[bh, n] <- S, the state when
-    chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL, transposed). REVERSE: from the last chunk back, STATES[bh, n]
-    <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS, DOTS[bh, n, rows block,
-    block of P] <- exp(G_n) <dS, S_n> over the block (PREV: the forward's states). The last S goes to FINAL (fp32)."""
+    """One (batch * head, block of BR packed state rows, block of P) through every chunk: STATES[bh, n] <- S, the state
+    when chunk n starts (in the full layout: row (a, b) at rows a * D + b and b * D + a), then S <- exp(G_n) S + the
+    chunk's own share (LOCAL, packed and transposed). REVERSE: from the last chunk back, STATES[bh, n] <- the gradient
+    of the state when chunk n ends, and the same recurrence; with WANT_DOTS, DOTS[bh, n, rows block, block of P] <-
+    exp(G_n) <dS, S_n> over the block's rows in the full layout (PREV: the forward's states). INIT and the last S
+    (FINAL, fp32) are packed."""
     i_bh, i_r, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
-    NR: tl.constexpr = (D * D + BR - 1) // BR
+    F: tl.constexpr = D * (D + 1) // 2
+    NR: tl.constexpr = (F + BR - 1) // BR
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_r * BR + tl.arange(0, BR)
     cols = i_p * BP + tl.arange(0, BP)
-    block = rows.to(tl.int64)[:, None] * P + cols[None, :]  # the block's offsets in a [D * D, P] state
-    block_t = cols.to(tl.int64)[None, :] * D * D + rows[:, None]  # and in a [P, D * D] one (the chunks' shares)
-    in_block = (rows < D * D)[:, None] & (cols < P)[None, :]
-    z_mine = (rows < D * D) & (rows * 0 + i_p == 0)  # the normaliser's rows: the first block of P alone keeps them
+    in_rows = rows < F
+    a, b = _packed_pair(rows, D)
+    ab, ba = tl.where(in_rows, a * D + b, 0), tl.where(in_rows, b * D + a, 0)  # the rows in the full layout
+    # offsets within one state, int32 (the bases are int64)
+    block_t = cols[None, :] * F + rows[:, None]  # and in a [P, F] one (the chunks' shares)
+    full_ab = ab[:, None] * P + cols[None, :]
+    full_ba = ba[:, None] * P + cols[None, :]
+    in_block = in_rows[:, None] & (cols < P)[None, :]
+    mirrored = in_block & (a != b)[:, None]
+    z_mine = in_rows & (rows * 0 + i_p == 0)  # the normaliser's rows: the first block of P alone keeps them
     j = tl.arange(0, 16)
     if HAS_INIT:
-        S = tl.load(INIT + i_bh.to(tl.int64) * D * D * P + block, mask=in_block, other=0.0).to(tl.float32)
-        z = tl.load(INIT_Z + i_bh.to(tl.int64) * D * D + rows, mask=rows < D * D, other=0.0).to(tl.float32)
+        S = tl.load(INIT + i_bh.to(tl.int64) * F * P + rows[:, None] * P + cols[None, :], mask=in_block,
+                    other=0.0).to(tl.float32)
+        z = tl.load(INIT_Z + i_bh.to(tl.int64) * F + rows, mask=in_rows, other=0.0).to(tl.float32)
     else:
         S = tl.zeros([BR, BP], dtype=tl.float32)
         z = tl.zeros([BR], dtype=tl.float32)
@@ -187,24 +217,29 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
             c = NC - 1 - step
         else:
             c = step
-        here = (i_bh.to(tl.int64) * NC + c) * D * D
-        tl.store(STATES + here * P + block, S.to(STATES.dtype.element_ty), mask=in_block)
+        packed = (i_bh.to(tl.int64) * NC + c) * F
+        full = (i_bh.to(tl.int64) * NC + c) * D * D
+        out = S.to(STATES.dtype.element_ty)
+        tl.store(STATES + full * P + full_ab, out, mask=in_block)
+        tl.store(STATES + full * P + full_ba, out, mask=mirrored)
         if HAS_ONES:
-            tl.store(ZS + here + rows, z, mask=z_mine)
+            tl.store(ZS + full + ab, z, mask=z_mine)
+            tl.store(ZS + full + ba, z, mask=z_mine & (a != b))
         g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < 0, HAS_DECAY)
         decay = tl.exp(g_last)
         if WANT_DOTS:
-            prev = tl.load(PREV + here * P + block, mask=in_block, other=0.0).to(tl.float32)
-            dot = tl.sum(tl.sum(S * prev, axis=1), axis=0)
+            times = tl.where(a == b, 1.0, 2.0)  # how often the row appears in the full layout
+            prev = tl.load(PREV + full * P + full_ab, mask=in_block, other=0.0).to(tl.float32)
+            dot = tl.sum(tl.sum(S * prev, axis=1) * times, axis=0)
             if HAS_ONES:
-                dot += tl.sum(z * tl.load(PREV_Z + here + rows, mask=z_mine, other=0.0), axis=0)
+                dot += tl.sum(z * tl.load(PREV_Z + full + ab, mask=z_mine, other=0.0) * times, axis=0)
             tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * NR + i_r) * NP + i_p, decay * dot)
-        S = S * decay + tl.load(LOCAL + here * P + block_t, mask=in_block, other=0.0)
+        S = S * decay + tl.load(LOCAL + packed * P + block_t, mask=in_block, other=0.0).to(tl.float32)
         if HAS_ONES:
-            z = z * decay + tl.load(LOCAL_Z + here + rows, mask=rows < D * D, other=0.0)
-    tl.store(FINAL + i_bh.to(tl.int64) * D * D * P + block, S, mask=in_block)
+            z = z * decay + tl.load(LOCAL_Z + packed + rows, mask=in_rows, other=0.0)
+    tl.store(FINAL + i_bh.to(tl.int64) * F * P + rows[:, None] * P + cols[None, :], S, mask=in_block)
     if HAS_ONES:
-        tl.store(FINAL_Z + i_bh.to(tl.int64) * D * D + rows, z, mask=z_mine)
+        tl.store(FINAL_Z + i_bh.to(tl.int64) * F + rows, z, mask=z_mine)
 
 
 @triton.jit
@@ -337,36 +372,49 @@ def covers(head_dim: int, value_dim: int, chunk: int) -> bool:
     return head_dim <= MAX_HEAD_DIM and value_dim <= MAX_VALUE_DIM and tiles(TOKEN_ROWS) and tiles(STATE_ROWS)
 
 
+def _bands(head_dim: int) -> list[tuple[int, int, int, int]]:
+    """The chunk kernel's bands (first a, end of a, first b, columns of b): the packed rows b >= a of first indices
+    a0 <= a < a1 lie in the columns b0 <= b < b0 + width, halved from band to band while 16 or wider (heads of 64:
+    2816 of the 4096 full rows formed, for the 2080 packed)."""
+    bands, start, width = [], 0, _block(head_dim)
+    while width // 2 >= 16 and start + width // 2 < head_dim:
+        bands.append((start, start + width // 2, start, width))
+        start, width = start + width // 2, width // 2
+    bands.append((start, head_dim, start, width))
+    return bands
+
+
 def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
     """The states of `_chunk_kernel` and `_pass_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser
-    rows [B * H, NC, D * D] fp32 or None, the last state [B * H, D * D, P] fp32, its normaliser rows or None, the dots
-    [B * H, NC, row blocks, P blocks] fp32 or None)."""
+    rows [B * H, NC, D * D] fp32 or None, the last state [B * H, F, P] fp32 packed, its normaliser rows [B * H, F] or
+    None, the dots [B * H, NC, row blocks, P blocks] fp32 or None). init, init_z: packed, or None."""
     batch, seq_len, heads, head_dim = x.shape
     value_dim = v.shape[-1]
     chunks = seq_len // chunk
     rows = head_dim * head_dim
-    local = v.new_empty(batch * heads, chunks, value_dim, rows, dtype=v.dtype if SHARES_16BIT else torch.float32)
-    local_z = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else local
+    packed = head_dim * (head_dim + 1) // 2
+    local = v.new_empty(batch * heads, chunks, value_dim, packed, dtype=v.dtype if SHARES_16BIT else torch.float32)
+    local_z = v.new_empty(batch * heads, chunks, packed, dtype=torch.float32) if ones else local
     bp = min(_block(value_dim), CHUNK_COLUMNS)
-    bd = _block(head_dim)
-    firsts = min(CHUNK_FIRSTS, bd)
     g_arg = g if g is not None else local
     sub = _rows(chunk, STATE_ROWS)
-    _chunk_kernel[(chunks, triton.cdiv(head_dim, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
-        x, v, g_arg, local, seq_len, chunks, scale2, *x.stride()[:3], *v.stride()[:3], H=heads, D=head_dim, P=value_dim,
-        CHUNK=chunk, SUB=sub, BD=bd, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None, REVERSE=reverse,
-        UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+    for first, end, second, width in _bands(head_dim):
+        firsts = min(CHUNK_FIRSTS * _block(head_dim) // width, triton.next_power_of_2(end - first))
+        _chunk_kernel[(chunks, triton.cdiv(end - first, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
+            x, v, g_arg, local, seq_len, chunks, first, end, second, scale2, *x.stride()[:3], *v.stride()[:3], H=heads,
+            D=head_dim, P=value_dim, CHUNK=chunk, SUB=sub, BW=width, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
+            REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
     if ones:
         _chunk_normaliser_kernel[(chunks, batch * heads)](
             x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
-            *(e.stride()[:3] if e is not None else (0, 0, 0)), H=heads, D=head_dim, CHUNK=chunk, SUB=sub, BD=bd,
-            HAS_DECAY=g is not None, REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+            *(e.stride()[:3] if e is not None else (0, 0, 0)), H=heads, D=head_dim, CHUNK=chunk, SUB=sub,
+            BD=_block(head_dim), HAS_DECAY=g is not None, REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
     states = v.new_empty(batch * heads, chunks, rows, value_dim)
-    final = v.new_empty(batch * heads, rows, value_dim, dtype=torch.float32)
+    final = v.new_empty(batch * heads, packed, value_dim, dtype=torch.float32)
     zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
-    final_z = v.new_empty(batch * heads, rows, dtype=torch.float32) if ones else final
-    br, bp = min(PASS_ROWS, _block(rows)), min(PASS_COLUMNS, _block(value_dim))
-    grid = (batch * heads, triton.cdiv(rows, br), triton.cdiv(value_dim, bp))
+    final_z = v.new_empty(batch * heads, packed, dtype=torch.float32) if ones else final
+    br, bp = min(PASS_ROWS, _block(packed)), min(PASS_COLUMNS, _block(value_dim))
+    grid = (batch * heads, triton.cdiv(packed, br), triton.cdiv(value_dim, bp))
     dots = v.new_empty(batch * heads, chunks, grid[1], grid[2], dtype=torch.float32) if prev is not None else final
     _pass_kernel[grid](
         local, local_z, g_arg, init if init is not None else final, init_z if init_z is not None else final, states, zs,
@@ -385,9 +433,10 @@ class Power2States(torch.autograd.Function):
     """The chunks' share of power2's output, exp(g_t) phi(q_t) S_n, and the state after the last chunk, on the kernels
     above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple of it; the caller pads),
     last dims contiguous; g [B, T / chunk, H, chunk] fp32 (log-decays summed from each chunk's start) or None;
-    init [B, H, d * d, Dv] and init_z [B, H, d * d] fp32 (full, symmetric) or None; ones: the normaliser's column.
+    init [B, H, F, Dv] and init_z [B, H, F] fp32 (packed: the F = d (d + 1) / 2 rows a <= b) or None; ones: the
+    normaliser's column.
     Returns (y [B, H, T, width] fp32: columns :Dv the values' part, column Dv the normaliser's with `ones`, the rest
-    unset; the final state [B, H, d * d, Dv] fp32; its normaliser rows [B, H, d * d] fp32 or None)."""
+    unset; the final state [B, H, F, Dv] fp32, packed; its normaliser rows [B, H, F] fp32 or None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, init, init_z, scale2, chunk, ones, width):
@@ -411,7 +460,9 @@ class Power2States(torch.autograd.Function):
         batch, seq_len, heads, head_dim = q.shape
         value_dim = v.shape[-1]
         chunks = seq_len // chunk
-        square = (batch * heads, head_dim, head_dim)
+        # a packed row a < b stands for two of the full layout, (a, b) and (b, a)
+        a, b = torch.triu_indices(head_dim, head_dim, device=q.device)
+        times = (a != b).float() + 1.0
         states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
         if dy is None:
             dy = v.new_zeros(batch, heads, seq_len, value_dim + int(ones), dtype=torch.float32)
@@ -420,13 +471,11 @@ class Power2States(torch.autograd.Function):
         dy_values = dy[..., :value_dim].to(v.dtype)  # the products' operand, as the forward's v
         dden = dy[..., value_dim] if ones else None
         d_init = None
-        if dfinal is not None:  # only its symmetric part reaches the state
-            d = dfinal.float().reshape(*square, value_dim)
-            d_init = ((d + d.transpose(1, 2)) * 0.5).reshape(batch * heads, head_dim * head_dim, value_dim)
+        if dfinal is not None:  # the gradient of the full, symmetric state, packed
+            d_init = (dfinal.float() / times[:, None]).reshape(batch * heads, -1, value_dim)
         d_init_z = None
         if ones and dfinal_z is not None:
-            d = dfinal_z.float().reshape(square)
-            d_init_z = ((d + d.transpose(1, 2)) * 0.5).reshape(batch * heads, head_dim * head_dim)
+            d_init_z = (dfinal_z.float() / times).reshape(batch * heads, -1)
         # dy laid out [B, H, T, *]: the walk reads it through strides as [B, T, H, *]
         as_bthp = lambda t: None if t is None else t.transpose(1, 2)  # noqa: E731
         dstates, dzs, d_start, d_start_z, dots = _walk(
@@ -451,6 +500,6 @@ class Power2States(torch.autograd.Function):
             # each chunk's total G also scales the state it starts from and weights all its keys
             totals = dots.sum((-1, -2)).view(batch, heads, chunks).transpose(1, 2) + kdk.sum(-1) * 0.5
             dg[..., -1] += totals
-        d_init = d_start.view(batch, heads, -1, value_dim) if has_init else None
-        d_init_z = d_start_z.view(batch, heads, -1) if has_init and ones else None
+        d_init = (d_start * times[:, None]).view(batch, heads, -1, value_dim) if has_init else None
+        d_init_z = (d_start_z * times).view(batch, heads, -1) if has_init and ones else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, d_init, d_init_z, None, None, None, None
