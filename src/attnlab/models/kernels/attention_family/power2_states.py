@@ -52,6 +52,8 @@ MAX_HEAD_DIM = 64  # d: a program's [d, Dv] block of the state and [tokens, d] t
 MAX_VALUE_DIM = 128
 TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
+BANDED_WARPS = 8  # warps of the token kernels on the state's packed rows (`_banded`: the output's and dv's): compiled for
+# sm_90, their [64 tokens, 64] tiles spill registers on 4 warps and none on 8
 STATE_ROWS = 32  # tokens per step of the chunk kernel's walk through its chunk
 STATE_WARPS = 4
 CHUNK_FIRSTS = 4  # first indices per program of the chunk kernel (a power of two): their features side by side in one product
@@ -270,26 +272,61 @@ def _state_tile(i_bh, c, NC, D: tl.constexpr, P: tl.constexpr, BD: tl.constexpr,
 
 
 @triton.jit
+def _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, A0: tl.constexpr, A1: tl.constexpr,
+                   BW: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, HAS_ONES: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """acc += sum over A0 <= a < A1 of (x_b * weight x_a * c_ab) S_ab over the BW columns b from A0 (x [BL, BW] those
+    of X), c_ab 2 above the diagonal, 1 on it and 0 below: the symmetric state's products on its rows b >= a alone.
+    den likewise with the normaliser rows ZS."""
+    seconds = A0 + tl.arange(0, BW)
+    cols = tl.arange(0, BP)
+    in_tile = (seconds < D)[:, None] & (cols < P)[None, :]
+    DT = STATES.dtype.element_ty
+    for a in range(A0, A1):
+        xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32) * weight
+        times = tl.where(seconds > a, 2.0, tl.where(seconds == a, 1.0, 0.0))
+        phi = x * xa[:, None] * times[None, :]
+        S_a = tl.load(STATES + (here + a * D + seconds).to(tl.int64)[:, None] * P + cols[None, :], mask=in_tile, other=0.0)
+        acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
+        if HAS_ONES:
+            den += tl.sum(phi * tl.load(ZS + here + a * D + seconds, mask=seconds < D, other=0.0)[None, :], axis=1)
+    return acc, den
+
+
+@triton.jit
+def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.constexpr, P: tl.constexpr,
+            BD: tl.constexpr, BP: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr,
+            HAS_ONES: tl.constexpr, UPCAST: tl.constexpr):
+    """`_band_products` over the bands of `_bands`: first indices [0, SPLIT1) on BD columns, [SPLIT1, SPLIT2) on BD / 2,
+    [SPLIT2, D) on BD / 4 (BANDS of them; the last ends at D)."""
+    END0: tl.constexpr = D if BANDS == 1 else SPLIT1
+    x = _rows_tile(x_bh, t, sxt, tl.arange(0, BD), D, in_t).to(tl.float32)
+    acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, 0, END0, BD, D, P, BP,
+                              HAS_ONES, UPCAST)
+    if BANDS > 1:
+        END1: tl.constexpr = D if BANDS == 2 else SPLIT2
+        x = _rows_tile(x_bh, t, sxt, SPLIT1 + tl.arange(0, BD // 2), D, in_t).to(tl.float32)
+        acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, SPLIT1, END1, BD // 2, D,
+                                  P, BP, HAS_ONES, UPCAST)
+    if BANDS > 2:
+        x = _rows_tile(x_bh, t, sxt, SPLIT2 + tl.arange(0, BD // 4), D, in_t).to(tl.float32)
+        acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, SPLIT2, D, BD // 4, D, P,
+                                  BP, HAS_ONES, UPCAST)
+    return acc, den
+
+
+@triton.jit
 def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the
-    normaliser's part goes to column P of Y."""
+                   UPCAST: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr):
+    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab, in the
+    bands of `_bands` (`_banded`); with HAS_ONES the normaliser's part goes to column P of Y."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
-    DT = STATES.dtype.element_ty
-    acc = tl.zeros([BL, BP], dtype=tl.float32)
-    den = tl.zeros([BL], dtype=tl.float32)
-    for a in range(D):
-        qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
-        phi = q * (qa * weight)[:, None]
-        S_a = tl.load(STATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
-        acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
-        if HAS_ONES:
-            z_a = tl.load(ZS + here + a * D + rows, mask=rows < D, other=0.0)
-            den += tl.sum(phi * z_a[None, :], axis=1)
+    acc, den = _banded(tl.zeros([BL, BP], dtype=tl.float32), tl.zeros([BL], dtype=tl.float32), q_bh, t, sqt, in_t,
+                       weight, STATES, ZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, HAS_ONES, UPCAST)
     y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
     tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
     if HAS_ONES:
@@ -326,9 +363,10 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
 def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
-    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a; DK, DV fp32, laid out as K, V."""
+    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (on the rows b >= a, `_banded`);
+    DK, DV fp32, laid out as K, V."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
@@ -337,12 +375,12 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
     v = _rows_tile(v_bh, t, svt, cols, P, in_t).to(tl.float32)
     dk = tl.zeros([BL, BD], dtype=tl.float32)
-    dv = tl.zeros([BL, BP], dtype=tl.float32)
+    dv, _ = _banded(tl.zeros([BL, BP], dtype=tl.float32), tl.zeros([BL], dtype=tl.float32), k_bh, t, skt, in_t, weight,
+                    DSTATES, DZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, False, UPCAST)
     for a in range(D):
         kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
         dS_a = tl.load(DSTATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
-        dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
             dz_a = tl.load(DZS + here + a * D + rows, mask=rows < D, other=0.0)
             dk += kw[:, None] * dz_a[None, :]
@@ -429,6 +467,14 @@ def _meta(heads, head_dim, value_dim, chunk, g, ones, x):
                 BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
 
 
+def _band_meta(head_dim):
+    """The bands of `_bands` as `_banded` takes them (how many, and where the second and third start), and the
+    warps of a kernel that runs them."""
+    bands = _bands(head_dim)
+    starts = [first for first, _, _, _ in bands[1:]] + [0, 0]
+    return dict(BANDS=len(bands), SPLIT1=starts[0], SPLIT2=starts[1], num_warps=BANDED_WARPS)
+
+
 class Power2States(torch.autograd.Function):
     """The chunks' share of power2's output, exp(g_t) phi(q_t) S_n, and the state after the last chunk, on the kernels
     above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple of it; the caller pads),
@@ -447,7 +493,8 @@ class Power2States(torch.autograd.Function):
         y = v.new_empty(batch, heads, seq_len, width, dtype=torch.float32)
         _output_kernel[(seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)](
             q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
-            y.stride(0), y.stride(2), y.stride(1), **_meta(heads, head_dim, value_dim, chunk, g, ones, q))
+            y.stride(0), y.stride(2), y.stride(1), **{**_meta(heads, head_dim, value_dim, chunk, g, ones, q),
+                                                      **_band_meta(head_dim)})
         ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z))
         ctx.opts = scale2, chunk, ones, init is not None
         final = final.view(batch, heads, *final.shape[1:])
@@ -489,7 +536,7 @@ class Power2States(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len, chunks,
-                           scale2, *k.stride()[:3], *v.stride()[:3], **meta)
+                           scale2, *k.stride()[:3], *v.stride()[:3], **{**meta, **_band_meta(head_dim)})
         del dstates, dzs
         dg = None
         if g is not None:
