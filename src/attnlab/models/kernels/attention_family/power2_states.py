@@ -59,6 +59,9 @@ STATE_WARPS = 4
 CHUNK_FIRSTS = 4  # first indices per program of the chunk kernel (a power of two): their features side by side in one product
 CHUNK_COLUMNS = 64  # the chunk kernel's block of value columns
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (as the states when chunks start)
+# The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
+# chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again
+KEEP_STATES = True
 PASS_ROWS, PASS_WARPS = 64, 8  # the pass kernel's block of a state's packed rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
 
@@ -184,11 +187,10 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
                  BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
                  REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
     """One (batch * head, block of BR packed state rows, block of P) through every chunk: STATES[bh, n] <- S, the state
-    when chunk n starts (in the full layout: row (a, b) at rows a * D + b and b * D + a), then S <- exp(G_n) S + the
-    chunk's own share (LOCAL, packed and transposed). REVERSE: from the last chunk back, STATES[bh, n] <- the gradient
-    of the state when chunk n ends, and the same recurrence; with WANT_DOTS, DOTS[bh, n, rows block, block of P] <-
-    exp(G_n) <dS, S_n> over the block's rows in the full layout (PREV: the forward's states). INIT and the last S
-    (FINAL, fp32) are packed."""
+    when chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL, transposed). REVERSE: from the last chunk
+    back, STATES[bh, n] <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS,
+    DOTS[bh, n, rows block, block of P] <- exp(G_n) <dS, S_n> over the block's rows counted as in the full layout
+    (PREV: the forward's states). The last S goes to FINAL (fp32). All packed."""
     i_bh, i_r, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
     F: tl.constexpr = D * (D + 1) // 2
@@ -197,19 +199,13 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
     rows = i_r * BR + tl.arange(0, BR)
     cols = i_p * BP + tl.arange(0, BP)
     in_rows = rows < F
-    a, b = _packed_pair(rows, D)
-    ab, ba = tl.where(in_rows, a * D + b, 0), tl.where(in_rows, b * D + a, 0)  # the rows in the full layout
-    # offsets within one state, int32 (the bases are int64)
+    block = rows[:, None] * P + cols[None, :]  # the block's offsets in a packed [F, P] state (int32; int64 bases)
     block_t = cols[None, :] * F + rows[:, None]  # and in a [P, F] one (the chunks' shares)
-    full_ab = ab[:, None] * P + cols[None, :]
-    full_ba = ba[:, None] * P + cols[None, :]
     in_block = in_rows[:, None] & (cols < P)[None, :]
-    mirrored = in_block & (a != b)[:, None]
     z_mine = in_rows & (rows * 0 + i_p == 0)  # the normaliser's rows: the first block of P alone keeps them
     j = tl.arange(0, 16)
     if HAS_INIT:
-        S = tl.load(INIT + i_bh.to(tl.int64) * F * P + rows[:, None] * P + cols[None, :], mask=in_block,
-                    other=0.0).to(tl.float32)
+        S = tl.load(INIT + i_bh.to(tl.int64) * F * P + block, mask=in_block, other=0.0).to(tl.float32)
         z = tl.load(INIT_Z + i_bh.to(tl.int64) * F + rows, mask=in_rows, other=0.0).to(tl.float32)
     else:
         S = tl.zeros([BR, BP], dtype=tl.float32)
@@ -220,26 +216,23 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
         else:
             c = step
         packed = (i_bh.to(tl.int64) * NC + c) * F
-        full = (i_bh.to(tl.int64) * NC + c) * D * D
-        out = S.to(STATES.dtype.element_ty)
-        tl.store(STATES + full * P + full_ab, out, mask=in_block)
-        tl.store(STATES + full * P + full_ba, out, mask=mirrored)
+        tl.store(STATES + packed * P + block, S.to(STATES.dtype.element_ty), mask=in_block)
         if HAS_ONES:
-            tl.store(ZS + full + ab, z, mask=z_mine)
-            tl.store(ZS + full + ba, z, mask=z_mine & (a != b))
+            tl.store(ZS + packed + rows, z, mask=z_mine)
         g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < 0, HAS_DECAY)
         decay = tl.exp(g_last)
         if WANT_DOTS:
+            a, b = _packed_pair(rows, D)
             times = tl.where(a == b, 1.0, 2.0)  # how often the row appears in the full layout
-            prev = tl.load(PREV + full * P + full_ab, mask=in_block, other=0.0).to(tl.float32)
+            prev = tl.load(PREV + packed * P + block, mask=in_block, other=0.0).to(tl.float32)
             dot = tl.sum(tl.sum(S * prev, axis=1) * times, axis=0)
             if HAS_ONES:
-                dot += tl.sum(z * tl.load(PREV_Z + full + ab, mask=z_mine, other=0.0) * times, axis=0)
+                dot += tl.sum(z * tl.load(PREV_Z + packed + rows, mask=z_mine, other=0.0) * times, axis=0)
             tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * NR + i_r) * NP + i_p, decay * dot)
         S = S * decay + tl.load(LOCAL + packed * P + block_t, mask=in_block, other=0.0).to(tl.float32)
         if HAS_ONES:
             z = z * decay + tl.load(LOCAL_Z + packed + rows, mask=in_rows, other=0.0)
-    tl.store(FINAL + i_bh.to(tl.int64) * F * P + rows[:, None] * P + cols[None, :], S, mask=in_block)
+    tl.store(FINAL + i_bh.to(tl.int64) * F * P + block, S, mask=in_block)
     if HAS_ONES:
         tl.store(FINAL_Z + i_bh.to(tl.int64) * F + rows, z, mask=z_mine)
 
@@ -264,11 +257,17 @@ def _token_block(X, G, sxb, sxt, sxh, T, NC, H: tl.constexpr, D: tl.constexpr, C
 
 @triton.jit
 def _state_tile(i_bh, c, NC, D: tl.constexpr, P: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
-    """One first index's [BD, BP] block of a [D * D, P] state: its rows and columns, which of them exist, and the
-    first row of chunk c's state of batch * head i_bh in a [B * H, NC, D * D, P] tensor of them."""
+    """One first index's [BD, BP] block of a packed state: its second indices and columns, which of them exist, and
+    the first row of chunk c's state of batch * head i_bh in a [B * H, NC, F, P] tensor of them."""
     rows = tl.arange(0, BD)
     cols = tl.arange(0, BP)
-    return rows, cols, (rows < D)[:, None] & (cols < P)[None, :], (i_bh.to(tl.int64) * NC + c) * D * D
+    return rows, cols, (rows < D)[:, None] & (cols < P)[None, :], (i_bh.to(tl.int64) * NC + c) * (D * (D + 1) // 2)
+
+
+@triton.jit
+def _full_rows(a, rows, D: tl.constexpr):
+    """The packed rows of the symmetric state's full rows (a, b) for b in rows: (min, max)."""
+    return _packed_row(tl.minimum(a, rows), tl.maximum(a, rows), D)
 
 
 @triton.jit
@@ -286,10 +285,13 @@ def _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, A0
         xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32) * weight
         times = tl.where(seconds > a, 2.0, tl.where(seconds == a, 1.0, 0.0))
         phi = x * xa[:, None] * times[None, :]
-        S_a = tl.load(STATES + (here + a * D + seconds).to(tl.int64)[:, None] * P + cols[None, :], mask=in_tile, other=0.0)
+        upper = seconds >= a
+        S_a = tl.load(STATES + (here + _packed_row(a, seconds, D)).to(tl.int64)[:, None] * P + cols[None, :],
+                      mask=in_tile & upper[:, None], other=0.0)
         acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
-            den += tl.sum(phi * tl.load(ZS + here + a * D + seconds, mask=seconds < D, other=0.0)[None, :], axis=1)
+            z_a = tl.load(ZS + here + _packed_row(a, seconds, D), mask=(seconds < D) & upper, other=0.0)
+            den += tl.sum(phi * z_a[None, :], axis=1)
     return acc, den
 
 
@@ -350,10 +352,11 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
     dq = tl.zeros([BL, BD], dtype=tl.float32)
     for a in range(D):
         qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
-        S_a = tl.load(STATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block,
+                      other=0.0)
         dq += _dot((dy * qa[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
         if HAS_ONES:
-            z_a = tl.load(ZS + here + a * D + rows, mask=rows < D, other=0.0)
+            z_a = tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dq += (dden * qa)[:, None] * z_a[None, :]
     dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
     tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], 2.0 * dq, mask=in_t[:, None] & (rows < D)[None, :])
@@ -379,10 +382,11 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
                     DSTATES, DZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, False, UPCAST)
     for a in range(D):
         kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
-        dS_a = tl.load(DSTATES + (here + a * D + rows).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        dS_a = tl.load(DSTATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
+                       mask=in_block, other=0.0)
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
         if HAS_ONES:
-            dz_a = tl.load(DZS + here + a * D + rows, mask=rows < D, other=0.0)
+            dz_a = tl.load(DZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dk += kw[:, None] * dz_a[None, :]
     dk_bh = DK + i_b.to(tl.int64) * skb + i_h * skh  # DK, DV are laid out as K, V
     tl.store(dk_bh + t.to(tl.int64)[:, None] * skt + rows[None, :], 2.0 * dk, mask=in_t[:, None] & (rows < D)[None, :])
@@ -423,13 +427,12 @@ def _bands(head_dim: int) -> list[tuple[int, int, int, int]]:
 
 
 def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
-    """The states of `_chunk_kernel` and `_pass_kernel`: (states [B * H, NC, D * D, P] in v's dtype, their normaliser
-    rows [B * H, NC, D * D] fp32 or None, the last state [B * H, F, P] fp32 packed, its normaliser rows [B * H, F] or
-    None, the dots [B * H, NC, row blocks, P blocks] fp32 or None). init, init_z: packed, or None."""
+    """The states of `_chunk_kernel` and `_pass_kernel`, packed (F = D (D + 1) / 2 rows): (states [B * H, NC, F, P] in
+    v's dtype, their normaliser rows [B * H, NC, F] fp32 or None, the last state [B * H, F, P] fp32, its normaliser
+    rows [B * H, F] or None, the dots [B * H, NC, row blocks, P blocks] fp32 or None). init, init_z: packed, or None."""
     batch, seq_len, heads, head_dim = x.shape
     value_dim = v.shape[-1]
     chunks = seq_len // chunk
-    rows = head_dim * head_dim
     packed = head_dim * (head_dim + 1) // 2
     local = v.new_empty(batch * heads, chunks, value_dim, packed, dtype=v.dtype if SHARES_16BIT else torch.float32)
     local_z = v.new_empty(batch * heads, chunks, packed, dtype=torch.float32) if ones else local
@@ -447,9 +450,9 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
             x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
             *(e.stride()[:3] if e is not None else (0, 0, 0)), H=heads, D=head_dim, CHUNK=chunk, SUB=sub,
             BD=_block(head_dim), HAS_DECAY=g is not None, REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
-    states = v.new_empty(batch * heads, chunks, rows, value_dim)
+    states = v.new_empty(batch * heads, chunks, packed, value_dim)
     final = v.new_empty(batch * heads, packed, value_dim, dtype=torch.float32)
-    zs = v.new_empty(batch * heads, chunks, rows, dtype=torch.float32) if ones else final
+    zs = v.new_empty(batch * heads, chunks, packed, dtype=torch.float32) if ones else final
     final_z = v.new_empty(batch * heads, packed, dtype=torch.float32) if ones else final
     br, bp = min(PASS_ROWS, _block(packed)), min(PASS_COLUMNS, _block(value_dim))
     grid = (batch * heads, triton.cdiv(packed, br), triton.cdiv(value_dim, bp))
@@ -495,14 +498,15 @@ class Power2States(torch.autograd.Function):
             q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
             y.stride(0), y.stride(2), y.stride(1), **{**_meta(heads, head_dim, value_dim, chunk, g, ones, q),
                                                       **_band_meta(head_dim)})
-        ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z))
+        kept = (states, zs) if KEEP_STATES else (None, None)
+        ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z), *kept)
         ctx.opts = scale2, chunk, ones, init is not None
         final = final.view(batch, heads, *final.shape[1:])
         return y, final, None if final_z is None else final_z.view(batch, heads, -1)
 
     @staticmethod
     def backward(ctx, dy, dfinal, dfinal_z):
-        q, k, v, g, init, init_z = ctx.saved_tensors
+        q, k, v, g, init, init_z, states, zs = ctx.saved_tensors
         scale2, chunk, ones, has_init = ctx.opts
         batch, seq_len, heads, head_dim = q.shape
         value_dim = v.shape[-1]
@@ -510,7 +514,8 @@ class Power2States(torch.autograd.Function):
         # a packed row a < b stands for two of the full layout, (a, b) and (b, a)
         a, b = torch.triu_indices(head_dim, head_dim, device=q.device)
         times = (a != b).float() + 1.0
-        states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
+        if states is None:  # the forward's walk again
+            states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
         if dy is None:
             dy = v.new_zeros(batch, heads, seq_len, value_dim + int(ones), dtype=torch.float32)
         elif dy.stride(-1) != 1:  # the kernels read rows of it whose columns are contiguous
