@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
     parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at the first --shape (default 1x65536) under "
                         "each block choice of power2's state kernels (power2_states: CHUNK_FIRSTS, STATE_ROWS, STATE_WARPS, "
-                        "PASS_ROWS, PASS_WARPS, BANDED_WARPS, TOKEN_WARPS, KEEP_STATES) and chunk size")
+                        "PASS_ROWS, PASS_WARPS, BANDED, BANDED_WARPS, TOKEN_WARPS, KEEP_STATES) and chunk size")
     parser.add_argument("--profile", action="store_true", help="instead: the kernels of 2mamba's chunked mixing (forward + "
                         "backward) at the first --shape, by GPU time (torch.profiler), and the chunked form's Python time")
     args = parser.parse_args()
@@ -162,15 +162,14 @@ def sweep(args) -> None:
     batch, seq_len = (int(x) for x in (args.shape or ["1x65536"])[0].split("x"))
     options = MIXERS["2mamba"].resolve_options(None)
     leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
-    names = ("CHUNK_FIRSTS", "STATE_ROWS", "STATE_WARPS", "PASS_ROWS", "PASS_WARPS", "BANDED_WARPS", "TOKEN_WARPS",
-             "KEEP_STATES")
+    names = ("CHUNK_FIRSTS", "STATE_ROWS", "STATE_WARPS", "PASS_ROWS", "PASS_WARPS", "BANDED", "BANDED_WARPS",
+             "TOKEN_WARPS", "KEEP_STATES")
     base = tuple(getattr(power2_states, n) for n in names)
     print(f"2mamba's mixing at {batch}x{seq_len} on power2's state kernels, forward + backward ms, per block choice and "
           "chunk (the first: the committed blocks)")
-    choices = [(base, 512), (base, 1024), (base, 256)] + [
-        (values, 512) for values in [(4, 32, 4, 64, 8, 8, 4, False), (4, 32, 4, 64, 8, 4, 4, True),
-                                     (4, 32, 4, 64, 8, 8, 8, True), (4, 32, 4, 32, 4, 8, 4, True),
-                                     (4, 64, 4, 64, 8, 8, 4, True)]]
+    choices = [(base, 512), (base, 1024)] + [
+        (values, 512) for values in [(4, 32, 4, 64, 8, False, 4, 4, True), (4, 32, 4, 64, 8, True, 4, 4, False),
+                                     (4, 32, 4, 64, 8, True, 8, 4, True), (4, 32, 4, 32, 4, True, 4, 4, True)]]
     for values, size in choices:
         def mix(q, k, v, log_decay, size=size):
             return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5,

@@ -462,15 +462,18 @@ def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernel
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["states kept", "states walked again"])
+@pytest.mark.parametrize("keep, banded", [(True, True), (False, False)],
+                         ids=["states kept, output banded", "states walked again, output on full rows"])
 @pytest.mark.parametrize("head_dim", [24, 64], ids=lambda d: f"heads of {d}")
-def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, power2_on_kernels, monkeypatch):
-    """Heads of 24 and 64: the state's packed rows in two and three bands of second indices (`_bands`) in the chunk,
-    output and dv kernels; the states kept from the forward or walked again in the backward (`KEEP_STATES`); outputs
-    and gradients against the fp32 reference."""
+def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, power2_on_kernels, monkeypatch):
+    """Heads of 24 and 64: the state's packed rows in two and three bands of second indices (`_bands`) in the chunk
+    kernel, and in the output and dv kernels or their full rows read from the packed ones (`BANDED`); the states kept
+    from the forward or walked again in the backward (`KEEP_STATES`); outputs and gradients against the fp32
+    reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
     monkeypatch.setattr(power2_states, "KEEP_STATES", keep)
+    monkeypatch.setattr(power2_states, "BANDED", banded)
     assert len(power2_states._bands(head_dim)) == {24: 2, 64: 3}[head_dim]
     case = ("power2", "sum", True)
     q, k, v, log_decay, mask = case_inputs(case, 1, 40, 1, head_dim, masked=True)

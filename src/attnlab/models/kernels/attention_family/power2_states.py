@@ -1,43 +1,47 @@
-"""power2's state across chunks on Triton kernels that form the features in registers, one first index at a time.
+"""power2's state across chunks on Triton kernels that form the features in registers.
 
-The chunked form (`chunk.py`) carries power2's state between chunks: with phi(x) the d * d features x_a x_b (the
-full layout; the packed one of the decoding step keeps the rows a <= b of the same symmetric state),
+The chunked form (`chunk.py`) carries power2's state between chunks: with phi(x) the d * d features x_a x_b,
 
     S_{n+1} = exp(G_n) S_n + sum_{t in n} exp(G_n - g_t) scale^2 phi(k_t) [v_t, 1]^T          [d * d, Dv (+ 1)]
     y_t     = exp(g_t) phi(q_t) S_n                                                          (t in chunk n)
 
-The rows of S for one first index a are a [d, Dv] block, and phi(x) restricted to them is x_a x: a [tokens, d]
-tile made from x's tile by scaling its rows. So every product with the features is an ordinary matrix product
-of tiles in registers, and nothing of size d * d per token is ever written:
+S is symmetric (S_ab = S_ba), so the kernels keep its F = d (d + 1) / 2 rows a <= b, packed as the decoding step
+packs them (row-major), and so the state handed in and out needs no conversion. The rows of S for one first index a
+form a [d, Dv] block, and phi(x) restricted to them is x_a x: a [tokens, d] tile made from x's tile by scaling its
+rows. So every product with the features is an ordinary product of tiles in registers, and nothing of size d * d
+per token is ever written:
 
-    1. `_chunk_kernel`    one program per (chunk, first index a and block of Dv, batch * head): the chunk's own share
-                          of the rows a of the state, (k * (w k_a))^T v, in fp32: every chunk at once. REVERSE: with
-                          (q, dy) and weights exp(g), the share of the state's gradient.
-       `_pass_kernel`     one program per (batch * head, block of the state) walks the chunks, stores the state when
+    1. `_chunk_kernel`    one program per (chunk, a few first indices a and a block of Dv, batch * head): the chunk's
+                          own share of the packed rows (a, b >= a), v^T (w x_a x_b), the first indices' features side
+                          by side as one operand; b runs over a band of columns from a's band start (`_bands`: at
+                          d = 64 it forms 2816 rows for the 2080 packed). Every chunk at once. REVERSE: with (q, dy)
+                          and weights exp(g), the share of the state's gradient. `_chunk_normaliser_kernel`: the
+                          normaliser's share, x^T (w x), per chunk.
+       `_pass_kernel`     one program per (batch * head, block of packed rows) walks the chunks, stores the state when
                           each chunk starts (in the inputs' dtype: its readers multiply them on it) and moves on,
                           S <- exp(G) S + the chunk's share. REVERSE walks back from the last chunk: the gradient of
-                          the state when each chunk ends, and the gradient of the starting state last.
-    2. `_output_kernel`   per (block of tokens, batch * head): y = sum_a (q * exp(g) q_a) S_a.
-    3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T.
+                          the state when each chunk ends, and the gradient of the starting state last. The forward's
+                          states are kept for the backward (`KEEP_STATES`).
+    2. `_output_kernel`   per (block of tokens, batch * head): y = sum over a <= b of (q_b * exp(g) q_a c_ab) S_ab with
+                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`).
+    3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T over the full rows
+                          S_a (row (a, b) read at packed (min, max)).
     4. `_dkdv_kernel`     per (block of tokens, batch * head), dS the gradient of the chunk's end state:
-                          dk = 2 sum_a (v * w k_a) dS_a^T, dv = sum_a (k * w k_a) dS_a.
+                          dk = 2 sum_a (v * w k_a) dS_a^T on full rows, dv = sum over a <= b as the output's.
 
-The factor 2 and the single sum over a use the state's symmetry (S_ab = S_ba, and so its gradient's): the
-gradient of a final state that arrives unsymmetric (from the packed rows) is symmetrised first. A sum
-denominator's normaliser (the value column of ones) is a vector per a beside the block: z_a = sum (w k_a) k.
-The gradient of the log-decays needs no kernel of its own: y is of degree 2 in q and the chunk's state of degree
-2 in k, so <dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2, and each chunk's total adds
+The gradient of a state is symmetric too; a packed row a < b stands for two entries of the full one, so the final
+state's gradient is halved off the diagonal on the way in and the starting state's doubled on the way out. A sum
+denominator's normaliser (the value column of ones) is a vector of packed rows beside the state. The gradient of the
+log-decays needs no kernel of its own: y is of degree 2 in q and the chunk's state of degree 2 in k, so
+<dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2, and each chunk's total adds
 exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes.
 
-Counted at d = 64: each product is a [tokens, 64] x [64, Dv] tile product for each of the 64 first indices, seven
-passes of them forward and backward (the chunks' shares and the output; the shares again, their gradient's, dq, dk and
-dv): about 3.7 MFLOP per token and head. Memory beyond the inputs: the chunks' shares in fp32 while a walk runs (1 MB per
-head and chunk at Dv = 64) and the states per chunk in 16 bits (512 KB). Measured on an H200 (one layer of 16 heads,
-forward and backward, chunks of 512; benchmarks/NOTES.md): 37.9 ms at 1 x 65536 against 181 for the tiled kernels and 75
-for the features formed in memory; the chunk kernel is 20 of it, at 2.8 times the output kernel's time for the same
-work. Heads up to `MAX_HEAD_DIM` and values up to `MAX_VALUE_DIM` wide (a program holds a [d, Dv] block of the state
-in registers); wider ones run on PyTorch's products in `chunk.py`. Under TRITON_INTERPRET=1 the same kernels run on
-CPU tensors (slowly): the tests use that.
+Memory beyond the inputs: the chunks' shares while a walk runs and the states per chunk, both packed in 16 bits
+(266 KB per head and chunk at d = 64 and Dv = 64). Measured on an H200 (one layer of 16 heads of 64, forward and
+backward, chunks of 512; benchmarks/NOTES.md): 23.3 ms at 1 x 65536 against 180 for the tiled kernels and 75 for
+the features formed in memory. Heads up to `MAX_HEAD_DIM` and values up to `MAX_VALUE_DIM` wide (a program holds
+[d, Dv] blocks of the state in registers); wider ones run on PyTorch's products in `chunk.py`. Under
+TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that.
 """
 
 from __future__ import annotations
@@ -52,15 +56,25 @@ MAX_HEAD_DIM = 64  # d: a program's [d, Dv] block of the state and [tokens, d] t
 MAX_VALUE_DIM = 128
 TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
-BANDED_WARPS = 8  # warps of the token kernels on the state's packed rows (`_banded`: the output's and dv's): compiled for
-# sm_90, their [64 tokens, 64] tiles spill registers on 4 warps and none on 8
-STATE_ROWS = 32  # tokens per step of the chunk kernel's walk through its chunk
+# The output's and dv's products on the state's rows b >= a alone, in bands of second indices (`_banded`), or on its
+# full rows (a, b) for every b, read at their packed rows (min, max). On an H200 (2mamba's mixing forward and
+# backward at 1 x 65536, benchmarks/results/h200-chunk-blocks-power2-packed.txt) the bands on 8 warps took 27.08 ms
+# against 23.33 on 4, though compiled for sm_90 their tiles spill registers on 4 warps and none on 8.
+BANDED = True
+BANDED_WARPS = 4
+# The chunk kernel: tokens per step of its walk through the chunk, warps, first indices per program (a power of two;
+# their features side by side in one product, times the widest band's columns over a band's) and its block of value
+# columns. On an H200 (2mamba's mixing forward and backward at 1 x 65536, full rows, before the bands;
+# benchmarks/results/h200-chunk-blocks-power2-firsts-per-program.txt): 4 first indices in steps of 32 tokens on 4 warps
+# 31.38 ms; in steps of 64 32.12; 2 first indices 35.43, 1 first index 41.98, 8 on 8 warps 33.13.
+STATE_ROWS = 32
 STATE_WARPS = 4
-CHUNK_FIRSTS = 4  # first indices per program of the chunk kernel (a power of two): their features side by side in one product
-CHUNK_COLUMNS = 64  # the chunk kernel's block of value columns
-SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (as the states when chunks start)
+CHUNK_FIRSTS = 4
+CHUNK_COLUMNS = 64
+SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
-# chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again
+# chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
+# 27.08 against 30.24 ms (h200-chunk-blocks-power2-packed.txt, the bands on 8 warps)
 KEEP_STATES = True
 PASS_ROWS, PASS_WARPS = 64, 8  # the pass kernel's block of a state's packed rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
@@ -321,14 +335,29 @@ def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.conste
 def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                   UPCAST: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr):
-    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab, in the
-    bands of `_bands` (`_banded`); with HAS_ONES the normaliser's part goes to column P of Y."""
+                   UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
+                   SPLIT2: tl.constexpr):
+    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab
+    in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the normaliser's part
+    goes to column P of Y."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
-    acc, den = _banded(tl.zeros([BL, BP], dtype=tl.float32), tl.zeros([BL], dtype=tl.float32), q_bh, t, sqt, in_t,
-                       weight, STATES, ZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, HAS_ONES, UPCAST)
+    acc = tl.zeros([BL, BP], dtype=tl.float32)
+    den = tl.zeros([BL], dtype=tl.float32)
+    if BANDED:
+        acc, den = _banded(acc, den, q_bh, t, sqt, in_t, weight, STATES, ZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2,
+                           HAS_ONES, UPCAST)
+    else:
+        DT = STATES.dtype.element_ty
+        for a in range(D):
+            qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
+            phi = q * (qa * weight)[:, None]
+            S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
+                          mask=in_block, other=0.0)
+            acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
+            if HAS_ONES:
+                den += tl.sum(phi * tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)[None, :], axis=1)
     y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
     tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
     if HAS_ONES:
@@ -366,10 +395,11 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
 def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                 UPCAST: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr):
+                 UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
+                 SPLIT2: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
-    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (on the rows b >= a, `_banded`);
-    DK, DV fp32, laid out as K, V."""
+    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (BANDED: on the rows b >= a,
+    `_banded`); DK, DV fp32, laid out as K, V."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
@@ -378,13 +408,17 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
     v = _rows_tile(v_bh, t, svt, cols, P, in_t).to(tl.float32)
     dk = tl.zeros([BL, BD], dtype=tl.float32)
-    dv, _ = _banded(tl.zeros([BL, BP], dtype=tl.float32), tl.zeros([BL], dtype=tl.float32), k_bh, t, skt, in_t, weight,
-                    DSTATES, DZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, False, UPCAST)
+    dv = tl.zeros([BL, BP], dtype=tl.float32)
+    if BANDED:
+        dv, _ = _banded(dv, tl.zeros([BL], dtype=tl.float32), k_bh, t, skt, in_t, weight, DSTATES, DZS, here, D, P, BD,
+                        BP, BANDS, SPLIT1, SPLIT2, False, UPCAST)
     for a in range(D):
         kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
         dS_a = tl.load(DSTATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
                        mask=in_block, other=0.0)
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
+        if not BANDED:
+            dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
             dz_a = tl.load(DZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dk += kw[:, None] * dz_a[None, :]
@@ -475,7 +509,8 @@ def _band_meta(head_dim):
     warps of a kernel that runs them."""
     bands = _bands(head_dim)
     starts = [first for first, _, _, _ in bands[1:]] + [0, 0]
-    return dict(BANDS=len(bands), SPLIT1=starts[0], SPLIT2=starts[1], num_warps=BANDED_WARPS)
+    return dict(BANDED=BANDED, BANDS=len(bands), SPLIT1=starts[0], SPLIT2=starts[1],
+                num_warps=BANDED_WARPS if BANDED else TOKEN_WARPS)
 
 
 class Power2States(torch.autograd.Function):
