@@ -58,8 +58,10 @@ TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
 # The output's and dv's products on the state's rows b >= a alone, in bands of second indices (`_banded`), or on its
 # full rows (a, b) for every b, read at their packed rows (min, max). On an H200 (2mamba's mixing forward and
-# backward at 1 x 65536, benchmarks/results/h200-chunk-blocks-power2-packed.txt) the bands on 8 warps took 27.08 ms
-# against 23.33 on 4, though compiled for sm_90 their tiles spill registers on 4 warps and none on 8.
+# backward at 1 x 65536): the bands 23.89 ms, the full rows 23.28, the bands on 8 warps 27.14
+# (benchmarks/results/h200-chunk-blocks-power2-banded-or-full-rows.txt; the bands 23.33 and on 8 warps 27.08 in an
+# earlier call, h200-chunk-blocks-power2-packed.txt), though compiled for sm_90 their tiles spill registers on 4 warps
+# and none on 8. The bands' 31% fewer products do not show: the whole model was measured with them.
 BANDED = True
 BANDED_WARPS = 4
 # The chunk kernel: tokens per step of its walk through the chunk, warps, first indices per program (a power of two;
@@ -74,7 +76,7 @@ CHUNK_COLUMNS = 64
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
 # chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
-# 27.08 against 30.24 ms (h200-chunk-blocks-power2-packed.txt, the bands on 8 warps)
+# 23.89 against 26.45 ms (h200-chunk-blocks-power2-banded-or-full-rows.txt)
 KEEP_STATES = True
 PASS_ROWS, PASS_WARPS = 64, 8  # the pass kernel's block of a state's packed rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
