@@ -89,12 +89,15 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           The whole 20-layer model at 4 x 4096 (`benchmarks/memory_peak.py`, captured): linear__output_norm tiled
 #           164,171 tokens/s, chunked 185,120; linear_elu 120,147 and 119,555 (its sum denominator's normaliser is a
 #           65th value column, which the kernels run as blocks of 64 and 1). From 8192 tokens both win.
-#   power2  2mamba, its state on `power2_states`' kernels (the features in registers, a first index at a time; chunks of
-#           512), on an H200 (benchmarks/results/h200-chunk-crossover-power2-state-kernels.txt):
+#   power2  2mamba, its packed state on `power2_states`' kernels (the features in registers; chunks of 512), on an H200
+#           (benchmarks/results/h200-chunk-crossover-power2-packed-bands.txt, and for 4x4096 to 1x16384 with the states
+#           kept for the backward, h200-chunk-crossover-power2-kept-states-4-warps.txt):
 #           shape               4x4096  2x8192  1x16384  1x32768  1x65536
-#           2mamba                2.29    1.51     0.80     0.42     0.21
+#           2mamba                1.63    1.02     0.53     0.27     0.13
+#           states kept           1.43    0.97     0.54
 #           (the features formed in memory for cuBLAS, before them: 0.97 at 1 x 32768 and 0.48 at 1 x 65536 on an H100,
-#           benchmarks/results/h100-chunk-power2-in-memory.txt). From 16384 tokens chunked wins.
+#           benchmarks/results/h100-chunk-power2-in-memory.txt). From 16384 tokens chunked wins; at 8192 the two are
+#           even, and the whole model there has not been measured chunked.
 # Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py).
 CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 16384}
 
