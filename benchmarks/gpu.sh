@@ -30,10 +30,18 @@
 # (default 330; what finished is reported), its report into $OUT/recall-report.*, then `attnlab eval --task niah` timed on a
 # random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_DECAY_BIAS=1 runs 2mamba and 2mamba-e
 # with mixer_options.decay_bias beside the suite, RECALL_BIAS_PER_GPU at a time on each GPU (default 3); RECALL_TINY=1 runs the same commands
-# on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone, RECALL_NIAH=0 skips it). Logs go to $OUT (or ./gpu-out) as they are written;
+# on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone, RECALL_NIAH=0 skips it). Results go to $OUT (or ./gpu-out), bundled as each stage ends (below);
 # Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
 set -u -o pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+# Results: with RESULTS_TAR=1 (the default) every stage writes into a folder of its own and, as each stage ends,
+# everything so far is bundled into $OUT/results.tar.gz beside $OUT/summary.txt, so a call stopped at its time limit
+# still returns what finished, in few files (tar xzf results.tar.gz); RESULTS_TAR=0 writes into $OUT directly.
+RESULTS=${OUT:-gpu-out}; mkdir -p "$RESULTS"
+if [ "${RESULTS_TAR:-1}" = 1 ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu-out.XXXXXX"); else OUT=$RESULTS; fi
+bundle() { [ "$OUT" = "$RESULTS" ] && return 0
+  cp "$OUT/summary.txt" "$RESULTS/summary.txt" 2>/dev/null
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt -printf '%P\0' | tar czf "$RESULTS/results.tar.gz.part" --null -T -) \
+    && mv "$RESULTS/results.tar.gz.part" "$RESULTS/results.tar.gz"; }
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
 mkdir -p "$TRITON_CACHE_DIR"
 # A machine without network: the Python packages it lacks (fla, attnlab's own dependencies) as wheels in .whl/
@@ -55,7 +63,8 @@ def version(name):
 print("versions:", ", ".join(f"{n} {version(n)}" for n in ("torch", "triton", "transformers", "peft", "accelerate", "flash-linear-attention")))
 PY
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
-  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"; }
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  bundle; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
   tests) run tests "${TESTS_LIMIT:-570}" python -m pytest -v -p no:cacheprovider --tb=short -rfs --durations=15 -m cuda -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests}
@@ -259,13 +268,8 @@ find "$TRITON_CACHE_DIR" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.
 # Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*) come back with the graphs it compiles again on
 # another machine: not returned either, so that the cache stays small enough to carry beside the wheels
 for d in "$TRITON_CACHE_DIR"/*/; do ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && rm -rf "$d"; done
-tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/tcache.tar.xz.part-"
-echo "triton cache returned: $(cat "$OUT"/tcache.tar.xz.part-* | wc -c) bytes compressed"
-# Everything else (JSON, PNG, logs, run directories) in one archive beside summary.txt, when there are more files than
-# a caller may collect one by one (RESULTS_TAR=0 leaves them loose): tar xzf results.tar.gz
-if [ "${RESULTS_TAR:-1}" = 1 ]; then
-  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name 'tcache.tar.xz.part-*' ! -name results.tar.gz -printf '%P\0' \
-    | tar czf results.tar.gz --null -T - --remove-files)
-fi
-ls -la "$OUT"
+tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$RESULTS/tcache.tar.xz.part-"
+echo "triton cache returned: $(cat "$RESULTS"/tcache.tar.xz.part-* | wc -c) bytes compressed"
+bundle
+ls -la "$RESULTS"
 cat "$OUT/summary.txt"
