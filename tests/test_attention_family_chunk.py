@@ -486,7 +486,7 @@ def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, 
 @pytest.mark.parametrize("value_dim", [24, 80], ids=["values narrower than a block", "values in two blocks"])
 def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, power2_on_kernels,
                                                                       monkeypatch):
-    """Chunks of 128 (the chunk kernel's walk in steps of 64 tokens, the token kernels in blocks of 64), values wider
+    """Chunks of 128 (the chunk kernel's walk in several steps, the token kernels in blocks of 64), values wider
     and narrower than the heads and not a power of two, the chunk kernel's first indices one or four a program
     (`CHUNK_FIRSTS`), in blocks of 64 value columns (`CHUNK_COLUMNS`): outputs,
     normaliser and gradients against the reference."""

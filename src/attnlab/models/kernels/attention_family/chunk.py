@@ -28,7 +28,7 @@ are summed in fp32 and rounded to the inputs' dtype only as the operands of prod
 do. Every product with power2's features runs on cuBLAS from the features formed in memory, once per use
 (`_features_kernel`), and the gradients of q and k through phi read the features' gradient once
 (`_features_backward_kernel`). On CUDA power2's state runs instead on the kernels of `power2_states.py`, which form the
-features in registers a first index at a time and write none (`power2_on_kernels`, below); the products here serve
+features in registers and write none (`power2_on_kernels`, below); the products here serve
 heads and values wider than those kernels take. Off CUDA (and
 for power1, whose features are k itself) PyTorch computes the same. The reference is
 `attnlab.models.ops.attention_family.parallel_attention`.

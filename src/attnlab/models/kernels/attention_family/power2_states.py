@@ -107,18 +107,6 @@ def _packed_row(a, b, D: tl.constexpr):
 
 
 @triton.jit
-def _packed_pair(rows, D: tl.constexpr):
-    """(a, b) of packed rows (those past the last taken as the last): a the root of a * D - a * (a - 1) / 2 = the
-    row's first, corrected for rounding."""
-    rows = tl.minimum(rows, D * (D + 1) // 2 - 1)
-    n = 2.0 * D + 1.0
-    a = ((n - tl.sqrt(n * n - 8.0 * rows.to(tl.float32))) * 0.5).to(tl.int32)
-    a = tl.where(_packed_row(a, a, D) > rows, a - 1, a)
-    a = tl.where(_packed_row(a + 1, a + 1, D) <= rows, a + 1, a)
-    return a, rows - _packed_row(a, a, D) + a
-
-
-@triton.jit
 def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr):
     """The chunk kernel's weights of the tokens at positions pos of chunk c, zero outside the sequence: forward
@@ -198,15 +186,15 @@ def _chunk_normaliser_kernel(X, E, G, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, seb
 
 
 @triton.jit
-def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, DOTS, NC,
+def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, TIMES, DOTS, NC,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BR: tl.constexpr,
                  BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
                  REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
     """One (batch * head, block of BR packed state rows, block of P) through every chunk: STATES[bh, n] <- S, the state
     when chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL, transposed). REVERSE: from the last chunk
     back, STATES[bh, n] <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS,
-    DOTS[bh, n, rows block, block of P] <- exp(G_n) <dS, S_n> over the block's rows counted as in the full layout
-    (PREV: the forward's states). The last S goes to FINAL (fp32). All packed."""
+    DOTS[bh, n, rows block, block of P] <- exp(G_n) <dS, S_n> over the block's rows, each counted TIMES times as in the
+    full layout (PREV: the forward's states). The last S goes to FINAL (fp32). All packed."""
     i_bh, i_r, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
     F: tl.constexpr = D * (D + 1) // 2
@@ -238,8 +226,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
         g_first, g_last = _log_decays(G, i_b, i_h, c, j, NC, H, CHUNK, j < 0, HAS_DECAY)
         decay = tl.exp(g_last)
         if WANT_DOTS:
-            a, b = _packed_pair(rows, D)
-            times = tl.where(a == b, 1.0, 2.0)  # how often the row appears in the full layout
+            times = tl.load(TIMES + rows, mask=in_rows, other=0.0)
             prev = tl.load(PREV + packed * P + block, mask=in_block, other=0.0).to(tl.float32)
             dot = tl.sum(tl.sum(S * prev, axis=1) * times, axis=0)
             if HAS_ONES:
@@ -316,7 +303,9 @@ def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.conste
             BD: tl.constexpr, BP: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr,
             HAS_ONES: tl.constexpr, UPCAST: tl.constexpr):
     """`_band_products` over the bands of `_bands`: first indices [0, SPLIT1) on BD columns, [SPLIT1, SPLIT2) on BD / 2,
-    [SPLIT2, D) on BD / 4 (BANDS of them; the last ends at D)."""
+    [SPLIT2, D) on BD / 4 (BANDS of them; the last ends at D). Each band loads its own columns of X: the kernels' own
+    load of the whole tile is then unused and left out by the compiler (reusing it for the first band spilled more
+    registers, compiled for sm_90)."""
     END0: tl.constexpr = D if BANDS == 1 else SPLIT1
     x = _rows_tile(x_bh, t, sxt, tl.arange(0, BD), D, in_t).to(tl.float32)
     acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, 0, END0, BD, D, P, BP,
@@ -462,10 +451,12 @@ def _bands(head_dim: int) -> list[tuple[int, int, int, int]]:
     return bands
 
 
-def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None):
+def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None, times=None):
     """The states of `_chunk_kernel` and `_pass_kernel`, packed (F = D (D + 1) / 2 rows): (states [B * H, NC, F, P] in
     v's dtype, their normaliser rows [B * H, NC, F] fp32 or None, the last state [B * H, F, P] fp32, its normaliser
-    rows [B * H, F] or None, the dots [B * H, NC, row blocks, P blocks] fp32 or None). init, init_z: packed, or None."""
+    rows [B * H, F] or None, the dots [B * H, NC, row blocks, P blocks] fp32 or None). init, init_z: packed, or None;
+    prev, prev_z: the forward's states, with `times` [F] (how often each packed row stands in the full layout) for the
+    dots."""
     batch, seq_len, heads, head_dim = x.shape
     value_dim = v.shape[-1]
     chunks = seq_len // chunk
@@ -495,24 +486,24 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     dots = v.new_empty(batch * heads, chunks, grid[1], grid[2], dtype=torch.float32) if prev is not None else final
     _pass_kernel[grid](
         local, local_z, g_arg, init if init is not None else final, init_z if init_z is not None else final, states, zs,
-        final, final_z, prev if prev is not None else final, prev_z if prev_z is not None else final, dots, chunks,
+        final, final_z, prev if prev is not None else final, prev_z if prev_z is not None else final,
+        times if times is not None else final, dots, chunks,
         H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BR=br, BP=bp, HAS_DECAY=g is not None, HAS_INIT=init is not None,
         HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, num_warps=PASS_WARPS)
     return states, zs if ones else None, final, final_z if ones else None, dots if prev is not None else None
 
 
-def _meta(heads, head_dim, value_dim, chunk, g, ones, x):
-    return dict(H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BL=_rows(chunk, TOKEN_ROWS), BD=_block(head_dim),
+def _meta(heads, head_dim, value_dim, chunk, g, ones, x, banded=False):
+    """The token kernels' constants; `banded` (the output and dk/dv kernels): `BANDED` and the bands of `_bands` as
+    `_banded` takes them (how many, and where the second and third start)."""
+    meta = dict(H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BL=_rows(chunk, TOKEN_ROWS), BD=_block(head_dim),
                 BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
-
-
-def _band_meta(head_dim):
-    """The bands of `_bands` as `_banded` takes them (how many, and where the second and third start), and the
-    warps of a kernel that runs them."""
-    bands = _bands(head_dim)
-    starts = [first for first, _, _, _ in bands[1:]] + [0, 0]
-    return dict(BANDED=BANDED, BANDS=len(bands), SPLIT1=starts[0], SPLIT2=starts[1],
-                num_warps=BANDED_WARPS if BANDED else TOKEN_WARPS)
+    if banded:
+        starts = [first for first, _, _, _ in _bands(head_dim)[1:]] + [0, 0]
+        meta.update(BANDED=BANDED, BANDS=len(_bands(head_dim)), SPLIT1=starts[0], SPLIT2=starts[1])
+        if BANDED:
+            meta["num_warps"] = BANDED_WARPS
+    return meta
 
 
 class Power2States(torch.autograd.Function):
@@ -533,8 +524,7 @@ class Power2States(torch.autograd.Function):
         y = v.new_empty(batch, heads, seq_len, width, dtype=torch.float32)
         _output_kernel[(seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)](
             q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
-            y.stride(0), y.stride(2), y.stride(1), **{**_meta(heads, head_dim, value_dim, chunk, g, ones, q),
-                                                      **_band_meta(head_dim)})
+            y.stride(0), y.stride(2), y.stride(1), **_meta(heads, head_dim, value_dim, chunk, g, ones, q, banded=True))
         kept = (states, zs) if KEEP_STATES else (None, None)
         ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z), *kept)
         ctx.opts = scale2, chunk, ones, init is not None
@@ -568,7 +558,8 @@ class Power2States(torch.autograd.Function):
         # dy laid out [B, H, T, *]: the walk reads it through strides as [B, T, H, *]
         as_bthp = lambda t: None if t is None else t.transpose(1, 2)  # noqa: E731
         dstates, dzs, d_start, d_start_z, dots = _walk(
-            q, as_bthp(dy_values), as_bthp(dden), g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs)
+            q, as_bthp(dy_values), as_bthp(dden), g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs,
+            times=times)
         meta = _meta(heads, head_dim, value_dim, chunk, g, ones, q)
         grid = (seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -578,7 +569,8 @@ class Power2States(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len, chunks,
-                           scale2, *k.stride()[:3], *v.stride()[:3], **{**meta, **_band_meta(head_dim)})
+                           scale2, *k.stride()[:3], *v.stride()[:3],
+                           **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
         del dstates, dzs
         dg = None
         if g is not None:
