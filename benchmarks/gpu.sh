@@ -19,7 +19,8 @@
 # prefill (a prompt's prefill through the engine against its length, 1K to 64K, PREFILL_ARCHS: issue 36's linear-time prefill),
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
 # tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768;
-# MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds), chunk-blocks (power2's state kernels under several block choices and chunk sizes, 2mamba's mixing at BLOCKS_SHAPE, default 1x65536),
+# MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds;
+# MEMORY_ARGS adds options, e.g. the paper's medium model: "--hidden 1536 --layers 27 --heads 24 --intermediate 3072"), chunk-blocks (power2's state kernels under several block choices and chunk sizes, 2mamba's mixing at BLOCKS_SHAPE, default 1x65536),
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), ddp-ctas (benchmarks/ddp_capture.py on
 # DDP_GPUS GPUs, default 2: the captured DDP step of 2mamba-e and GLA with NCCL's collectives capped at each of DDP_CTAS CTAs in turn,
 # default "2 4 8 16", beside NCCL's own choice; NCCL's INIT log, the channels each communicator got, in $OUT/ddp-ctas-nccl.*), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
@@ -85,11 +86,11 @@ for stage in "$@"; do case $stage in
     python benchmarks/long_context_targets.py "$OUT"/zoo-long-*.json | tee -a "$OUT/summary.txt" ;;
   chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ${CROSSOVER_ARGS:-} ;;
   memory) if [ "${MEMORY_SEPARATE:-0}" = 1 ] && [ -n "${MEMORY_MODELS:-}" ]; then  # each model in a process of its own
-      run memory "${MEMORY_LIMIT:-300}" bash -c 'for m in $1; do python benchmarks/memory_peak.py --model "$m" --shape "$2"; done' _ \
-        "$MEMORY_MODELS" "${MEMORY_SHAPE:-1x32768}"
+      run memory "${MEMORY_LIMIT:-300}" bash -c 'for m in $1; do python benchmarks/memory_peak.py --model "$m" --shape "$2" "${@:3}"; done' _ \
+        "$MEMORY_MODELS" "${MEMORY_SHAPE:-1x32768}" ${MEMORY_ARGS:-}
     else
       run memory "${MEMORY_LIMIT:-300}" python benchmarks/memory_peak.py \
-        ${MEMORY_MODELS:+$(printf -- '--model %s ' $MEMORY_MODELS)} --shape "${MEMORY_SHAPE:-1x32768}"
+        ${MEMORY_MODELS:+$(printf -- '--model %s ' $MEMORY_MODELS)} --shape "${MEMORY_SHAPE:-1x32768}" ${MEMORY_ARGS:-}
     fi ;;
   chunk-profile) run chunk-profile "${PROFILE_LIMIT:-120}" python benchmarks/attention_family_chunk.py --profile --shape "${PROFILE_SHAPE:-1x65536}" ;;
   prefill) run prefill "${PREFILL_LIMIT:-240}" python benchmarks/prefill_scaling.py \

@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--intermediate", type=int, default=None, help="the MLP's width (default: fla's for --hidden)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
@@ -102,7 +103,7 @@ def main() -> None:
         kernels.ROTARY_KERNEL = "torch-rotary" not in variants
         torch.manual_seed(0)
         release(device)
-        model = build(name, args.hidden, args.layers, args.heads, args.vocab).cuda().train()
+        model = build(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate).cuda().train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         x = torch.randint(0, args.vocab, (batch, seq_len), device="cuda")
         step = captured = oom = None
