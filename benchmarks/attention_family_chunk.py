@@ -75,8 +75,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
     parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at the first --shape (default 1x65536) under "
-                        "each block choice of power2's state kernels (power2_states: CHUNK_FIRSTS, STATE_ROWS, STATE_WARPS, "
-                        "PASS_ROWS, PASS_WARPS, BANDED, BANDED_WARPS, TOKEN_WARPS, KEEP_STATES) and chunk size")
+                        "each block choice of power2's state kernels in SWEEP (power2_states' CHUNK_TILE_ROWS, TOKEN_TILES, "
+                        "BANDED, KEEP_STATES, warps) and chunk size")
     parser.add_argument("--profile", action="store_true", help="instead: the kernels of 2mamba's chunked mixing (forward + "
                         "backward) at the first --shape, by GPU time (torch.profiler), and the chunked form's Python time")
     args = parser.parse_args()
@@ -162,26 +162,36 @@ def sweep(args) -> None:
     batch, seq_len = (int(x) for x in (args.shape or ["1x65536"])[0].split("x"))
     options = MIXERS["2mamba"].resolve_options(None)
     leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
-    names = ("CHUNK_FIRSTS", "STATE_ROWS", "STATE_WARPS", "PASS_ROWS", "PASS_WARPS", "BANDED", "BANDED_WARPS",
-             "TOKEN_WARPS", "KEEP_STATES")
-    base = tuple(getattr(power2_states, n) for n in names)
     print(f"2mamba's mixing at {batch}x{seq_len} on power2's state kernels, forward + backward ms, per block choice and "
-          "chunk (the first: the committed blocks)")
-    choices = [(base, 512), (base, 1024)] + [
-        (values, 512) for values in [(4, 32, 4, 64, 8, False, 4, 4, True), (4, 32, 4, 64, 8, True, 4, 4, False),
-                                     (4, 32, 4, 64, 8, True, 8, 4, True), (4, 32, 4, 32, 4, True, 4, 4, True)]]
-    for values, size in choices:
+          "chunk (the first: the committed blocks; the others change what they name)")
+    choices = [({}, 512), ({}, 1024)] + [(change, 512) for change in SWEEP]
+    for change, size in choices:
         def mix(q, k, v, log_decay, size=size):
             return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5,
                                                 denominator="sum", intra_terms=tiled_terms, out_dtype=v.dtype,
                                                 chunk_size=size)[0]
 
         with contextlib.ExitStack() as stack:
-            for n, val in zip(names, values):
-                stack.enter_context(mock.patch.object(power2_states, n, val))
+            for name, value in change.items():
+                stack.enter_context(mock.patch.object(power2_states, name, value))
             ms, gib = timed(mix, leaves, args.repeats)
         cell = f"{ms:8.2f} ms {gib:5.2f} GiB" if ms is not None else f"fails ({gib})"
-        print(f"{cell}  chunk {size}, " + ", ".join(f"{n} {val}" for n, val in zip(names, values)), flush=True)
+        print(f"{cell}  chunk {size}" + "".join(f", {n} {v}" for n, v in change.items()), flush=True)
+
+
+# power2_states' block choices that `--sweep` times beside the committed ones
+SWEEP = [
+    {"TOKEN_TILES": False},  # the output and dv in bands (BANDED)
+    {"TOKEN_TILES": False, "BANDED": False},  # on full rows
+    {"TILES_WARPS": 4},
+    {"CHUNK_TILE_ROWS": 0},  # the chunk kernel in bands, CHUNK_FIRSTS first indices a program
+    {"CHUNK_TILE_ROWS": 64},
+    {"CHUNK_TILE_ROWS": 256},
+    {"CHUNK_TILE_ROWS": 256, "STATE_WARPS": 8},
+    {"CHUNK_TILE_ROWS": 0, "TOKEN_TILES": False},  # before the tiles
+    {"KEEP_STATES": False},
+]
+
 
 if __name__ == "__main__":
     main()
