@@ -75,8 +75,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiled-up-to", type=int, default=65536, help="time the tiled kernels up to this T only")
     parser.add_argument("--sweep", action="store_true", help="instead: 2mamba at the first --shape (default 1x65536) under "
-                        "each block choice of power2's state kernels in SWEEP (power2_states' CHUNK_TILE_ROWS, TOKEN_TILES, "
-                        "BANDED, KEEP_STATES, warps) and chunk size")
+                        "each block choice of power2's state kernels in SWEEP (power2_states' BANDED, KEEP_STATES, CHUNK_FIRSTS, "
+                        "blocks and warps) and chunk size")
     parser.add_argument("--profile", action="store_true", help="instead: the kernels of 2mamba's chunked mixing (forward + "
                         "backward) at the first --shape, by GPU time (torch.profiler), and the chunked form's Python time")
     args = parser.parse_args()
@@ -181,15 +181,11 @@ def sweep(args) -> None:
 
 # power2_states' block choices that `--sweep` times beside the committed ones
 SWEEP = [
-    {"TOKEN_TILES": False},  # the output and dv in bands (BANDED)
-    {"TOKEN_TILES": False, "BANDED": False},  # on full rows
-    {"TILES_WARPS": 4},
-    {"CHUNK_TILE_ROWS": 0},  # the chunk kernel in bands, CHUNK_FIRSTS first indices a program
-    {"CHUNK_TILE_ROWS": 64},
-    {"CHUNK_TILE_ROWS": 256},
-    {"CHUNK_TILE_ROWS": 256, "STATE_WARPS": 8},
-    {"CHUNK_TILE_ROWS": 0, "TOKEN_TILES": False},  # before the tiles
-    {"KEEP_STATES": False},
+    {"BANDED": False},  # the output and dv on full rows
+    {"BANDED": False, "TOKEN_WARPS": 8},
+    {"KEEP_STATES": False},  # the backward walks the forward's states again
+    {"CHUNK_FIRSTS": 2},
+    {"PASS_ROWS": 32, "PASS_WARPS": 4},
 ]
 
 

@@ -462,22 +462,18 @@ def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernel
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("keep, chunk_rows, products", [(True, 128, "tiles"), (False, 0, "bands"), (True, 64, "rows")],
-                         ids=["states kept, tiles of 128 rows, output on tiles",
-                              "states walked again, bands, output banded", "tiles of 64 rows, output on full rows"])
+@pytest.mark.parametrize("keep, banded", [(True, True), (False, False)],
+                         ids=["states kept, output banded", "states walked again, output on full rows"])
 @pytest.mark.parametrize("head_dim", [24, 64], ids=lambda d: f"heads of {d}")
-def test_power2_state_kernels_take_wider_heads_in_tiles_and_bands(head_dim, keep, chunk_rows, products,
-                                                                   power2_on_kernels, monkeypatch):
-    """Heads of 24 and 64: the chunk kernel on tiles of packed rows (`CHUNK_TILE_ROWS`) or in two and three bands of
-    second indices (`_bands`); the output and dv kernels on tiles of packed rows (`TOKEN_TILES`), in the bands
-    (`BANDED`) or on full rows read from the packed ones; the states kept from the forward or walked again in the
-    backward (`KEEP_STATES`); outputs and gradients against the fp32 reference."""
+def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, power2_on_kernels, monkeypatch):
+    """Heads of 24 and 64: the state's packed rows in two and three bands of second indices (`_bands`) in the chunk
+    kernel, and in the output and dv kernels or their full rows read from the packed ones (`BANDED`); the states kept
+    from the forward or walked again in the backward (`KEEP_STATES`); outputs and gradients against the fp32
+    reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
     monkeypatch.setattr(power2_states, "KEEP_STATES", keep)
-    monkeypatch.setattr(power2_states, "CHUNK_TILE_ROWS", chunk_rows)
-    monkeypatch.setattr(power2_states, "TOKEN_TILES", products == "tiles")
-    monkeypatch.setattr(power2_states, "BANDED", products == "bands")
+    monkeypatch.setattr(power2_states, "BANDED", banded)
     assert len(power2_states._bands(head_dim)) == {24: 2, 64: 3}[head_dim]
     case = ("power2", "sum", True)
     q, k, v, log_decay, mask = case_inputs(case, 1, 40, 1, head_dim, masked=True)
@@ -486,19 +482,17 @@ def test_power2_state_kernels_take_wider_heads_in_tiles_and_bands(head_dim, keep
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("firsts, chunk_rows", [(1, 0), (4, 0), (4, 128)],
-                         ids=["bands, one first index a program", "bands, four", "tiles of 128 rows"])
+@pytest.mark.parametrize("firsts", [1, 4], ids=["one first index a program", "four"])
 @pytest.mark.parametrize("value_dim", [24, 80], ids=["values narrower than a block", "values in two blocks"])
-def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, chunk_rows,
-                                                                      power2_on_kernels, monkeypatch):
+def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, power2_on_kernels,
+                                                                      monkeypatch):
     """Chunks of 128 (the chunk kernel's walk in several steps, the token kernels in blocks of 64), values wider
-    and narrower than the heads and not a power of two, the chunk kernel on tiles of packed rows or in bands with
-    its first indices one or four a program (`CHUNK_FIRSTS`), in blocks of 64 value columns (`CHUNK_COLUMNS`):
-    outputs, normaliser and gradients against the reference."""
+    and narrower than the heads and not a power of two, the chunk kernel's first indices one or four a program
+    (`CHUNK_FIRSTS`), in blocks of 64 value columns (`CHUNK_COLUMNS`): outputs,
+    normaliser and gradients against the reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
     monkeypatch.setattr(power2_states, "CHUNK_FIRSTS", firsts)
-    monkeypatch.setattr(power2_states, "CHUNK_TILE_ROWS", chunk_rows)
     g = torch.Generator().manual_seed(3)
     q, k = (torch.randn(1, 300, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 300, 2, value_dim, generator=g)

@@ -64,11 +64,6 @@ TOKEN_WARPS = 4
 # and none on 8. The bands' 31% fewer products do not show: the whole model was measured with them.
 BANDED = True
 BANDED_WARPS = 4
-# The output's and dv's products on the packed rows themselves, in tiles of 64 consecutive rows (`_tile_products`: the
-# features of each row gathered from the token's row of q or k), ahead of BANDED: 2112 rows at d = 64 against 2816 in
-# bands and 4096 full.
-TOKEN_TILES = True
-TILES_WARPS = 8  # compiled for sm_90 on 4 warps, the tiles' output and dkdv kernels spill registers (488, 376 bytes)
 # The chunk kernel: tokens per step of its walk through the chunk, warps, first indices per program (a power of two;
 # their features side by side in one product, times the widest band's columns over a band's) and its block of value
 # columns. On an H200 (2mamba's mixing forward and backward at 1 x 65536, full rows, before the bands;
@@ -78,9 +73,6 @@ STATE_ROWS = 32
 STATE_WARPS = 4
 CHUNK_FIRSTS = 4
 CHUNK_COLUMNS = 64
-# The chunk kernel on tiles of CHUNK_TILE_ROWS consecutive packed rows (`_chunk_tiles_kernel`: the features gathered per
-# row), or 0: on the bands of first indices above (`_chunk_kernel`).
-CHUNK_TILE_ROWS = 128
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
 # chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
@@ -165,42 +157,6 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
     here = (i_bh.to(tl.int64) * NC + c) * F
     tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * F + _packed_row(a, b, D)[None, :], S.to(LOCAL.dtype.element_ty),
              mask=(cols < P)[:, None] & ((a < A_END) & (b >= a) & (b < D))[None, :])
-
-
-@triton.jit
-def _chunk_tiles_kernel(X, V, G, FIRST, SECOND, LOCAL, T, NC, scale2, sxb, sxt, sxh, svb, svt, svh,
-                        H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                        ROWS: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr,
-                        UPCAST: tl.constexpr):
-    """`_chunk_kernel` on ROWS consecutive packed rows r (a tile of them) and a block of P: the features of row r,
-    x_a x_b with (a, b) = (FIRST[r], SECOND[r]), gathered from X's rows, side by side as one [tokens, ROWS] operand.
-    Every row formed is a packed one (at d = 64, 2176 formed for the 2080 in tiles of 128, against 2816 in bands)."""
-    c, i_rp, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NP: tl.constexpr = (P + BP - 1) // BP
-    F: tl.constexpr = D * (D + 1) // 2
-    i_r, i_p = i_rp // NP, i_rp % NP
-    i_b, i_h = i_bh // H, i_bh % H
-    x_bh = X + i_b.to(tl.int64) * sxb + i_h * sxh
-    v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
-    cols = i_p * BP + tl.arange(0, BP)
-    rows = i_r * ROWS + tl.arange(0, ROWS)
-    in_rows = rows < F
-    a = tl.load(FIRST + rows, mask=in_rows, other=0)
-    b = tl.load(SECOND + rows, mask=in_rows, other=0)
-    j = tl.arange(0, SUB)
-    S = tl.zeros([BP, ROWS], dtype=tl.float32)
-    for sub in range(CHUNK // SUB):
-        t = c * CHUNK + sub * SUB + j
-        in_t = t < T
-        w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
-        x_t = x_bh + t.to(tl.int64)[:, None] * sxt
-        x_a = tl.load(x_t + a[None, :], mask=in_t[:, None], other=0.0).to(tl.float32) * w[:, None]
-        x_b = tl.load(x_t + b[None, :], mask=in_t[:, None], other=0.0).to(tl.float32)
-        vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
-        S += _dot(tl.trans(vt), (x_a * x_b).to(vt.dtype), vt.dtype == tl.float32, UPCAST)
-    here = (i_bh.to(tl.int64) * NC + c) * F
-    tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * F + rows[None, :], S.to(LOCAL.dtype.element_ty),
-             mask=(cols < P)[:, None] & in_rows[None, :])
 
 
 @triton.jit
@@ -328,6 +284,7 @@ def _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, A0
     cols = tl.arange(0, BP)
     in_tile = (seconds < D)[:, None] & (cols < P)[None, :]
     DT = STATES.dtype.element_ty
+    dens = tl.zeros(x.shape, dtype=tl.float32)  # den's terms, summed over the columns after the loop
     for a in range(A0, A1):
         xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32) * weight
         times = tl.where(seconds > a, 2.0, tl.where(seconds == a, 1.0, 0.0))
@@ -338,35 +295,9 @@ def _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, A0
         acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
             z_a = tl.load(ZS + here + _packed_row(a, seconds, D), mask=(seconds < D) & upper, other=0.0)
-            den += tl.sum(phi * z_a[None, :], axis=1)
-    return acc, den
-
-
-@triton.jit
-def _tile_products(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, FIRST, SECOND, here, D: tl.constexpr,
-                   P: tl.constexpr, BP: tl.constexpr, HAS_ONES: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += sum over the packed rows r = (a, b), a <= b, of (x_a x_b * weight * c_ab) S_r, in tiles of 64 consecutive
-    rows, c_ab 2 above the diagonal and 1 on it: the symmetric state's products on its packed rows alone, each tile
-    one [tokens, 64] x [64, BP] product with its features gathered from X's rows (FIRST[r], SECOND[r]: a and b).
-    den likewise with the normaliser rows ZS."""
-    F: tl.constexpr = D * (D + 1) // 2
-    cols = tl.arange(0, BP)
-    x_t = x_bh + t.to(tl.int64)[:, None] * sxt
-    DT = STATES.dtype.element_ty
-    for first in range(0, F, 64):
-        rows = first + tl.arange(0, 64)
-        in_rows = rows < F
-        a = tl.load(FIRST + rows, mask=in_rows, other=0)
-        b = tl.load(SECOND + rows, mask=in_rows, other=0)
-        times = tl.where(in_rows, tl.where(a < b, 2.0, 1.0), 0.0)
-        x_a = tl.load(x_t + a[None, :], mask=in_t[:, None], other=0.0).to(tl.float32) * weight[:, None]
-        x_b = tl.load(x_t + b[None, :], mask=in_t[:, None], other=0.0).to(tl.float32) * times[None, :]
-        phi = x_a * x_b
-        S_r = tl.load(STATES + (here + rows).to(tl.int64)[:, None] * P + cols[None, :],
-                      mask=in_rows[:, None] & (cols < P)[None, :], other=0.0)
-        acc += _dot(phi.to(DT), S_r, DT == tl.float32, UPCAST)
-        if HAS_ONES:
-            den += tl.sum(phi * tl.load(ZS + here + rows, mask=in_rows, other=0.0)[None, :], axis=1)
+            dens += phi * z_a[None, :]
+    if HAS_ONES:
+        den += tl.sum(dens, axis=1)
     return acc, den
 
 
@@ -395,13 +326,12 @@ def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.conste
 
 
 @triton.jit
-def _output_kernel(Q, G, STATES, ZS, FIRST, SECOND, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
+def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                   UPCAST: tl.constexpr, TILES: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr,
-                   SPLIT1: tl.constexpr, SPLIT2: tl.constexpr):
-    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: TILES, on the packed rows in tiles (`_tile_products`);
-    BANDED, sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab
+                   UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
+                   SPLIT2: tl.constexpr):
+    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab
     in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the normaliser's part
     goes to column P of Y."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
@@ -409,10 +339,8 @@ def _output_kernel(Q, G, STATES, ZS, FIRST, SECOND, Y, T, NC, sqb, sqt, sqh, syb
     weight = tl.where(in_t, tl.exp(g), 0.0)
     acc = tl.zeros([BL, BP], dtype=tl.float32)
     den = tl.zeros([BL], dtype=tl.float32)
-    if TILES:
-        acc, den = _tile_products(acc, den, q_bh, t, sqt, in_t, weight, STATES, ZS, FIRST, SECOND, here, D, P, BP,
-                                  HAS_ONES, UPCAST)
-    elif BANDED:
+    dens = tl.zeros([BL, BD], dtype=tl.float32)  # on full rows: den's terms, summed over the columns after the loop
+    if BANDED:
         acc, den = _banded(acc, den, q_bh, t, sqt, in_t, weight, STATES, ZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2,
                            HAS_ONES, UPCAST)
     else:
@@ -424,7 +352,9 @@ def _output_kernel(Q, G, STATES, ZS, FIRST, SECOND, Y, T, NC, sqb, sqt, sqh, syb
                           mask=in_block, other=0.0)
             acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
             if HAS_ONES:
-                den += tl.sum(phi * tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)[None, :], axis=1)
+                dens += phi * tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)[None, :]
+        if HAS_ONES:
+            den = tl.sum(dens, axis=1)
     y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
     tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
     if HAS_ONES:
@@ -459,14 +389,14 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
 
 
 @triton.jit
-def _dkdv_kernel(K, V, G, DSTATES, DZS, FIRST, SECOND, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
+def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-                 UPCAST: tl.constexpr, TILES: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr,
-                 SPLIT1: tl.constexpr, SPLIT2: tl.constexpr):
+                 UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
+                 SPLIT2: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
-    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (TILES: on the packed rows,
-    `_tile_products`; BANDED: on the rows b >= a, `_banded`); DK, DV fp32, laid out as K, V."""
+    dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (BANDED: on the rows b >= a,
+    `_banded`); DK, DV fp32, laid out as K, V."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
@@ -476,10 +406,7 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, FIRST, SECOND, DK, DV, T, NC, scale2, sk
     v = _rows_tile(v_bh, t, svt, cols, P, in_t).to(tl.float32)
     dk = tl.zeros([BL, BD], dtype=tl.float32)
     dv = tl.zeros([BL, BP], dtype=tl.float32)
-    if TILES:
-        dv, _ = _tile_products(dv, tl.zeros([BL], dtype=tl.float32), k_bh, t, skt, in_t, weight, DSTATES, DZS, FIRST,
-                               SECOND, here, D, P, BP, False, UPCAST)
-    elif BANDED:
+    if BANDED:
         dv, _ = _banded(dv, tl.zeros([BL], dtype=tl.float32), k_bh, t, skt, in_t, weight, DSTATES, DZS, here, D, P, BD,
                         BP, BANDS, SPLIT1, SPLIT2, False, UPCAST)
     for a in range(D):
@@ -487,7 +414,7 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, FIRST, SECOND, DK, DV, T, NC, scale2, sk
         dS_a = tl.load(DSTATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
                        mask=in_block, other=0.0)
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
-        if not (TILES or BANDED):
+        if not BANDED:
             dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
         if HAS_ONES:
             dz_a = tl.load(DZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
@@ -530,18 +457,6 @@ def _bands(head_dim: int) -> list[tuple[int, int, int, int]]:
     return bands
 
 
-_PAIRS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _pairs(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, b) of each packed row in order, int32 [F] each: the tables the tiled kernels gather features by."""
-    key = (head_dim, device)
-    if key not in _PAIRS:
-        a, b = torch.triu_indices(head_dim, head_dim, device=device).to(torch.int32)
-        _PAIRS[key] = (a.contiguous(), b.contiguous())
-    return _PAIRS[key]
-
-
 def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, prev_z=None, times=None):
     """The states of `_chunk_kernel` and `_pass_kernel`, packed (F = D (D + 1) / 2 rows): (states [B * H, NC, F, P] in
     v's dtype, their normaliser rows [B * H, NC, F] fp32 or None, the last state [B * H, F, P] fp32, its normaliser
@@ -557,13 +472,7 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     bp = min(_block(value_dim), CHUNK_COLUMNS)
     g_arg = g if g is not None else local
     sub = _rows(chunk, STATE_ROWS)
-    if CHUNK_TILE_ROWS:
-        rows = min(CHUNK_TILE_ROWS, _block(packed))
-        _chunk_tiles_kernel[(chunks, triton.cdiv(packed, rows) * triton.cdiv(value_dim, bp), batch * heads)](
-            x, v, g_arg, *_pairs(head_dim, x.device), local, seq_len, chunks, scale2, *x.stride()[:3], *v.stride()[:3],
-            H=heads, D=head_dim, P=value_dim, CHUNK=chunk, SUB=sub, ROWS=rows, BP=bp, HAS_DECAY=g is not None,
-            REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
-    for first, end, second, width in _bands(head_dim) if not CHUNK_TILE_ROWS else ():
+    for first, end, second, width in _bands(head_dim):
         firsts = min(CHUNK_FIRSTS * _block(head_dim) // width, triton.next_power_of_2(end - first))
         _chunk_kernel[(chunks, triton.cdiv(end - first, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
             x, v, g_arg, local, seq_len, chunks, first, end, second, scale2, *x.stride()[:3], *v.stride()[:3], H=heads,
@@ -597,10 +506,8 @@ def _meta(heads, head_dim, value_dim, chunk, g, ones, x, banded=False):
                 BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
     if banded:
         starts = [first for first, _, _, _ in _bands(head_dim)[1:]] + [0, 0]
-        meta.update(TILES=TOKEN_TILES, BANDED=BANDED, BANDS=len(_bands(head_dim)), SPLIT1=starts[0], SPLIT2=starts[1])
-        if TOKEN_TILES:
-            meta["num_warps"] = TILES_WARPS
-        elif BANDED:
+        meta.update(BANDED=BANDED, BANDS=len(_bands(head_dim)), SPLIT1=starts[0], SPLIT2=starts[1])
+        if BANDED:
             meta["num_warps"] = BANDED_WARPS
     return meta
 
@@ -622,7 +529,7 @@ class Power2States(torch.autograd.Function):
         states, zs, final, final_z, _ = _walk(k, v, None, g, flat(init), flat(init_z), chunk, scale2, False, ones)
         y = v.new_empty(batch, heads, seq_len, width, dtype=torch.float32)
         _output_kernel[(seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)](
-            q, g if g is not None else y, states, zs if ones else states, *_pairs(head_dim, q.device), y, seq_len, seq_len // chunk, *q.stride()[:3],
+            q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
             y.stride(0), y.stride(2), y.stride(1), **_meta(heads, head_dim, value_dim, chunk, g, ones, q, banded=True))
         kept = (states, zs) if KEEP_STATES else (None, None)
         ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z), *kept)
@@ -667,8 +574,7 @@ class Power2States(torch.autograd.Function):
         del states, zs
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, *_pairs(head_dim, k.device),
-                           dk, dv, seq_len, chunks,
+        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len, chunks,
                            scale2, *k.stride()[:3], *v.stride()[:3],
                            **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
         del dstates, dzs
