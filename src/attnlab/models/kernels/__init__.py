@@ -96,10 +96,11 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           2mamba                1.63    1.02     0.53     0.27     0.13
 #           states kept           1.43    0.97     0.54
 #           (the features formed in memory for cuBLAS, before them: 0.97 at 1 x 32768 and 0.48 at 1 x 65536 on an H100,
-#           benchmarks/results/h100-chunk-power2-in-memory.txt). From 16384 tokens chunked wins; at 8192 the two are
-#           even, and the whole model there has not been measured chunked.
+#           benchmarks/results/h100-chunk-power2-in-memory.txt). From 8192 tokens chunked wins: the paper's medium model
+#           (hidden 1536, 27 layers, 24 heads) at 2 x 8192 trained at 42,949 tokens/s chunked against 41,499 tiled (H200,
+#           `memory_peak.py`, benchmarks/results/h200-memory-medium-2x8192-tiled-chunked-llama.txt).
 # Both pass the CUDA tests against the fp32 reference (tests/test_attention_family_chunk.py).
-CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 16384}
+CHUNKED_MIN_TOKENS: dict[str, int] = {"power1": 8192, "power2": 8192}
 
 
 def attention_family_chunked(choice: str, x: torch.Tensor, seq_len: int, similarity: str, prompt: bool = False):

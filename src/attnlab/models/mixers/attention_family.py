@@ -14,7 +14,7 @@ of the study are presets (see `attention_presets.py`). A layer computes, per hea
 The parallel form is the quadratic one (training, prefill); a linearizable variant (power1 or power2
 without a clamp) also has a chunked, linear-time form (`kernels/attention_family/chunk.py`: the quadratic
 form inside chunks, a fixed-size state across them), which `kernels.attention_family_chunked` chooses on
-CUDA from the lengths `kernels.CHUNKED_MIN_TOKENS` names (power1 from 8192 tokens, power2 from 16384: see there why).
+CUDA from the lengths `kernels.CHUNKED_MIN_TOKENS` names (power1 and power2 from 8192 tokens: see there why).
 Decoding keeps, per layer, a recurrent state of fixed size where the variant is linearizable and a KV
 cache otherwise; the input convolution keeps its last inputs.
 """
