@@ -323,14 +323,16 @@ def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.conste
 
 
 @triton.jit
-def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
+def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt, sqh, snb, snt, snh, sdb, sdt, sdh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                    UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
                    SPLIT2: tl.constexpr):
-    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab
-    in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the normaliser's part
-    goes to column P of Y."""
+    """num = the chunk's own part NUM + exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of
+    (q_b * exp(g) q_a * c_ab) S_ab in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a, to
+    NUM_OUT; with HAS_ONES the normaliser's part plus DEN to DEN_OUT. NUM and NUM_OUT [B, T, H, P] fp32, both at the
+    strides snb, snt, snh; DEN and DEN_OUT [B, T, H] fp32 at sdb, sdt, sdh. The chunk's own part is read at the end
+    (read first, its tile kept through the products spilled registers, compiled for sm_90)."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
@@ -349,18 +351,21 @@ def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
             acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
             if HAS_ONES:
                 den += tl.sum(phi * tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)[None, :], axis=1)
-    y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
-    tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
+    here_n = i_b.to(tl.int64) * snb + i_h * snh + t.to(tl.int64)[:, None] * snt + cols[None, :]
+    in_n = in_t[:, None] & (cols < P)[None, :]
+    tl.store(NUM_OUT + here_n, acc + tl.load(NUM + here_n, mask=in_n, other=0.0), mask=in_n)
     if HAS_ONES:
-        tl.store(y_bh + P, den[:, None], mask=in_t[:, None])
+        here_d = i_b.to(tl.int64) * sdb + i_h * sdh + t.to(tl.int64) * sdt
+        tl.store(DEN_OUT + here_d, den + tl.load(DEN + here_d, mask=in_t, other=0.0), mask=in_t)
 
 
 @triton.jit
-def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
+def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh, seb, set_, seh,
                H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                UPCAST: tl.constexpr):
-    """dq = 2 exp(g) sum_a q_a S_a dy for a block of tokens (S symmetric); DQ fp32, laid out as Q."""
+    """dq = 2 exp(g) sum_a q_a S_a [dy, dden] for a block of tokens (S symmetric), dy [B, T, H, P] and the
+    normaliser's gradient dden [B, T, H] (HAS_ONES) at their strides; DQ fp32, laid out as Q."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
@@ -368,7 +373,8 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
     dy_bh = DY + i_b.to(tl.int64) * syb + i_h * syh
     dy = _rows_tile(dy_bh, t, syt, cols, P, in_t).to(tl.float32) * weight[:, None]
     if HAS_ONES:
-        dden = tl.load(dy_bh + t.to(tl.int64) * syt + P, mask=in_t, other=0.0).to(tl.float32) * weight
+        dden_bh = DDEN + i_b.to(tl.int64) * seb + i_h * seh
+        dden = tl.load(dden_bh + t.to(tl.int64) * set_, mask=in_t, other=0.0).to(tl.float32) * weight
     dq = tl.zeros([BL, BD], dtype=tl.float32)
     for a in range(D):
         qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
@@ -507,32 +513,42 @@ def _meta(heads, head_dim, value_dim, chunk, g, ones, x, banded=False):
 
 
 class Power2States(torch.autograd.Function):
-    """The chunks' share of power2's output, exp(g_t) phi(q_t) S_n, and the state after the last chunk, on the kernels
-    above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple of it; the caller pads),
-    last dims contiguous; g [B, T / chunk, H, chunk] fp32 (log-decays summed from each chunk's start) or None;
-    init [B, H, F, Dv] and init_z [B, H, F] fp32 (packed: the F = d (d + 1) / 2 rows a <= b) or None; ones: the
-    normaliser's column.
-    Returns (y [B, H, T, width] fp32: columns :Dv the values' part, column Dv the normaliser's with `ones`, the rest
-    unset; the final state [B, H, F, Dv] fp32, packed; its normaliser rows [B, H, F] fp32 or None)."""
+    """power2's output before the division, the chunks' own part plus exp(g_t) phi(q_t) S_n, and the state after the
+    last chunk, on the kernels above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple
+    of it; the caller pads), last dims contiguous; g [B, T / chunk, H, chunk] fp32 (log-decays summed from each
+    chunk's start) or None; init [B, H, F, Dv] and init_z [B, H, F] fp32 (packed: the F = d (d + 1) / 2 rows a <= b)
+    or None; num [B, T, H, Dv] and (with `ones`) den [B, T, H] fp32: the chunks' own (quadratic) parts, token-major
+    (the layout of the tiled kernels' output, `parallel.attention_terms`); ones: the normaliser's column.
+    Returns (num [B, T, H, Dv] fp32 and, with `ones`, den [B, T, H] fp32 (else None), both contiguous and summed with
+    the states' parts; the final state [B, H, F, Dv] fp32, packed; its normaliser rows [B, H, F] fp32 or None). The
+    chunks' own parts get the gradients of num and den unchanged."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, init, init_z, scale2, chunk, ones, width):
+    def forward(ctx, q, k, v, g, init, init_z, num, den, scale2, chunk, ones):
         batch, seq_len, heads, head_dim = q.shape
         value_dim = v.shape[-1]
         flat = lambda t: None if t is None else t.reshape(batch * heads, *t.shape[2:]).contiguous()  # noqa: E731
         states, zs, final, final_z, _ = _walk(k, v, None, g, flat(init), flat(init_z), chunk, scale2, False, ones)
-        y = v.new_empty(batch, heads, seq_len, width, dtype=torch.float32)
+        num = num.contiguous()  # the kernel reads it at num_out's strides (the tiled kernels' output already is)
+        num_out = torch.empty(batch, seq_len, heads, value_dim, dtype=torch.float32, device=q.device)
+        den_out = None
+        if ones:
+            den = den.contiguous()
+            den_out = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q.device)
         _output_kernel[(seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)](
-            q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
-            y.stride(0), y.stride(2), y.stride(1), **_meta(heads, head_dim, value_dim, chunk, g, ones, q, banded=True))
+            q, g if g is not None else num_out, states, zs if ones else states, num, den if ones else num_out, num_out,
+            den_out if ones else num_out, seq_len, seq_len // chunk, *q.stride()[:3], *num_out.stride()[:3],
+            *(den_out.stride() if ones else (0, 0, 0)),
+            **_meta(heads, head_dim, value_dim, chunk, g, ones, q, banded=True))
         kept = (states, zs) if KEEP_STATES else (None, None)
         ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z), *kept)
         ctx.opts = scale2, chunk, ones, init is not None
+        ctx.set_materialize_grads(False)  # the backward takes None for an output that did not reach the loss
         final = final.view(batch, heads, *final.shape[1:])
-        return y, final, None if final_z is None else final_z.view(batch, heads, -1)
+        return num_out, den_out, final, None if final_z is None else final_z.view(batch, heads, -1)
 
     @staticmethod
-    def backward(ctx, dy, dfinal, dfinal_z):
+    def backward(ctx, dnum, dden, dfinal, dfinal_z):
         q, k, v, g, init, init_z, states, zs = ctx.saved_tensors
         scale2, chunk, ones, has_init = ctx.opts
         batch, seq_len, heads, head_dim = q.shape
@@ -543,33 +559,32 @@ class Power2States(torch.autograd.Function):
         times = (a != b).float() + 1.0
         if states is None:  # the forward's walk again
             states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
-        if dy is None:
-            dy = v.new_zeros(batch, heads, seq_len, value_dim + int(ones), dtype=torch.float32)
-        elif dy.stride(-1) != 1:  # the kernels read rows of it whose columns are contiguous
-            dy = dy.contiguous()
-        dy_values = dy[..., :value_dim].to(v.dtype)  # the products' operand, as the forward's v
-        dden = dy[..., value_dim] if ones else None
+        if dnum is None:
+            dnum = v.new_zeros(batch, seq_len, heads, value_dim, dtype=torch.float32)
+        elif dnum.stride(-1) != 1:  # the kernels read rows of it whose columns are contiguous
+            dnum = dnum.contiguous()
+        if ones and dden is None:
+            dden = v.new_zeros(batch, seq_len, heads, dtype=torch.float32)
         d_init = None
         if dfinal is not None:  # the gradient of the full, symmetric state, packed
             d_init = (dfinal.float() / times[:, None]).reshape(batch * heads, -1, value_dim)
         d_init_z = None
         if ones and dfinal_z is not None:
             d_init_z = (dfinal_z.float() / times).reshape(batch * heads, -1)
-        # dy laid out [B, H, T, *]: the walk reads it through strides as [B, T, H, *]
-        as_bthp = lambda t: None if t is None else t.transpose(1, 2)  # noqa: E731
+        # dnum [B, T, H, Dv] in v's dtype: the products' operand, as the forward's v; dden [B, T, H] at its strides
         dstates, dzs, d_start, d_start_z, dots = _walk(
-            q, as_bthp(dy_values), as_bthp(dden), g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs,
-            times=times)
+            q, dnum.to(v.dtype), dden, g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs, times=times)
         meta = _meta(heads, head_dim, value_dim, chunk, g, ones, q)
         grid = (seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _dq_kernel[grid](q, g if g is not None else dq, dy, states, zs if ones else states, dq, seq_len, chunks,
-                         *q.stride()[:3], dy.stride(0), dy.stride(2), dy.stride(1), **meta)
+        _dq_kernel[grid](q, g if g is not None else dq, dnum, dden if ones else dnum, states, zs if ones else states,
+                         dq, seq_len, chunks, *q.stride()[:3], *dnum.stride()[:3],
+                         *(dden.stride() if ones else (0, 0, 0)), **meta)
         del states, zs
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len, chunks,
-                           scale2, *k.stride()[:3], *v.stride()[:3],
+        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len,
+                           chunks, scale2, *k.stride()[:3], *v.stride()[:3],
                            **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
         del dstates, dzs
         dg = None
@@ -583,4 +598,5 @@ class Power2States(torch.autograd.Function):
             dg[..., -1] += totals
         d_init = (d_start * times[:, None]).view(batch, heads, -1, value_dim) if has_init else None
         d_init_z = (d_start_z * times).view(batch, heads, -1) if has_init and ones else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, d_init, d_init_z, None, None, None, None
+        # the chunks' own parts were added: their gradients are num's and den's
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, d_init, d_init_z, dnum, dden if ones else None, None, None, None
