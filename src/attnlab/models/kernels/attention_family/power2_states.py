@@ -360,12 +360,13 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
 
 
 @triton.jit
-def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh, seb, set_, seh,
+def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, syt, syh, seb, set_, seh,
                H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                UPCAST: tl.constexpr):
     """dq = 2 exp(g) sum_a q_a S_a [dy, dden] for a block of tokens (S symmetric), dy [B, T, H, P] and the
-    normaliser's gradient dden [B, T, H] (HAS_ONES) at their strides; DQ fp32, laid out as Q."""
+    normaliser's gradient dden [B, T, H] (HAS_ONES) at their strides; DQ in its own dtype, laid out as Q; with
+    HAS_DECAY, QDQ [B, T, H] fp32 (contiguous) <- q . dq, from dq before its rounding."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
@@ -384,19 +385,27 @@ def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, s
         if HAS_ONES:
             z_a = tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dq += (dden * qa)[:, None] * z_a[None, :]
+    dq = 2.0 * dq
+    in_q = in_t[:, None] & (rows < D)[None, :]
     dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
-    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], 2.0 * dq, mask=in_t[:, None] & (rows < D)[None, :])
+    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], dq.to(DQ.dtype.element_ty), mask=in_q)
+    if HAS_DECAY:  # q read again, at addresses from the block's first token: the start's tile or its addresses kept
+        # through the loop would hold registers
+        here_q = i_b.to(tl.int64) * sqb + i_h * sqh + tl.program_id(0).to(tl.int64) * BL * sqt
+        q = tl.load(Q + here_q + tl.arange(0, BL)[:, None] * sqt + rows[None, :], mask=in_q, other=0.0).to(tl.float32)
+        tl.store(QDQ + (i_b.to(tl.int64) * T + t) * H + i_h, tl.sum(q * dq, axis=1), mask=in_t)
 
 
 @triton.jit
-def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
+def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, skh, svb, svt, svh,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                  UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
                  SPLIT2: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
     dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (BANDED: on the rows b >= a,
-    `_banded`); DK, DV fp32, laid out as K, V."""
+    `_banded`); DK, DV in their own dtypes, laid out as K, V; with HAS_DECAY, KDK [B, T, H] fp32 (contiguous)
+    <- k . dk, from dk before its rounding."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
@@ -419,10 +428,20 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
         if HAS_ONES:
             dz_a = tl.load(DZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dk += kw[:, None] * dz_a[None, :]
-    dk_bh = DK + i_b.to(tl.int64) * skb + i_h * skh  # DK, DV are laid out as K, V
-    tl.store(dk_bh + t.to(tl.int64)[:, None] * skt + rows[None, :], 2.0 * dk, mask=in_t[:, None] & (rows < D)[None, :])
-    dv_bh = DV + i_b.to(tl.int64) * svb + i_h * svh
-    tl.store(dv_bh + t.to(tl.int64)[:, None] * svt + cols[None, :], dv, mask=in_t[:, None] & (cols < P)[None, :])
+    # addresses from the block's first token: those of the start's loads kept through the loops (as they are with the
+    # same expression) would hold registers; k read again for k . dk for the same reason
+    first = tl.program_id(0).to(tl.int64) * BL
+    j = tl.arange(0, BL)
+    dv_at = DV + i_b.to(tl.int64) * svb + i_h * svh + first * svt + j[:, None] * svt + cols[None, :]
+    tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=in_t[:, None] & (cols < P)[None, :])
+    dk = 2.0 * dk
+    in_k = in_t[:, None] & (rows < D)[None, :]
+    if HAS_DECAY:
+        k = tl.load(K + i_b.to(tl.int64) * skb + i_h * skh + first * skt + j[:, None] * skt + rows[None, :], mask=in_k,
+                    other=0.0).to(tl.float32)
+        tl.store(KDK + (i_b.to(tl.int64) * T + t) * H + i_h, tl.sum(k * dk, axis=1), mask=in_t)
+    dk_at = DK + i_b.to(tl.int64) * skb + i_h * skh + first * skt + j[:, None] * skt + rows[None, :]
+    tl.store(dk_at, dk.to(DK.dtype.element_ty), mask=in_k)
 
 
 def _block(n: int) -> int:
@@ -576,22 +595,25 @@ class Power2States(torch.autograd.Function):
             q, dnum.to(v.dtype), dden, g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs, times=times)
         meta = _meta(heads, head_dim, value_dim, chunk, g, ones, q)
         grid = (seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # q . dq and k . dk per token ([B, T, H] fp32) for the log-decays' gradient
+        qdq = q.new_empty(batch, seq_len, heads, dtype=torch.float32) if g is not None else dq
         _dq_kernel[grid](q, g if g is not None else dq, dnum, dden if ones else dnum, states, zs if ones else states,
-                         dq, seq_len, chunks, *q.stride()[:3], *dnum.stride()[:3],
+                         dq, qdq, seq_len, chunks, *q.stride()[:3], *dnum.stride()[:3],
                          *(dden.stride() if ones else (0, 0, 0)), **meta)
         del states, zs
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len,
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        kdk = k.new_empty(batch, seq_len, heads, dtype=torch.float32) if g is not None else dk
+        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, kdk, seq_len,
                            chunks, scale2, *k.stride()[:3], *v.stride()[:3],
                            **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
         del dstates, dzs
         dg = None
         if g is not None:
             # <dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2 (degree 2 in q and in k)
-            qdq = (q.float() * dq).sum(-1).view(batch, chunks, chunk, heads).transpose(2, 3)
-            kdk = (k.float() * dk).sum(-1).view(batch, chunks, chunk, heads).transpose(2, 3)  # [B, NC, H, C]
+            qdq = qdq.view(batch, chunks, chunk, heads).transpose(2, 3)
+            kdk = kdk.view(batch, chunks, chunk, heads).transpose(2, 3)  # [B, NC, H, C]
             dg = (qdq - kdk) * 0.5
             # each chunk's total G also scales the state it starts from and weights all its keys
             totals = dots.sum((-1, -2)).view(batch, heads, chunks).transpose(1, 2) + kdk.sum(-1) * 0.5
@@ -599,4 +621,4 @@ class Power2States(torch.autograd.Function):
         d_init = (d_start * times[:, None]).view(batch, heads, -1, value_dim) if has_init else None
         d_init_z = (d_start_z * times).view(batch, heads, -1) if has_init and ones else None
         # the chunks' own parts were added: their gradients are num's and den's
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, d_init, d_init_z, dnum, dden if ones else None, None, None, None
+        return dq, dk, dv, dg, d_init, d_init_z, dnum, dden if ones else None, None, None, None
