@@ -23,18 +23,23 @@ per token is ever written:
                           the state when each chunk ends, and the gradient of the starting state last. The forward's
                           states are kept for the backward (`KEEP_STATES`).
     2. `_output_kernel`   per (block of tokens, batch * head): y = sum over a <= b of (q_b * exp(g) q_a c_ab) S_ab with
-                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`).
+                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`), added to the chunk's own
+                          (quadratic) part read from the caller's num (and the normaliser's to its den): the sums are
+                          written token-major, num [B, T, H, Dv] and den [B, T, H] fp32, as the division reads them.
     3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T over the full rows
-                          S_a (row (a, b) read at packed (min, max)).
+                          S_a (row (a, b) read at packed (min, max)), dy and the normaliser's gradient read as given;
+                          dq written in q's dtype, and q . dq per token in fp32.
     4. `_dkdv_kernel`     per (block of tokens, batch * head), dS the gradient of the chunk's end state:
-                          dk = 2 sum_a (v * w k_a) dS_a^T on full rows, dv = sum over a <= b as the output's.
+                          dk = 2 sum_a (v * w k_a) dS_a^T on full rows, dv = sum over a <= b as the output's; dk, dv
+                          in k's and v's dtypes, and k . dk per token in fp32.
 
 The gradient of a state is symmetric too; a packed row a < b stands for two entries of the full one, so the final
 state's gradient is halved off the diagonal on the way in and the starting state's doubled on the way out. A sum
 denominator's normaliser (the value column of ones) is a vector of packed rows beside the state. The gradient of the
 log-decays needs no kernel of its own: y is of degree 2 in q and the chunk's state of degree 2 in k, so
-<dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2, and each chunk's total adds
-exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes.
+<dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2 (the dq and dk kernels write those dots, from
+dq and dk in fp32), and each chunk's total adds exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes. The
+chunk's own part passes through the sum unchanged, and so does its gradient.
 
 Memory beyond the inputs: the chunks' shares while a walk runs and the states per chunk, both packed in 16 bits
 (266 KB per head and chunk at d = 64 and Dv = 64). Measured on an H200 (one layer of 16 heads of 64, forward and
