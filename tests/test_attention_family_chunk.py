@@ -527,6 +527,40 @@ def test_power2_state_kernels_continue_a_cache_and_differentiate_it(case, packed
     assert power2_on_kernels and set(power2_on_kernels) == {16}
 
 
+@pytest.mark.parametrize("case", [("power2", "sum", True), ("power2", "none", False)], ids=str)
+def test_power2_state_kernels_differentiate_the_state_handed_on_alone(case, power2_on_kernels):
+    """A loss on the state and normaliser handed on alone, the outputs unused (the kernels' sums get no gradient,
+    autograd's None): the gradients of k, v, the log-decays and the earlier state as the reference prefill gives
+    them, and none (zeros) for q; two rows of 21 tokens in chunks of 16."""
+    similarity, denominator, _ = case
+    q, k, v, log_decay, _ = case_inputs(case, 2, 21, 2, 8)
+    g = torch.Generator().manual_seed(5)
+    state = torch.randn(2, 2, 36, 8, generator=g)
+    normalizer = torch.rand(2, 2, 36, generator=g) if denominator == "sum" else None
+    weights = [torch.randn(2, 2, 36, 8, generator=g), torch.randn(2, 2, 36, generator=g)]
+    kwargs = dict(similarity=similarity, scale=8**-0.5, denominator=denominator, packed=True)
+    inputs = [t for t in (q, k, v, log_decay, state, normalizer) if t is not None]
+    names = [n for n, t in zip("q k v log_decay state normalizer".split(), (q, k, v, log_decay, state, normalizer))
+             if t is not None]
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        _, s, z = fn(dict(zip(names, leaves)))
+        loss = (s * weights[0]).sum() + (0 if z is None else (z * weights[1]).sum())
+        got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, got)]
+
+    before = torch.full((2,), 5)
+    ref = grads(lambda t: chunk_linear_attention(t["q"], t["k"], t["v"], t.get("log_decay"), t["state"],
+                                                 t.get("normalizer"), before, chunk_size=21, **kwargs))
+    got = grads(lambda t: chunk_attention(t["q"], t["k"], t["v"], t.get("log_decay"), state=t["state"],
+                                          normalizer=t.get("normalizer"), count_before=before, chunk_size=16, **kwargs))
+    assert power2_on_kernels == [16]
+    for name, fast, slow in zip(names, got, ref):
+        assert rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
+    assert not got[0].any()
+
+
 @pytest.mark.parametrize("case", [("power2", "sum", True)], ids=str)
 def test_power2_state_kernels_in_bf16_and_causal(case, power2_on_kernels):
     """bf16 under autocast within bf16's tolerance of the fp32 reference, and the outputs through t unchanged by

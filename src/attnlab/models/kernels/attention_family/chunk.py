@@ -545,33 +545,39 @@ def chunk_attention(
         denominator="sum" if want_sum else "none", query_log_decay=g_rows, key_log_decay=g_rows,
         key_mask=None if key_mask is None else key_mask.reshape(batch * chunks, chunk),
     )
-    num = num.view(batch, chunks, heads, chunk, value_dim)
 
     # across chunks: the state, with the normaliser as one more value column
     width = value_dim + 1 if want_sum else value_dim
     width = -(-width // VALUE_ALIGN) * VALUE_ALIGN
     start = _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, v.device)
     if similarity == "power2" and power2_on_kernels(q, value_dim, chunk):
-        y, end = _power2_states(q, k, v, g, start, float(scale), chunk, width, want_sum)
+        # the kernels add the state's part to the chunks' own: num [B, padded, H, Dv], den [B, padded, H]
+        num, den, new_state, new_normalizer = _power2_states(q, k, v, g, start, num, den, float(scale), chunk, want_sum)
+        if padded != seq_len:  # (a slice, even of all of it, costs a zero-fill and a copy in the backward)
+            num, den = num[:, :seq_len], None if den is None else den[:, :seq_len]
+        num = num.transpose(1, 2)  # [B, H, T, Dv]
+        den = None if den is None else den[..., None].transpose(1, 2)  # [B, H, T, 1]
     else:
         view5 = lambda t: t.view(batch, chunks, chunk, heads, t.shape[-1])  # noqa: E731
         y, end = _ChunkStates.apply(view5(q), view5(k), view5(v), g, start, similarity, float(scale), group_chunks, width,
                                     want_sum)
         y = y.transpose(1, 2)  # [B, L, H, C, Dv']
-    num = num + y[..., :value_dim]  # [B, L, H, C, Dv]
-    num = num.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, value_dim)[:, :seq_len].transpose(1, 2)  # [B, H, T, Dv]
-    if want_sum:
-        den = den.view(batch, chunks, heads, chunk, 1) + y[..., value_dim:value_dim + 1]
-        den = den.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, 1)[:, :seq_len].transpose(1, 2)  # [B, H, T, 1]
-    elif denominator in ("count", "count_power"):
+        num = num.view(batch, chunks, heads, chunk, value_dim) + y[..., :value_dim]  # [B, L, H, C, Dv]
+        # [B, H, T, Dv]
+        num = num.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, value_dim)[:, :seq_len].transpose(1, 2)
+        if want_sum:
+            den = den.view(batch, chunks, heads, chunk, 1) + y[..., value_dim:value_dim + 1]
+            # [B, H, T, 1]
+            den = den.permute(0, 1, 3, 2, 4).reshape(batch, padded, heads, 1)[:, :seq_len].transpose(1, 2)
+        new_state = end[..., :value_dim].contiguous()  # the decoding step reads them as contiguous buffers
+        new_normalizer = end[..., value_dim].contiguous() if want_sum else None
+    if denominator in ("count", "count_power"):
         counts = _counts(key_mask, batch, seq_len, count_before, q.device)  # [B, T]
         den = counts[:, None, :, None].expand(batch, heads, seq_len, 1)
-    else:
+    elif not want_sum:
         den = None
     o = finish_output(num, den, denominator, count_power, getattr(intra_terms, "divide", None), out_dtype)
 
-    new_state = end[..., :value_dim].contiguous()  # the decoding step reads them as contiguous buffers
-    new_normalizer = end[..., value_dim].contiguous() if want_sum else None
     if similarity == "power2" and not packed:
         new_state = unpack_power2_state(new_state, head_dim)
         new_normalizer = None if new_normalizer is None else unpack_power2_state(new_normalizer, head_dim, dim=-1)
@@ -597,9 +603,11 @@ def power2_on_kernels(q: torch.Tensor, value_dim: int, chunk: int) -> bool:
     return True
 
 
-def _power2_states(q, k, v, g, start, scale, chunk, width, want_sum):
-    """`_ChunkStates` for power2 on `Power2States`: (y [B, L, H, C, width] fp32, the end state [B, H, F, width]
-    packed, fp32). start: the packed state and normaliser before these tokens, [B, H, F, width] fp32, or None."""
+def _power2_states(q, k, v, g, start, num, den, scale, chunk, want_sum):
+    """`_ChunkStates` and the sum with the chunks' own parts for power2 on `Power2States`: (num [B, padded, H, Dv] and,
+    with `want_sum`, den [B, padded, H] fp32 (else None), token-major; the end state [B, H, F, Dv] and its normaliser
+    [B, H, F] (or None), packed, fp32). start: the packed state and normaliser before these tokens, [B, H, F, width]
+    fp32, or None; num [B * L, H, C, Dv] and den [B * L, H, C, 1] (or None): `intra_terms`' results."""
     batch, padded, heads, head_dim = q.shape
     value_dim = v.shape[-1]
     init = init_z = None
@@ -607,15 +615,12 @@ def _power2_states(q, k, v, g, start, scale, chunk, width, want_sum):
         init = start[..., :value_dim]
         if want_sum:
             init_z = start[..., value_dim]
-    y, final, final_z = power2_states.Power2States.apply(q, k, v, g, init, init_z, scale * scale, chunk, want_sum, width)
-    parts = [final]
+    # token t = c C + j of the chunks' rows: the tiled kernels' output is token-major already (no copy)
+    num = num.transpose(1, 2).reshape(batch, padded, heads, value_dim)
     if want_sum:
-        parts.append(final_z[..., None])
-    used = value_dim + int(want_sum)
-    if width > used:
-        parts.append(final.new_zeros(*final.shape[:2], parts[0].shape[2], width - used))
-    end = torch.cat(parts, dim=-1)
-    return y.view(batch, heads, padded // chunk, chunk, width).transpose(1, 2), end
+        den = den[..., 0].transpose(1, 2).reshape(batch, padded, heads)
+    return power2_states.Power2States.apply(q, k, v, g, init, init_z, num, den if want_sum else None, scale * scale,
+                                            chunk, want_sum)
 
 
 # ---------------------------------------------------------------- power1 on the SSD kernels

@@ -23,18 +23,23 @@ per token is ever written:
                           the state when each chunk ends, and the gradient of the starting state last. The forward's
                           states are kept for the backward (`KEEP_STATES`).
     2. `_output_kernel`   per (block of tokens, batch * head): y = sum over a <= b of (q_b * exp(g) q_a c_ab) S_ab with
-                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`).
+                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`), added to the chunk's own
+                          (quadratic) part read from the caller's num (and the normaliser's to its den): the sums are
+                          written token-major, num [B, T, H, Dv] and den [B, T, H] fp32, as the division reads them.
     3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T over the full rows
-                          S_a (row (a, b) read at packed (min, max)).
+                          S_a (row (a, b) read at packed (min, max)), dy and the normaliser's gradient read as given;
+                          dq written in q's dtype, and q . dq per token in fp32.
     4. `_dkdv_kernel`     per (block of tokens, batch * head), dS the gradient of the chunk's end state:
-                          dk = 2 sum_a (v * w k_a) dS_a^T on full rows, dv = sum over a <= b as the output's.
+                          dk = 2 sum_a (v * w k_a) dS_a^T on full rows, dv = sum over a <= b as the output's; dk, dv
+                          in k's and v's dtypes, and k . dk per token in fp32.
 
 The gradient of a state is symmetric too; a packed row a < b stands for two entries of the full one, so the final
 state's gradient is halved off the diagonal on the way in and the starting state's doubled on the way out. A sum
 denominator's normaliser (the value column of ones) is a vector of packed rows beside the state. The gradient of the
 log-decays needs no kernel of its own: y is of degree 2 in q and the chunk's state of degree 2 in k, so
-<dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2, and each chunk's total adds
-exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes.
+<dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2 (the dq and dk kernels write those dots, from
+dq and dk in fp32), and each chunk's total adds exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes. The
+chunk's own part passes through the sum unchanged, and so does its gradient.
 
 Memory beyond the inputs: the chunks' shares while a walk runs and the states per chunk, both packed in 16 bits
 (266 KB per head and chunk at d = 64 and Dv = 64). Measured on an H200 (one layer of 16 heads of 64, forward and
@@ -326,14 +331,16 @@ def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.conste
 
 
 @triton.jit
-def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
+def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt, sqh, snb, snt, snh, sdb, sdt, sdh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                    UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
                    SPLIT2: tl.constexpr):
-    """y = exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of (q_b * exp(g) q_a * c_ab) S_ab
-    in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a; with HAS_ONES the normaliser's part
-    goes to column P of Y."""
+    """num = the chunk's own part NUM + exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of
+    (q_b * exp(g) q_a * c_ab) S_ab in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a, to
+    NUM_OUT; with HAS_ONES the normaliser's part plus DEN to DEN_OUT. NUM and NUM_OUT [B, T, H, P] fp32, both at the
+    strides snb, snt, snh; DEN and DEN_OUT [B, T, H] fp32 at sdb, sdt, sdh. The chunk's own part is read at the end
+    (read first, its tile kept through the products spilled registers, compiled for sm_90)."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
@@ -355,18 +362,22 @@ def _output_kernel(Q, G, STATES, ZS, Y, T, NC, sqb, sqt, sqh, syb, syt, syh,
                 dens += phi * tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)[None, :]
         if HAS_ONES:
             den = tl.sum(dens, axis=1)
-    y_bh = Y + i_b.to(tl.int64) * syb + i_h * syh + t.to(tl.int64)[:, None] * syt
-    tl.store(y_bh + cols[None, :], acc, mask=in_t[:, None] & (cols < P)[None, :])
+    here_n = i_b.to(tl.int64) * snb + i_h * snh + t.to(tl.int64)[:, None] * snt + cols[None, :]
+    in_n = in_t[:, None] & (cols < P)[None, :]
+    tl.store(NUM_OUT + here_n, acc + tl.load(NUM + here_n, mask=in_n, other=0.0), mask=in_n)
     if HAS_ONES:
-        tl.store(y_bh + P, den[:, None], mask=in_t[:, None])
+        here_d = i_b.to(tl.int64) * sdb + i_h * sdh + t.to(tl.int64) * sdt
+        tl.store(DEN_OUT + here_d, den + tl.load(DEN + here_d, mask=in_t, other=0.0), mask=in_t)
 
 
 @triton.jit
-def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
+def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, syt, syh, seb, set_, seh,
                H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                UPCAST: tl.constexpr):
-    """dq = 2 exp(g) sum_a q_a S_a dy for a block of tokens (S symmetric); DQ fp32, laid out as Q."""
+    """dq = 2 exp(g) sum_a q_a S_a [dy, dden] for a block of tokens (S symmetric), dy [B, T, H, P] and the
+    normaliser's gradient dden [B, T, H] (HAS_ONES) at their strides; DQ in its own dtype, laid out as Q; with
+    HAS_DECAY, QDQ [B, T, H] fp32 (contiguous) <- q . dq, from dq before its rounding."""
     i_bh, i_b, i_h, c, t, in_t, q_bh, q, g, _ = _token_block(Q, G, sqb, sqt, sqh, T, NC, H, D, CHUNK, BL, BD, HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
@@ -374,7 +385,8 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
     dy_bh = DY + i_b.to(tl.int64) * syb + i_h * syh
     dy = _rows_tile(dy_bh, t, syt, cols, P, in_t).to(tl.float32) * weight[:, None]
     if HAS_ONES:
-        dden = tl.load(dy_bh + t.to(tl.int64) * syt + P, mask=in_t, other=0.0).to(tl.float32) * weight
+        dden_bh = DDEN + i_b.to(tl.int64) * seb + i_h * seh
+        dden = tl.load(dden_bh + t.to(tl.int64) * set_, mask=in_t, other=0.0).to(tl.float32) * weight
     dq = tl.zeros([BL, BD], dtype=tl.float32)
     for a in range(D):
         qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
@@ -384,19 +396,27 @@ def _dq_kernel(Q, G, DY, STATES, ZS, DQ, T, NC, sqb, sqt, sqh, syb, syt, syh,
         if HAS_ONES:
             z_a = tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dq += (dden * qa)[:, None] * z_a[None, :]
+    dq = 2.0 * dq
+    in_q = in_t[:, None] & (rows < D)[None, :]
     dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
-    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], 2.0 * dq, mask=in_t[:, None] & (rows < D)[None, :])
+    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], dq.to(DQ.dtype.element_ty), mask=in_q)
+    if HAS_DECAY:  # q read again, at addresses from the block's first token: the start's tile or its addresses kept
+        # through the loop would hold registers
+        here_q = i_b.to(tl.int64) * sqb + i_h * sqh + tl.program_id(0).to(tl.int64) * BL * sqt
+        q = tl.load(Q + here_q + tl.arange(0, BL)[:, None] * sqt + rows[None, :], mask=in_q, other=0.0).to(tl.float32)
+        tl.store(QDQ + (i_b.to(tl.int64) * T + t) * H + i_h, tl.sum(q * dq, axis=1), mask=in_t)
 
 
 @triton.jit
-def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, svb, svt, svh,
+def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, skh, svb, svt, svh,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                  UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
                  SPLIT2: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
     dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (BANDED: on the rows b >= a,
-    `_banded`); DK, DV fp32, laid out as K, V."""
+    `_banded`); DK, DV in their own dtypes, laid out as K, V; with HAS_DECAY, KDK [B, T, H] fp32 (contiguous)
+    <- k . dk, from dk before its rounding."""
     i_bh, i_b, i_h, c, t, in_t, k_bh, k, g, g_last = _token_block(K, G, skb, skt, skh, T, NC, H, D, CHUNK, BL, BD,
                                                                   HAS_DECAY)
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
@@ -419,10 +439,20 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, T, NC, scale2, skb, skt, skh, sv
         if HAS_ONES:
             dz_a = tl.load(DZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
             dk += kw[:, None] * dz_a[None, :]
-    dk_bh = DK + i_b.to(tl.int64) * skb + i_h * skh  # DK, DV are laid out as K, V
-    tl.store(dk_bh + t.to(tl.int64)[:, None] * skt + rows[None, :], 2.0 * dk, mask=in_t[:, None] & (rows < D)[None, :])
-    dv_bh = DV + i_b.to(tl.int64) * svb + i_h * svh
-    tl.store(dv_bh + t.to(tl.int64)[:, None] * svt + cols[None, :], dv, mask=in_t[:, None] & (cols < P)[None, :])
+    # addresses from the block's first token: those of the start's loads kept through the loops (as they are with the
+    # same expression) would hold registers; k read again for k . dk for the same reason
+    first = tl.program_id(0).to(tl.int64) * BL
+    j = tl.arange(0, BL)
+    dv_at = DV + i_b.to(tl.int64) * svb + i_h * svh + first * svt + j[:, None] * svt + cols[None, :]
+    tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=in_t[:, None] & (cols < P)[None, :])
+    dk = 2.0 * dk
+    in_k = in_t[:, None] & (rows < D)[None, :]
+    if HAS_DECAY:
+        k = tl.load(K + i_b.to(tl.int64) * skb + i_h * skh + first * skt + j[:, None] * skt + rows[None, :], mask=in_k,
+                    other=0.0).to(tl.float32)
+        tl.store(KDK + (i_b.to(tl.int64) * T + t) * H + i_h, tl.sum(k * dk, axis=1), mask=in_t)
+    dk_at = DK + i_b.to(tl.int64) * skb + i_h * skh + first * skt + j[:, None] * skt + rows[None, :]
+    tl.store(dk_at, dk.to(DK.dtype.element_ty), mask=in_k)
 
 
 def _block(n: int) -> int:
@@ -513,32 +543,42 @@ def _meta(heads, head_dim, value_dim, chunk, g, ones, x, banded=False):
 
 
 class Power2States(torch.autograd.Function):
-    """The chunks' share of power2's output, exp(g_t) phi(q_t) S_n, and the state after the last chunk, on the kernels
-    above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple of it; the caller pads),
-    last dims contiguous; g [B, T / chunk, H, chunk] fp32 (log-decays summed from each chunk's start) or None;
-    init [B, H, F, Dv] and init_z [B, H, F] fp32 (packed: the F = d (d + 1) / 2 rows a <= b) or None; ones: the
-    normaliser's column.
-    Returns (y [B, H, T, width] fp32: columns :Dv the values' part, column Dv the normaliser's with `ones`, the rest
-    unset; the final state [B, H, F, Dv] fp32, packed; its normaliser rows [B, H, F] fp32 or None)."""
+    """power2's output before the division, the chunks' own part plus exp(g_t) phi(q_t) S_n, and the state after the
+    last chunk, on the kernels above. q, k [B, T, H, d] and v [B, T, H, Dv] with rows of `chunk` tokens (T a multiple
+    of it; the caller pads), last dims contiguous; g [B, T / chunk, H, chunk] fp32 (log-decays summed from each
+    chunk's start) or None; init [B, H, F, Dv] and init_z [B, H, F] fp32 (packed: the F = d (d + 1) / 2 rows a <= b)
+    or None; num [B, T, H, Dv] and (with `ones`) den [B, T, H] fp32: the chunks' own (quadratic) parts, token-major
+    (the layout of the tiled kernels' output, `parallel.attention_terms`); ones: the normaliser's column.
+    Returns (num [B, T, H, Dv] fp32 and, with `ones`, den [B, T, H] fp32 (else None), both contiguous and summed with
+    the states' parts; the final state [B, H, F, Dv] fp32, packed; its normaliser rows [B, H, F] fp32 or None). The
+    chunks' own parts get the gradients of num and den unchanged."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, init, init_z, scale2, chunk, ones, width):
+    def forward(ctx, q, k, v, g, init, init_z, num, den, scale2, chunk, ones):
         batch, seq_len, heads, head_dim = q.shape
         value_dim = v.shape[-1]
         flat = lambda t: None if t is None else t.reshape(batch * heads, *t.shape[2:]).contiguous()  # noqa: E731
         states, zs, final, final_z, _ = _walk(k, v, None, g, flat(init), flat(init_z), chunk, scale2, False, ones)
-        y = v.new_empty(batch, heads, seq_len, width, dtype=torch.float32)
+        num = num.contiguous()  # the kernel reads it at num_out's strides (the tiled kernels' output already is)
+        num_out = torch.empty(batch, seq_len, heads, value_dim, dtype=torch.float32, device=q.device)
+        den_out = None
+        if ones:
+            den = den.contiguous()
+            den_out = torch.empty(batch, seq_len, heads, dtype=torch.float32, device=q.device)
         _output_kernel[(seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)](
-            q, g if g is not None else y, states, zs if ones else states, y, seq_len, seq_len // chunk, *q.stride()[:3],
-            y.stride(0), y.stride(2), y.stride(1), **_meta(heads, head_dim, value_dim, chunk, g, ones, q, banded=True))
+            q, g if g is not None else num_out, states, zs if ones else states, num, den if ones else num_out, num_out,
+            den_out if ones else num_out, seq_len, seq_len // chunk, *q.stride()[:3], *num_out.stride()[:3],
+            *(den_out.stride() if ones else (0, 0, 0)),
+            **_meta(heads, head_dim, value_dim, chunk, g, ones, q, banded=True))
         kept = (states, zs) if KEEP_STATES else (None, None)
         ctx.save_for_backward(q, k, v, g, flat(init), flat(init_z), *kept)
         ctx.opts = scale2, chunk, ones, init is not None
+        ctx.set_materialize_grads(False)  # the backward takes None for an output that did not reach the loss
         final = final.view(batch, heads, *final.shape[1:])
-        return y, final, None if final_z is None else final_z.view(batch, heads, -1)
+        return num_out, den_out, final, None if final_z is None else final_z.view(batch, heads, -1)
 
     @staticmethod
-    def backward(ctx, dy, dfinal, dfinal_z):
+    def backward(ctx, dnum, dden, dfinal, dfinal_z):
         q, k, v, g, init, init_z, states, zs = ctx.saved_tensors
         scale2, chunk, ones, has_init = ctx.opts
         batch, seq_len, heads, head_dim = q.shape
@@ -549,44 +589,47 @@ class Power2States(torch.autograd.Function):
         times = (a != b).float() + 1.0
         if states is None:  # the forward's walk again
             states, zs, _, _, _ = _walk(k, v, None, g, init, init_z, chunk, scale2, False, ones)
-        if dy is None:
-            dy = v.new_zeros(batch, heads, seq_len, value_dim + int(ones), dtype=torch.float32)
-        elif dy.stride(-1) != 1:  # the kernels read rows of it whose columns are contiguous
-            dy = dy.contiguous()
-        dy_values = dy[..., :value_dim].to(v.dtype)  # the products' operand, as the forward's v
-        dden = dy[..., value_dim] if ones else None
+        if dnum is None:
+            dnum = v.new_zeros(batch, seq_len, heads, value_dim, dtype=torch.float32)
+        elif dnum.stride(-1) != 1:  # the kernels read rows of it whose columns are contiguous
+            dnum = dnum.contiguous()
+        if ones and dden is None:
+            dden = v.new_zeros(batch, seq_len, heads, dtype=torch.float32)
         d_init = None
         if dfinal is not None:  # the gradient of the full, symmetric state, packed
             d_init = (dfinal.float() / times[:, None]).reshape(batch * heads, -1, value_dim)
         d_init_z = None
         if ones and dfinal_z is not None:
             d_init_z = (dfinal_z.float() / times).reshape(batch * heads, -1)
-        # dy laid out [B, H, T, *]: the walk reads it through strides as [B, T, H, *]
-        as_bthp = lambda t: None if t is None else t.transpose(1, 2)  # noqa: E731
+        # dnum [B, T, H, Dv] in v's dtype: the products' operand, as the forward's v; dden [B, T, H] at its strides
         dstates, dzs, d_start, d_start_z, dots = _walk(
-            q, as_bthp(dy_values), as_bthp(dden), g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs,
-            times=times)
+            q, dnum.to(v.dtype), dden, g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs, times=times)
         meta = _meta(heads, head_dim, value_dim, chunk, g, ones, q)
         grid = (seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _dq_kernel[grid](q, g if g is not None else dq, dy, states, zs if ones else states, dq, seq_len, chunks,
-                         *q.stride()[:3], dy.stride(0), dy.stride(2), dy.stride(1), **meta)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # q . dq and k . dk per token ([B, T, H] fp32) for the log-decays' gradient
+        qdq = q.new_empty(batch, seq_len, heads, dtype=torch.float32) if g is not None else dq
+        _dq_kernel[grid](q, g if g is not None else dq, dnum, dden if ones else dnum, states, zs if ones else states,
+                         dq, qdq, seq_len, chunks, *q.stride()[:3], *dnum.stride()[:3],
+                         *(dden.stride() if ones else (0, 0, 0)), **meta)
         del states, zs
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, seq_len, chunks,
-                           scale2, *k.stride()[:3], *v.stride()[:3],
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        kdk = k.new_empty(batch, seq_len, heads, dtype=torch.float32) if g is not None else dk
+        _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, kdk, seq_len,
+                           chunks, scale2, *k.stride()[:3], *v.stride()[:3],
                            **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
         del dstates, dzs
         dg = None
         if g is not None:
             # <dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2 (degree 2 in q and in k)
-            qdq = (q.float() * dq).sum(-1).view(batch, chunks, chunk, heads).transpose(2, 3)
-            kdk = (k.float() * dk).sum(-1).view(batch, chunks, chunk, heads).transpose(2, 3)  # [B, NC, H, C]
+            qdq = qdq.view(batch, chunks, chunk, heads).transpose(2, 3)
+            kdk = kdk.view(batch, chunks, chunk, heads).transpose(2, 3)  # [B, NC, H, C]
             dg = (qdq - kdk) * 0.5
             # each chunk's total G also scales the state it starts from and weights all its keys
             totals = dots.sum((-1, -2)).view(batch, heads, chunks).transpose(1, 2) + kdk.sum(-1) * 0.5
             dg[..., -1] += totals
         d_init = (d_start * times[:, None]).view(batch, heads, -1, value_dim) if has_init else None
         d_init_z = (d_start_z * times).view(batch, heads, -1) if has_init and ones else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, d_init, d_init_z, None, None, None, None
+        # the chunks' own parts were added: their gradients are num's and den's
+        return dq, dk, dv, dg, d_init, d_init_z, dnum, dden if ones else None, None, None, None
