@@ -186,6 +186,7 @@ SWEEP = [
     {"KEEP_STATES": False},  # the backward walks the forward's states again
     {"CHUNK_FIRSTS": 2},
     {"PASS_ROWS": 32, "PASS_WARPS": 4},
+    {"BANDED_WARPS": 8},
 ]
 
 
