@@ -63,11 +63,11 @@ TOKEN_ROWS = 64  # tokens per program of the output and gradient kernels
 TOKEN_WARPS = 4
 # The output's and dv's products on the state's rows b >= a alone, in bands of second indices (`_banded`), or on its
 # full rows (a, b) for every b, read at their packed rows (min, max). On an H200 (2mamba's mixing forward and
-# backward at 1 x 65536): the bands 23.89 ms, the full rows 23.28, the bands on 8 warps 27.14
-# (benchmarks/results/h200-chunk-blocks-power2-banded-or-full-rows.txt; the bands 23.33 and on 8 warps 27.08 in an
-# earlier call, h200-chunk-blocks-power2-packed.txt), though compiled for sm_90 their tiles spill registers on 4 warps
-# and none on 8. The bands' 31% fewer products do not show: the whole model was measured with them.
-BANDED = True
+# backward): at 1 x 16384 the full rows 5.60 ms, the bands 5.80, the bands on 8 warps 6.24, the full rows on 8 warps
+# 6.86 (benchmarks/results/h200-chunk-blocks-power2-folded-1x16384.txt); at 1 x 65536 the full rows 23.28, the bands
+# 23.89 (h200-chunk-blocks-power2-banded-or-full-rows.txt). The bands' 31% fewer products do not show; compiled for
+# sm_90, both spill registers on 4 warps and neither on 8.
+BANDED = False
 BANDED_WARPS = 4
 # The chunk kernel: tokens per step of its walk through the chunk, warps, first indices per program (a power of two;
 # their features side by side in one product, times the widest band's columns over a band's) and its block of value
