@@ -163,8 +163,10 @@ def sweep(args) -> None:
     options = MIXERS["2mamba"].resolve_options(None)
     leaves = inputs(options, batch, seq_len, args.heads, args.head_dim)
     print(f"2mamba's mixing at {batch}x{seq_len} on power2's state kernels, forward + backward ms, per block choice and "
-          "chunk (the first: the committed blocks; the others change what they name)")
+          "chunk (the first: the committed blocks; the others change what they name), and the largest difference of its "
+          "output and gradients from the committed blocks' (relative to each tensor's largest entry)")
     choices = [({}, 512), ({}, 1024)] + [(change, 512) for change in SWEEP]
+    committed = None
     for change, size in choices:
         def mix(q, k, v, log_decay, size=size):
             return chunk_module.chunk_attention(q, k, v, log_decay, similarity="power2", scale=args.head_dim**-0.5,
@@ -175,18 +177,39 @@ def sweep(args) -> None:
             for name, value in change.items():
                 stack.enter_context(mock.patch.object(power2_states, name, value))
             ms, gib = timed(mix, leaves, args.repeats)
-        cell = f"{ms:8.2f} ms {gib:5.2f} GiB" if ms is not None else f"fails ({gib})"
+            if ms is not None:
+                got = results(mix, leaves)
+                committed = committed or got
+                cell = f"{ms:8.2f} ms {gib:5.2f} GiB  differs by {differences(got, committed):.1e}"
+            else:
+                cell = f"fails ({gib})"
         print(f"{cell}  chunk {size}" + "".join(f", {n} {v}" for n, v in change.items()), flush=True)
+
+
+def results(fn, leaves):
+    """fn's output and the gradients of its leaves for a fixed random output gradient, in fp32."""
+    out = fn(*leaves)
+    grad_out = torch.randn(out.shape, device=out.device, dtype=out.dtype,
+                           generator=torch.Generator(device=out.device).manual_seed(1))
+    return [out.detach().float(), *(g.float() for g in torch.autograd.grad(out, leaves, grad_out))]
+
+
+def differences(got, reference) -> float:
+    """The largest difference of any of these tensors from its reference, over the reference's largest entry."""
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, reference))
 
 
 # power2_states' block choices that `--sweep` times beside the committed ones
 SWEEP = [
-    {"BANDED": False},  # the output and dv on full rows
-    {"BANDED": False, "TOKEN_WARPS": 8},
+    {"BANDED": True},  # the output and dv in bands
+    {"BANDED": True, "BANDED_WARPS": 8},
+    {"TOKEN_WARPS": 8},
+    {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8},  # the token kernels on blocks of 128 tokens
+    {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8, "BANDED": True, "BANDED_WARPS": 8},
     {"KEEP_STATES": False},  # the backward walks the forward's states again
     {"CHUNK_FIRSTS": 2},
+    {"STATE_ROWS": 64},
     {"PASS_ROWS": 32, "PASS_WARPS": 4},
-    {"BANDED_WARPS": 8},
 ]
 
 
