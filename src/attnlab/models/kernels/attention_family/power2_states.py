@@ -279,6 +279,19 @@ def _full_rows(a, rows, D: tl.constexpr):
 
 
 @triton.jit
+def _symmetric_product(x, ZS, here, rows, D: tl.constexpr, UPCAST: tl.constexpr):
+    """x @ Z for x [tokens, BD] fp32 and the symmetric [D, D] matrix Z whose packed rows ZS holds from `here` (fp32):
+    one product on the tensor cores in fp32's accuracy (three TF32 passes), where a sum over the first indices of
+    x_a z_a costs the CUDA cores as much as the state's products inside the loops."""
+    Z = tl.load(ZS + here + _full_rows(rows[:, None], rows[None, :], D), mask=(rows < D)[:, None] & (rows < D)[None, :],
+                other=0.0)
+    if UPCAST:
+        return tl.dot(x, Z, input_precision="ieee")
+    else:
+        return tl.dot(x, Z, input_precision="tf32x3")
+
+
+@triton.jit
 def _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, A0: tl.constexpr, A1: tl.constexpr,
                    BW: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, HAS_ONES: tl.constexpr,
                    UPCAST: tl.constexpr):
@@ -346,7 +359,6 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
     weight = tl.where(in_t, tl.exp(g), 0.0)
     acc = tl.zeros([BL, BP], dtype=tl.float32)
     den = tl.zeros([BL], dtype=tl.float32)
-    dens = tl.zeros([BL, BD], dtype=tl.float32)  # on full rows: den's terms, summed over the columns after the loop
     if BANDED:
         acc, den = _banded(acc, den, q_bh, t, sqt, in_t, weight, STATES, ZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2,
                            HAS_ONES, UPCAST)
@@ -358,10 +370,8 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
             S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
                           mask=in_block, other=0.0)
             acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
-            if HAS_ONES:
-                dens += phi * tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)[None, :]
-        if HAS_ONES:
-            den = tl.sum(dens, axis=1)
+        if HAS_ONES:  # sum over a, b of w q_a q_b z_ab
+            den = tl.sum(_symmetric_product(q * weight[:, None], ZS, here, rows, D, UPCAST) * q, axis=1)
     here_n = i_b.to(tl.int64) * snb + i_h * snh + t.to(tl.int64)[:, None] * snt + cols[None, :]
     in_n = in_t[:, None] & (cols < P)[None, :]
     tl.store(NUM_OUT + here_n, acc + tl.load(NUM + here_n, mask=in_n, other=0.0), mask=in_n)
@@ -393,17 +403,17 @@ def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, s
         S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block,
                       other=0.0)
         dq += _dot((dy * qa[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
-        if HAS_ONES:
-            z_a = tl.load(ZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
-            dq += (dden * qa)[:, None] * z_a[None, :]
-    dq = 2.0 * dq
     in_q = in_t[:, None] & (rows < D)[None, :]
-    dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
-    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], dq.to(DQ.dtype.element_ty), mask=in_q)
-    if HAS_DECAY:  # q read again, at addresses from the block's first token: the start's tile or its addresses kept
-        # through the loop would hold registers
+    if HAS_ONES or HAS_DECAY:  # q read again, at addresses from the block's first token: the start's tile or its
+        # addresses kept through the loop would hold registers
         here_q = i_b.to(tl.int64) * sqb + i_h * sqh + tl.program_id(0).to(tl.int64) * BL * sqt
         q = tl.load(Q + here_q + tl.arange(0, BL)[:, None] * sqt + rows[None, :], mask=in_q, other=0.0).to(tl.float32)
+    if HAS_ONES:  # sum over a of dden q_a z_a
+        dq += dden[:, None] * _symmetric_product(q, ZS, here, rows, D, UPCAST)
+    dq = 2.0 * dq
+    dq_bh = DQ + i_b.to(tl.int64) * sqb + i_h * sqh  # DQ is laid out as Q
+    tl.store(dq_bh + t.to(tl.int64)[:, None] * sqt + rows[None, :], dq.to(DQ.dtype.element_ty), mask=in_q)
+    if HAS_DECAY:
         tl.store(QDQ + (i_b.to(tl.int64) * T + t) * H + i_h, tl.sum(q * dq, axis=1), mask=in_t)
 
 
@@ -436,20 +446,20 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, sk
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
         if not BANDED:
             dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
-        if HAS_ONES:
-            dz_a = tl.load(DZS + here + _full_rows(a, rows, D), mask=rows < D, other=0.0)
-            dk += kw[:, None] * dz_a[None, :]
     # addresses from the block's first token: those of the start's loads kept through the loops (as they are with the
-    # same expression) would hold registers; k read again for k . dk for the same reason
+    # same expression) would hold registers; k read again for k dZ and k . dk for the same reason
     first = tl.program_id(0).to(tl.int64) * BL
     j = tl.arange(0, BL)
     dv_at = DV + i_b.to(tl.int64) * svb + i_h * svh + first * svt + j[:, None] * svt + cols[None, :]
     tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=in_t[:, None] & (cols < P)[None, :])
-    dk = 2.0 * dk
     in_k = in_t[:, None] & (rows < D)[None, :]
-    if HAS_DECAY:
+    if HAS_ONES or HAS_DECAY:
         k = tl.load(K + i_b.to(tl.int64) * skb + i_h * skh + first * skt + j[:, None] * skt + rows[None, :], mask=in_k,
                     other=0.0).to(tl.float32)
+    if HAS_ONES:  # sum over a of w k_a dz_a
+        dk += weight[:, None] * _symmetric_product(k, DZS, here, rows, D, UPCAST)
+    dk = 2.0 * dk
+    if HAS_DECAY:
         tl.store(KDK + (i_b.to(tl.int64) * T + t) * H + i_h, tl.sum(k * dk, axis=1), mask=in_t)
     dk_at = DK + i_b.to(tl.int64) * skb + i_h * skh + first * skt + j[:, None] * skt + rows[None, :]
     tl.store(dk_at, dk.to(DK.dtype.element_ty), mask=in_k)
