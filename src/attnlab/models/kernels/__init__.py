@@ -95,6 +95,7 @@ def attention_family_terms(choice: str, x: torch.Tensor, covered: bool = True):
 #           shape               4x4096  2x8192  1x16384  1x32768  1x65536
 #           2mamba                1.63    1.02     0.53     0.27     0.13
 #           states kept           1.43    0.97     0.54
+#           parts folded                  0.85     0.47    (h200-chunk-crossover-power2-folded.txt)
 #           (the features formed in memory for cuBLAS, before them: 0.97 at 1 x 32768 and 0.48 at 1 x 65536 on an H100,
 #           benchmarks/results/h100-chunk-power2-in-memory.txt). From 8192 tokens chunked wins: the paper's medium model
 #           (hidden 1536, 27 layers, 24 heads) at 2 x 8192 trained at 42,949 tokens/s chunked against 41,499 tiled (H200,

@@ -23,7 +23,7 @@ per token is ever written:
                           the state when each chunk ends, and the gradient of the starting state last. The forward's
                           states are kept for the backward (`KEEP_STATES`).
     2. `_output_kernel`   per (block of tokens, batch * head): y = sum over a <= b of (q_b * exp(g) q_a c_ab) S_ab with
-                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`), added to the chunk's own
+                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`) or on full rows, added to the chunk's own
                           (quadratic) part read from the caller's num (and the normaliser's to its den): the sums are
                           written token-major, num [B, T, H, Dv] and den [B, T, H] fp32, as the division reads them.
     3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T over the full rows
@@ -35,7 +35,9 @@ per token is ever written:
 
 The gradient of a state is symmetric too; a packed row a < b stands for two entries of the full one, so the final
 state's gradient is halved off the diagonal on the way in and the starting state's doubled on the way out. A sum
-denominator's normaliser (the value column of ones) is a vector of packed rows beside the state. The gradient of the
+denominator's normaliser (the value column of ones) is a vector of packed rows beside the state: a symmetric [d, d]
+matrix Z, whose part in the output, dq and dk is one product per block of tokens, (x w) Z (`_symmetric_product`),
+not a sum over first indices on the CUDA cores. The gradient of the
 log-decays needs no kernel of its own: y is of degree 2 in q and the chunk's state of degree 2 in k, so
 <dy_t, y_t> = q_t . dq_t / 2 and <[v_t, 1], d[v_t, 1]> = k_t . dk_t / 2 (the dq and dk kernels write those dots, from
 dq and dk in fp32), and each chunk's total adds exp(G_n) <dS_{n+1}, S_n>, which the reverse walk sums as it goes. The
@@ -43,8 +45,9 @@ chunk's own part passes through the sum unchanged, and so does its gradient.
 
 Memory beyond the inputs: the chunks' shares while a walk runs and the states per chunk, both packed in 16 bits
 (266 KB per head and chunk at d = 64 and Dv = 64). Measured on an H200 (one layer of 16 heads of 64, forward and
-backward, chunks of 512; benchmarks/NOTES.md): 23.3 ms at 1 x 65536 against 180 for the tiled kernels and 75 for
-the features formed in memory. Heads up to `MAX_HEAD_DIM` and values up to `MAX_VALUE_DIM` wide (a program holds
+backward, chunks of 512; benchmarks/NOTES.md): 20.6 ms at 1 x 65536 against 180 for the tiled kernels and 75 for
+the features formed in memory, before the normaliser's products moved onto the tensor cores; at 1 x 16384 its kernels
+take 4.1 ms, about 3.3 of them these. Heads up to `MAX_HEAD_DIM` and values up to `MAX_VALUE_DIM` wide (a program holds
 [d, Dv] blocks of the state in registers); wider ones run on PyTorch's products in `chunk.py`. Under
 TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that.
 """
