@@ -23,9 +23,10 @@ per token is ever written:
                           the state when each chunk ends, and the gradient of the starting state last. The forward's
                           states are kept for the backward (`KEEP_STATES`).
     2. `_output_kernel`   per (block of tokens, batch * head): y = sum over a <= b of (q_b * exp(g) q_a c_ab) S_ab with
-                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`) or on full rows, added to the chunk's own
-                          (quadratic) part read from the caller's num (and the normaliser's to its den): the sums are
-                          written token-major, num [B, T, H, Dv] and den [B, T, H] fp32, as the division reads them.
+                          c_ab 2 above the diagonal and 1 on it, in the same bands (`BANDED`) or on full rows,
+                          added to the chunk's own (quadratic) part read from the caller's num (and the
+                          normaliser's to its den): the sums are written token-major, num [B, T, H, Dv] and
+                          den [B, T, H] fp32, as the division reads them.
     3. `_dq_kernel`       per (block of tokens, batch * head): dq = 2 sum_a (dy * exp(g) q_a) S_a^T over the full rows
                           S_a (row (a, b) read at packed (min, max)), dy and the normaliser's gradient read as given;
                           dq written in q's dtype, and q . dq per token in fp32.
@@ -295,55 +296,42 @@ def _symmetric_product(x, ZS, here, rows, D: tl.constexpr, UPCAST: tl.constexpr)
 
 
 @triton.jit
-def _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, A0: tl.constexpr, A1: tl.constexpr,
-                   BW: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, HAS_ONES: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _band_products(acc, x, x_bh, t, sxt, in_t, weight, STATES, here, A0: tl.constexpr, A1: tl.constexpr,
+                   BW: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, UPCAST: tl.constexpr):
     """acc += sum over A0 <= a < A1 of (x_b * weight x_a * c_ab) S_ab over the BW columns b from A0 (x [BL, BW] those
-    of X), c_ab 2 above the diagonal, 1 on it and 0 below: the symmetric state's products on its rows b >= a alone.
-    den likewise with the normaliser rows ZS."""
+    of X), c_ab 2 above the diagonal, 1 on it and 0 below: the symmetric state's products on its rows b >= a alone."""
     seconds = A0 + tl.arange(0, BW)
     cols = tl.arange(0, BP)
     in_tile = (seconds < D)[:, None] & (cols < P)[None, :]
     DT = STATES.dtype.element_ty
-    dens = tl.zeros(x.shape, dtype=tl.float32)  # den's terms, summed over the columns after the loop
     for a in range(A0, A1):
         xa = tl.load(x_bh + t.to(tl.int64) * sxt + a, mask=in_t, other=0.0).to(tl.float32) * weight
         times = tl.where(seconds > a, 2.0, tl.where(seconds == a, 1.0, 0.0))
         phi = x * xa[:, None] * times[None, :]
-        upper = seconds >= a
         S_a = tl.load(STATES + (here + _packed_row(a, seconds, D)).to(tl.int64)[:, None] * P + cols[None, :],
-                      mask=in_tile & upper[:, None], other=0.0)
+                      mask=in_tile & (seconds >= a)[:, None], other=0.0)
         acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
-        if HAS_ONES:
-            z_a = tl.load(ZS + here + _packed_row(a, seconds, D), mask=(seconds < D) & upper, other=0.0)
-            dens += phi * z_a[None, :]
-    if HAS_ONES:
-        den += tl.sum(dens, axis=1)
-    return acc, den
+    return acc
 
 
 @triton.jit
-def _banded(acc, den, x_bh, t, sxt, in_t, weight, STATES, ZS, here, D: tl.constexpr, P: tl.constexpr,
-            BD: tl.constexpr, BP: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr,
-            HAS_ONES: tl.constexpr, UPCAST: tl.constexpr):
+def _banded(acc, x_bh, t, sxt, in_t, weight, STATES, here, D: tl.constexpr, P: tl.constexpr, BD: tl.constexpr,
+            BP: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr, SPLIT2: tl.constexpr, UPCAST: tl.constexpr):
     """`_band_products` over the bands of `_bands`: first indices [0, SPLIT1) on BD columns, [SPLIT1, SPLIT2) on BD / 2,
     [SPLIT2, D) on BD / 4 (BANDS of them; the last ends at D). Each band loads its own columns of X: the kernels' own
     load of the whole tile is then unused and left out by the compiler (reusing it for the first band spilled more
     registers, compiled for sm_90)."""
     END0: tl.constexpr = D if BANDS == 1 else SPLIT1
     x = _rows_tile(x_bh, t, sxt, tl.arange(0, BD), D, in_t).to(tl.float32)
-    acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, 0, END0, BD, D, P, BP,
-                              HAS_ONES, UPCAST)
+    acc = _band_products(acc, x, x_bh, t, sxt, in_t, weight, STATES, here, 0, END0, BD, D, P, BP, UPCAST)
     if BANDS > 1:
         END1: tl.constexpr = D if BANDS == 2 else SPLIT2
         x = _rows_tile(x_bh, t, sxt, SPLIT1 + tl.arange(0, BD // 2), D, in_t).to(tl.float32)
-        acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, SPLIT1, END1, BD // 2, D,
-                                  P, BP, HAS_ONES, UPCAST)
+        acc = _band_products(acc, x, x_bh, t, sxt, in_t, weight, STATES, here, SPLIT1, END1, BD // 2, D, P, BP, UPCAST)
     if BANDS > 2:
         x = _rows_tile(x_bh, t, sxt, SPLIT2 + tl.arange(0, BD // 4), D, in_t).to(tl.float32)
-        acc, den = _band_products(acc, den, x, x_bh, t, sxt, in_t, weight, STATES, ZS, here, SPLIT2, D, BD // 4, D, P,
-                                  BP, HAS_ONES, UPCAST)
-    return acc, den
+        acc = _band_products(acc, x, x_bh, t, sxt, in_t, weight, STATES, here, SPLIT2, D, BD // 4, D, P, BP, UPCAST)
+    return acc
 
 
 @triton.jit
@@ -361,10 +349,8 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
     rows, cols, in_block, here = _state_tile(i_bh, c, NC, D, P, BD, BP)
     weight = tl.where(in_t, tl.exp(g), 0.0)
     acc = tl.zeros([BL, BP], dtype=tl.float32)
-    den = tl.zeros([BL], dtype=tl.float32)
     if BANDED:
-        acc, den = _banded(acc, den, q_bh, t, sqt, in_t, weight, STATES, ZS, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2,
-                           HAS_ONES, UPCAST)
+        acc = _banded(acc, q_bh, t, sqt, in_t, weight, STATES, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, UPCAST)
     else:
         DT = STATES.dtype.element_ty
         for a in range(D):
@@ -373,8 +359,8 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
             S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
                           mask=in_block, other=0.0)
             acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
-        if HAS_ONES:  # sum over a, b of w q_a q_b z_ab
-            den = tl.sum(_symmetric_product(q * weight[:, None], ZS, here, rows, D, UPCAST) * q, axis=1)
+    if HAS_ONES:  # sum over a, b of w q_a q_b z_ab
+        den = tl.sum(_symmetric_product(q * weight[:, None], ZS, here, rows, D, UPCAST) * q, axis=1)
     here_n = i_b.to(tl.int64) * snb + i_h * snh + t.to(tl.int64)[:, None] * snt + cols[None, :]
     in_n = in_t[:, None] & (cols < P)[None, :]
     tl.store(NUM_OUT + here_n, acc + tl.load(NUM + here_n, mask=in_n, other=0.0), mask=in_n)
@@ -440,8 +426,7 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, sk
     dk = tl.zeros([BL, BD], dtype=tl.float32)
     dv = tl.zeros([BL, BP], dtype=tl.float32)
     if BANDED:
-        dv, _ = _banded(dv, tl.zeros([BL], dtype=tl.float32), k_bh, t, skt, in_t, weight, DSTATES, DZS, here, D, P, BD,
-                        BP, BANDS, SPLIT1, SPLIT2, False, UPCAST)
+        dv = _banded(dv, k_bh, t, skt, in_t, weight, DSTATES, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, UPCAST)
     for a in range(D):
         kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
         dS_a = tl.load(DSTATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
