@@ -208,6 +208,7 @@ SWEEP = [
     {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8, "BANDED": True, "BANDED_WARPS": 8},
     {"KEEP_STATES": False},  # the backward walks the forward's states again
     {"CHUNK_FIRSTS": 2},
+    {"CHUNK_FEATURES_FIRST": True},  # the chunk kernel's features its product's first operand
     {"STATE_ROWS": 64},
     {"PASS_ROWS": 32, "PASS_WARPS": 4},
 ]

@@ -82,6 +82,9 @@ STATE_ROWS = 32
 STATE_WARPS = 4
 CHUNK_FIRSTS = 4
 CHUNK_COLUMNS = 64
+# The chunk kernel's product the other way round (`_chunk_kernel`'s FEATURES_FIRST): the features its first operand,
+# read by the tensor cores from registers, rather than its second, which they read from shared memory. Not timed yet.
+CHUNK_FEATURES_FIRST = False
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
 # chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
@@ -132,13 +135,15 @@ def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK
 def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, svb, svt, svh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                   BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  REVERSE: tl.constexpr, UPCAST: tl.constexpr):
+                  REVERSE: tl.constexpr, UPCAST: tl.constexpr, FEATURES_FIRST: tl.constexpr):
     """One (chunk n, FIRSTS first indices a from A0 and a block of P, batch * head): the chunk's own share of the
     packed rows (a, b), b >= a, of the state, transposed ([P, D (D + 1) / 2] per chunk); b runs over the BW columns
     from B0 (a band: `_bands`). Forward (X = k, V = v): v^T (k_a k_b * scale2 exp(G_n - g)); REVERSE (X = q,
     V = dy): dy^T (q_a q_b * exp(g)). The features of the FIRSTS first indices lie side by side as one
     [tokens, FIRSTS * BW] operand, formed from one load of X's tile and its columns a, so the value tile is read once
-    for all of them."""
+    for all of them. FEATURES_FIRST: the same share untransposed, phi^T v, its features (formed from X's tile loaded
+    transposed) the product's first operand, which the tensor cores read from registers, and the value tile loaded
+    as it lies the second."""
     c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
     F: tl.constexpr = D * (D + 1) // 2
@@ -153,19 +158,34 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
     a = A0 + i_a * FIRSTS + pairs // BW
     b = B0 + pairs % BW
     j = tl.arange(0, SUB)
-    S = tl.zeros([BP, FIRSTS * BW], dtype=tl.float32)
+    if FEATURES_FIRST:
+        S = tl.zeros([FIRSTS * BW, BP], dtype=tl.float32)
+    else:
+        S = tl.zeros([BP, FIRSTS * BW], dtype=tl.float32)
     for sub in range(CHUNK // SUB):
         t = c * CHUNK + sub * SUB + j
         in_t = t < T
         w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
-        x = _rows_tile(x_bh, t, sxt, seconds, D, in_t).to(tl.float32)  # [SUB, BW]
-        x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * w[:, None]  # [SUB, FIRSTS]
         vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
-        phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BW))  # the features, weighted
-        S += _dot(tl.trans(vt), phi.to(vt.dtype), vt.dtype == tl.float32, UPCAST)
+        if FEATURES_FIRST:
+            x_t = x_bh + t.to(tl.int64)[None, :] * sxt
+            x = tl.load(x_t + seconds[:, None], mask=in_t[None, :] & (seconds < D)[:, None], other=0.0).to(tl.float32)
+            x_a = tl.load(x_t + firsts[:, None], mask=in_t[None, :] & (firsts < D)[:, None], other=0.0).to(tl.float32)
+            phi = tl.reshape((x_a * w[None, :])[:, None, :] * x[None, :, :], (FIRSTS * BW, SUB))  # transposed
+            S += _dot(phi.to(vt.dtype), vt, vt.dtype == tl.float32, UPCAST)
+        else:
+            x = _rows_tile(x_bh, t, sxt, seconds, D, in_t).to(tl.float32)  # [SUB, BW]
+            x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * w[:, None]  # [SUB, FIRSTS]
+            phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BW))  # the features, weighted
+            S += _dot(tl.trans(vt), phi.to(vt.dtype), vt.dtype == tl.float32, UPCAST)
     here = (i_bh.to(tl.int64) * NC + c) * F
-    tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * F + _packed_row(a, b, D)[None, :], S.to(LOCAL.dtype.element_ty),
-             mask=(cols < P)[:, None] & ((a < A_END) & (b >= a) & (b < D))[None, :])
+    in_rows = (a < A_END) & (b >= a) & (b < D)
+    if FEATURES_FIRST:
+        tl.store(LOCAL + here * P + cols.to(tl.int64)[None, :] * F + _packed_row(a, b, D)[:, None],
+                 S.to(LOCAL.dtype.element_ty), mask=in_rows[:, None] & (cols < P)[None, :])
+    else:
+        tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * F + _packed_row(a, b, D)[None, :],
+                 S.to(LOCAL.dtype.element_ty), mask=(cols < P)[:, None] & in_rows[None, :])
 
 
 @triton.jit
@@ -505,7 +525,7 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
         _chunk_kernel[(chunks, triton.cdiv(end - first, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
             x, v, g_arg, local, seq_len, chunks, first, end, second, scale2, *x.stride()[:3], *v.stride()[:3], H=heads,
             D=head_dim, P=value_dim, CHUNK=chunk, SUB=sub, BW=width, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
-            REVERSE=reverse, UPCAST=not x.is_cuda, num_warps=STATE_WARPS)
+            REVERSE=reverse, UPCAST=not x.is_cuda, FEATURES_FIRST=CHUNK_FEATURES_FIRST, num_warps=STATE_WARPS)
     if ones:
         _chunk_normaliser_kernel[(chunks, batch * heads)](
             x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
