@@ -20,7 +20,8 @@
 # memory (where a training step's peak memory goes, by allocation site, and its tokens/s: MEMORY_MODELS, default 2mamba
 # tiled, chunked captured and eager, and chunked with its forward recomputed in the backward, at MEMORY_SHAPE, default 1x32768;
 # MEMORY_SEPARATE=1: each of MEMORY_MODELS in a process of its own, so that none runs in memory an earlier one still holds;
-# MEMORY_ARGS adds options, e.g. the paper's medium model: "--hidden 1536 --layers 27 --heads 24 --intermediate 3072"), chunk-blocks (power2's state kernels under several block choices and chunk sizes, 2mamba's mixing at BLOCKS_SHAPE, default 1x65536),
+# MEMORY_ARGS adds options, e.g. the paper's medium model: "--hidden 1536 --layers 27 --heads 24 --intermediate 3072"), chunk-blocks (power2's state kernels under several block choices and chunk sizes, 2mamba's mixing at BLOCKS_SHAPE, default 1x65536;
+# BLOCKS_ARGS adds options, e.g. "--heads 24" for the paper's medium model),
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), ddp-ctas (benchmarks/ddp_capture.py on
 # DDP_GPUS GPUs, default 2: the captured DDP step of 2mamba-e and GLA with NCCL's collectives capped at each of DDP_CTAS CTAs in turn,
 # default "2 4 8 16", beside NCCL's own choice; NCCL's INIT log, the channels each communicator got, in $OUT/ddp-ctas-nccl.*), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
@@ -96,7 +97,7 @@ for stage in "$@"; do case $stage in
   prefill) run prefill "${PREFILL_LIMIT:-240}" python benchmarks/prefill_scaling.py \
       $(printf -- '--arch %s ' ${PREFILL_ARCHS:-attnlab-2mamba attnlab-linear__output_norm attnlab-linear_elu attnlab-mamba2})
     grep -E "proportional" "$OUT/prefill.log" | tee -a "$OUT/summary.txt" ;;
-  chunk-blocks) run chunk-blocks "${BLOCKS_LIMIT:-240}" python benchmarks/attention_family_chunk.py --sweep --shape "${BLOCKS_SHAPE:-1x65536}" ;;
+  chunk-blocks) run chunk-blocks "${BLOCKS_LIMIT:-240}" python benchmarks/attention_family_chunk.py --sweep --shape "${BLOCKS_SHAPE:-1x65536}" ${BLOCKS_ARGS:-} ;;
   zoo-nsa) run zoo-nsa "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --layers 12 --model nsa --model fla-nsa --model hf-llama \
     --mixer-option nsa.block_size=64 --mixer-option nsa.block_counts=16 --mixer-option nsa.window_size=512 \
     $(printf -- '--shape %s ' ${NSA_SHAPES:-2x2048 1x8192}) --out "$OUT/zoo-nsa.json" ;;
