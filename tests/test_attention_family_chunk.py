@@ -533,6 +533,32 @@ def test_power2_state_kernels_continue_a_cache_and_differentiate_it(case, packed
     assert power2_on_kernels and set(power2_on_kernels) == {16}
 
 
+def test_power2_state_kernels_start_from_a_state_without_its_normaliser(power2_on_kernels):
+    """A cache that hands on the state without the normaliser of a sum denominator (taken as zero, as the reference
+    takes it): outputs, the state and normaliser handed on and the gradients against the reference, 21 tokens in
+    chunks of 16."""
+    case = ("power2", "sum", True)
+    q, k, v, log_decay, _ = case_inputs(case, 2, 21, 2, 8)
+    g = torch.Generator().manual_seed(6)
+    state = torch.randn(2, 2, 36, 8, generator=g)
+    weights = [torch.randn(2, 21, 2, 8, generator=g), torch.randn(2, 2, 36, 8, generator=g),
+               torch.randn(2, 2, 36, generator=g)]
+    kwargs = dict(similarity="power2", scale=8**-0.5, denominator="sum", packed=True)
+    before = torch.full((2,), 5)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, log_decay, state)]
+        o, s, z = fn(*leaves)
+        loss = (o * weights[0]).sum() + (s * weights[1]).sum() + (z * weights[2]).sum()
+        return [o, s, z, *torch.autograd.grad(loss, leaves)]
+
+    ref = run(lambda q, k, v, d, s: chunk_linear_attention(q, k, v, d, s, None, before, chunk_size=21, **kwargs))
+    got = run(lambda q, k, v, d, s: chunk_attention(q, k, v, d, state=s, count_before=before, chunk_size=16, **kwargs))
+    assert power2_on_kernels == [16]
+    for name, fast, slow in zip("o state normalizer dq dk dv dlog_decay dstate".split(), got, ref):
+        assert rel_err(fast, slow) <= 1e-5, (name, rel_err(fast, slow))
+
+
 @pytest.mark.parametrize("case", [("power2", "sum", True), ("power2", "none", False)], ids=str)
 def test_power2_state_kernels_differentiate_the_state_handed_on_alone(case, power2_on_kernels):
     """A loss on the state and normaliser handed on alone, the outputs unused (the kernels' sums get no gradient,

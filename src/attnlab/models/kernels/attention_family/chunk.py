@@ -547,17 +547,20 @@ def chunk_attention(
     )
 
     # across chunks: the state, with the normaliser as one more value column
-    width = value_dim + 1 if want_sum else value_dim
-    width = -(-width // VALUE_ALIGN) * VALUE_ALIGN
-    start = _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, v.device)
     if similarity == "power2" and power2_on_kernels(q, value_dim, chunk):
         # the kernels add the state's part to the chunks' own: num [B, padded, H, Dv], den [B, padded, H]
-        num, den, new_state, new_normalizer = _power2_states(q, k, v, g, start, num, den, float(scale), chunk, want_sum)
+        init, init_z = _earlier_state(state, normalizer, head_dim, similarity, want_sum)
+        num, den, new_state, new_normalizer = _power2_states(q, k, v, g, init, init_z, num, den, float(scale), chunk,
+                                                             want_sum)
         if padded != seq_len:  # (a slice, even of all of it, costs a zero-fill and a copy in the backward)
             num, den = num[:, :seq_len], None if den is None else den[:, :seq_len]
         num = num.transpose(1, 2)  # [B, H, T, Dv]
         den = None if den is None else den[..., None].transpose(1, 2)  # [B, H, T, 1]
     else:
+        width = value_dim + 1 if want_sum else value_dim
+        width = -(-width // VALUE_ALIGN) * VALUE_ALIGN
+        start = _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity,
+                               want_sum, v.device)
         view5 = lambda t: t.view(batch, chunks, chunk, heads, t.shape[-1])  # noqa: E731
         y, end = _ChunkStates.apply(view5(q), view5(k), view5(v), g, start, similarity, float(scale), group_chunks, width,
                                     want_sum)
@@ -603,18 +606,18 @@ def power2_on_kernels(q: torch.Tensor, value_dim: int, chunk: int) -> bool:
     return True
 
 
-def _power2_states(q, k, v, g, start, num, den, scale, chunk, want_sum):
+def _power2_states(q, k, v, g, init, init_z, num, den, scale, chunk, want_sum):
     """`_ChunkStates` and the sum with the chunks' own parts for power2 on `Power2States`: (num [B, padded, H, Dv] and,
     with `want_sum`, den [B, padded, H] fp32 (else None), token-major; the end state [B, H, F, Dv] and its normaliser
-    [B, H, F] (or None), packed, fp32). start: the packed state and normaliser before these tokens, [B, H, F, width]
-    fp32, or None; num [B * L, H, C, Dv] and den [B * L, H, C, 1] (or None): `intra_terms`' results."""
+    [B, H, F] (or None), packed, fp32). init [B, H, F, Dv] and init_z [B, H, F]: the packed state and normaliser before
+    these tokens, fp32, or None (`_earlier_state`); num [B * L, H, C, Dv] and den [B * L, H, C, 1] (or None):
+    `intra_terms`' results."""
     batch, padded, heads, head_dim = q.shape
     value_dim = v.shape[-1]
-    init = init_z = None
-    if start is not None:
-        init = start[..., :value_dim]
-        if want_sum:
-            init_z = start[..., value_dim]
+    if init is None and init_z is not None:  # the kernels start from both or neither: the missing one is zero
+        init = init_z.new_zeros(*init_z.shape, value_dim)
+    if want_sum and init_z is None and init is not None:
+        init_z = init.new_zeros(init.shape[:-1])
     # token t = c C + j of the chunks' rows: the tiled kernels' output is token-major already (no copy)
     num = num.transpose(1, 2).reshape(batch, padded, heads, value_dim)
     if want_sum:
@@ -709,19 +712,29 @@ def _counts(key_mask, batch, seq_len, count_before, device) -> torch.Tensor:
     return counts
 
 
-def _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, device):
-    """The earlier tokens' state and normaliser as one packed fp32 [B, H, F, width] (None: no earlier tokens)."""
-    if state is None and (normalizer is None or not want_sum):
-        return None
-    start = torch.zeros(batch, heads, features, width, device=device)
+def _earlier_state(state, normalizer, head_dim, similarity, want_sum):
+    """The earlier tokens' state and (for a sum denominator) normaliser in fp32, power2's packed, or None each."""
     if state is not None:
         state = state.float()
         if similarity == "power2" and state.shape[-2] == head_dim * head_dim:
             state = pack_power2_rows(state, head_dim)
-        start[..., :value_dim] = state
-    if want_sum and normalizer is not None:
+    if not want_sum:
+        normalizer = None
+    elif normalizer is not None:
         normalizer = normalizer.float()
         if similarity == "power2" and normalizer.shape[-1] == head_dim * head_dim:
             normalizer = pack_power2_rows(normalizer, head_dim, dim=-1)
+    return state, normalizer
+
+
+def _initial_state(state, normalizer, batch, heads, head_dim, features, value_dim, width, similarity, want_sum, device):
+    """The earlier tokens' state and normaliser as one packed fp32 [B, H, F, width] (None: no earlier tokens)."""
+    state, normalizer = _earlier_state(state, normalizer, head_dim, similarity, want_sum)
+    if state is None and normalizer is None:
+        return None
+    start = torch.zeros(batch, heads, features, width, device=device)
+    if state is not None:
+        start[..., :value_dim] = state
+    if normalizer is not None:
         start[..., value_dim] = normalizer
     return start
