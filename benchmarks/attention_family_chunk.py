@@ -209,6 +209,9 @@ SWEEP = [
     {"KEEP_STATES": False},  # the backward walks the forward's states again
     {"CHUNK_FIRSTS": 2},
     {"CHUNK_FEATURES_FIRST": True},  # the chunk kernel's features its product's first operand
+    {"CHUNK_FEATURES_FIRST": True, "STATE_WARPS": 8},
+    {"CHUNK_FEATURES_FIRST": True, "STATE_ROWS": 64},
+    {"CHUNK_FEATURES_FIRST": True, "CHUNK_FIRSTS": 8, "STATE_WARPS": 8},
     {"STATE_ROWS": 64},
     {"PASS_ROWS": 32, "PASS_WARPS": 4},
 ]

@@ -456,6 +456,7 @@ def bench_train_cmd(
     layers: int = typer.Option(24, "--layers", help="Decoder layers."),
     heads: int = typer.Option(4, "--heads", help="Heads."),
     vocab: int = typer.Option(32000, "--vocab", help="Vocabulary size."),
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="SwiGLU width (default: fla's for the hidden size)."),
     shape: list[str] = typer.Option(["8x2048"], "--shape", help="BATCHxSEQ_LEN to time (repeatable)."),
     steps: int = typer.Option(10, "--steps", help="Timed steps (median reported)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed steps first (fla autotunes here)."),
@@ -479,11 +480,12 @@ def bench_train_cmd(
         except ValueError:
             raise PreflightError(f"--shape takes BATCHxSEQ_LEN such as 8x2048, not {spec!r}") from None
         for name in models:
-            row = bench_train(name, hidden, layers, heads, vocab, batch, seq_len, steps=steps, warmup=warmup, profile=profile)
+            row = bench_train(name, hidden, layers, heads, vocab, batch, seq_len, steps=steps, warmup=warmup, profile=profile,
+                              intermediate=intermediate)
             if saved:
                 from attnlab.bench.train import saved_for_backward
 
-                row["saved"] = saved_for_backward(name, hidden, layers, heads, vocab, batch, seq_len)
+                row["saved"] = saved_for_backward(name, hidden, layers, heads, vocab, batch, seq_len, intermediate=intermediate)
             console.print({k: v for k, v in row.items() if k not in ("profile", "saved")}, highlight=False)
             if "saved" in row:
                 console.print(f"  saved for backward: {row['saved']['saved_gib']} GiB; largest (module, shape, dtype, tensors, GiB):", highlight=False)

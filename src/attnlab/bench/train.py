@@ -115,11 +115,12 @@ def train_step(model, opt, x: torch.Tensor, capture: bool = True):
 
 
 def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int,
-                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False) -> dict:
+                steps: int = 10, warmup: int = 3, grad_checkpointing: bool = False, profile: bool = False,
+                intermediate: int | None = None) -> dict:
     device = torch.device("cuda")
     torch.manual_seed(0)
     release(device)
-    model = build(name, hidden, layers, heads, vocab).cuda().train()
+    model = build(name, hidden, layers, heads, vocab, intermediate).cuda().train()
     if grad_checkpointing:
         model.activation_checkpointing_enable()
     params = sum(p.numel() for p in model.parameters())
@@ -143,14 +144,15 @@ def bench_train(name: str, hidden: int, layers: int, heads: int, vocab: int, bat
     return row
 
 
-def saved_for_backward(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int, top: int = 15) -> dict:
+def saved_for_backward(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int, top: int = 15,
+                       intermediate: int | None = None) -> dict:
     """What one forward under bf16 autocast keeps for the backward: GiB in all, and the largest
     groups of saved tensors by (module path with layer numbers as *, shape, dtype)."""
     import gc
     import re
 
     torch.manual_seed(0)
-    model = build(name, hidden, layers, heads, vocab).cuda().train()
+    model = build(name, hidden, layers, heads, vocab, intermediate).cuda().train()
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     where: list[str] = ["(top)"]
     hooks = []
