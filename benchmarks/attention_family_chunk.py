@@ -79,7 +79,11 @@ def main() -> None:
                         "blocks and warps) and chunk size")
     parser.add_argument("--profile", action="store_true", help="instead: the kernels of 2mamba's chunked mixing (forward + "
                         "backward) at the first --shape, by GPU time (torch.profiler), and the chunked form's Python time")
+    parser.add_argument("--bare", action="store_true", help="instead: 2mamba's chunked mixing forward + backward at the "
+                        "first --shape twice, nothing else (for Nsight Compute: gpu.sh's chunk-ncu stage)")
     args = parser.parse_args()
+    if args.bare:
+        return bare(args)
     if args.sweep:
         return sweep(args)
     if args.profile:
@@ -175,7 +179,10 @@ def sweep(args) -> None:
 
         with contextlib.ExitStack() as stack:
             for name, value in change.items():
-                stack.enter_context(mock.patch.object(power2_states, name, value))
+                if name == "INTRA":  # the chunks' own (tiled) kernels' power2 block shapes, parallel.BLOCKS
+                    stack.enter_context(intra_blocks(value))
+                else:
+                    stack.enter_context(mock.patch.object(power2_states, name, value))
             ms, gib = timed(mix, leaves, args.repeats)
             if ms is not None:
                 got = results(mix, leaves)
@@ -184,6 +191,36 @@ def sweep(args) -> None:
             else:
                 cell = f"fails ({gib})"
         print(f"{cell}  chunk {size}" + "".join(f", {n} {v}" for n, v in change.items()), flush=True)
+
+
+@contextlib.contextmanager
+def intra_blocks(shapes: dict):
+    """The tiled kernels on other (BLOCK_M, BLOCK_N, warps, stages) for power2 (`parallel.BLOCKS[kernel][2]`), their
+    autotuners' choices forgotten on the way in and out."""
+    from attnlab.models.kernels.attention_family import parallel
+
+    kernels = (parallel._fwd_kernel, parallel._bwd_dkdv_kernel, parallel._bwd_dq_kernel)
+    blocks = {kernel: {**sims, **({2: shapes[kernel]} if kernel in shapes else {})} for kernel, sims in parallel.BLOCKS.items()}
+    for kernel in kernels:
+        kernel.cache.clear()
+    try:
+        with mock.patch.object(parallel, "BLOCKS", blocks):
+            yield
+    finally:
+        for kernel in kernels:
+            kernel.cache.clear()
+
+
+def bare(args) -> None:
+    """2mamba's chunked mixing, forward and backward, twice and nothing else: for a profiler outside the process
+    (Nsight Compute), the second one measured."""
+    batch, seq_len = (int(x) for x in (args.shape or ["1x32768"])[0].split("x"))
+    leaves = inputs(MIXERS["2mamba"].resolve_options(None), batch, seq_len, args.heads, args.head_dim)
+    for _ in range(2):
+        out = chunk_module.chunk_attention(*leaves, similarity="power2", scale=args.head_dim**-0.5, denominator="sum",
+                                           intra_terms=tiled_terms, out_dtype=leaves[2].dtype)[0]
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+        torch.cuda.synchronize()
 
 
 def results(fn, leaves):
@@ -214,6 +251,15 @@ SWEEP = [
     {"CHUNK_FEATURES_FIRST": True, "CHUNK_FIRSTS": 8, "STATE_WARPS": 8},
     {"STATE_ROWS": 64},
     {"PASS_ROWS": 32, "PASS_WARPS": 4},
+    {"PASS_ROWS": 32, "PASS_WARPS": 4, "TOKEN_ROWS": 128, "TOKEN_WARPS": 8},
+    # the chunks' own parts on the tiled kernels' other block shapes (BLOCK_M, BLOCK_N, warps, stages)
+    {"INTRA": {"fwd": (128, 64, 4, 3)}},
+    {"INTRA": {"fwd": (64, 64, 4, 3)}},
+    {"INTRA": {"fwd": (128, 64, 8, 3)}},
+    {"INTRA": {"dkdv": (64, 64, 4, 3)}},
+    {"INTRA": {"dkdv": (64, 128, 8, 3)}},
+    {"INTRA": {"dq": (128, 64, 8, 3)}},
+    {"INTRA": {"dq": (64, 64, 4, 3)}},
 ]
 
 

@@ -23,6 +23,8 @@
 # MEMORY_ARGS adds options, e.g. the paper's medium model: "--hidden 1536 --layers 27 --heads 24 --intermediate 3072"), chunk-blocks (power2's state kernels under several block choices and chunk sizes, 2mamba's mixing at BLOCKS_SHAPE, default 1x65536;
 # BLOCKS_ARGS adds options, e.g. "--heads 24" for the paper's medium model), medium-profile (the paper's medium model at 2x8192,
 # 2mamba eager and HF Llama, one step of each under torch's profiler: GPU time by kernel category and the top kernels),
+# chunk-ncu (Nsight Compute's sections for each kernel of 2mamba's chunked mixing, forward and backward, at NCU_SHAPE, default
+# 2x8192 with NCU_HEADS 24: throughput, occupancy, and what the warps wait on),
 # fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), ddp-ctas (benchmarks/ddp_capture.py on
 # DDP_GPUS GPUs, default 2: the captured DDP step of 2mamba-e and GLA with NCCL's collectives capped at each of DDP_CTAS CTAs in turn,
 # default "2 4 8 16", beside NCCL's own choice; NCCL's INIT log, the channels each communicator got, in $OUT/ddp-ctas-nccl.*), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
@@ -89,6 +91,13 @@ for stage in "$@"; do case $stage in
   medium-profile)  # the paper's medium model at 2 x 8192, as zoo-long's medium row builds it: one step of each under the profiler
     run medium-profile "${MEDIUM_PROFILE_LIMIT:-240}" $AL bench train $(printf -- '--model %s ' ${MEDIUM_PROFILE_MODELS:-attnlab-2mamba-eager hf-llama}) \
       --hidden 1536 --layers 27 --heads 24 --intermediate 3072 --shape 2x8192 --steps 3 --warmup 1 --profile --out "$OUT/medium-profile.json" ;;
+  chunk-ncu)  # Nsight Compute on one forward and backward of 2mamba's chunked mixing (the second of two): where each kernel waits
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    run chunk-ncu "${NCU_LIMIT:-240}" "$NCU" --clock-control none \
+      --kernel-name regex:'_chunk_kernel|_chunk_normaliser_kernel|_pass_kernel|_output_kernel|_dq_kernel|_dkdv_kernel|_fwd_kernel' \
+      --launch-skip "${NCU_PER_STEP:-16}" --launch-count "${NCU_PER_STEP:-16}" --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis python benchmarks/attention_family_chunk.py --bare --shape "${NCU_SHAPE:-2x8192}" --heads "${NCU_HEADS:-24}" ;;
   chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ${CROSSOVER_ARGS:-} ;;
   memory) if [ "${MEMORY_SEPARATE:-0}" = 1 ] && [ -n "${MEMORY_MODELS:-}" ]; then  # each model in a process of its own
       run memory "${MEMORY_LIMIT:-300}" bash -c 'for m in $1; do python benchmarks/memory_peak.py --model "$m" --shape "$2" "${@:3}"; done' _ \
