@@ -238,28 +238,20 @@ def differences(got, reference) -> float:
 
 # power2_states' block choices that `--sweep` times beside the committed ones
 SWEEP = [
-    {"BANDED": True},  # the output and dv in bands
-    {"BANDED": True, "BANDED_WARPS": 8},
-    {"TOKEN_WARPS": 8},
-    {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8},  # the token kernels on blocks of 128 tokens
-    {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8, "BANDED": True, "BANDED_WARPS": 8},
-    {"KEEP_STATES": False},  # the backward walks the forward's states again
-    {"CHUNK_FIRSTS": 2},
-    {"CHUNK_FEATURES_FIRST": True},  # the chunk kernel's features its product's first operand
-    {"CHUNK_FEATURES_FIRST": True, "STATE_WARPS": 8},
-    {"CHUNK_FEATURES_FIRST": True, "STATE_ROWS": 64},
-    {"CHUNK_FEATURES_FIRST": True, "CHUNK_FIRSTS": 8, "STATE_WARPS": 8},
+    {"CHUNK_SPLIT": False},  # the chunk kernel's features of its first indices side by side as one operand
+    {"CHUNK_SPLIT": False, "CHUNK_FEATURES_FIRST": True},
+    {"CHUNK_BF16_FEATURES": True},  # the features formed in bf16
     {"STATE_ROWS": 64},
+    {"STATE_ROWS": 64, "CHUNK_BF16_FEATURES": True},
+    {"CHUNK_FIRSTS": 2},
+    {"PASS_STAGES": 1},  # the pass kernel's loads not issued ahead
+    {"PASS_STAGES": 3},
     {"PASS_ROWS": 32, "PASS_WARPS": 4},
-    {"PASS_ROWS": 32, "PASS_WARPS": 4, "TOKEN_ROWS": 128, "TOKEN_WARPS": 8},
-    # the chunks' own parts on the tiled kernels' other block shapes (BLOCK_M, BLOCK_N, warps, stages)
+    {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8},  # the token kernels on blocks of 128 tokens
+    {"BANDED": True},  # the output and dv in bands
+    {"KEEP_STATES": False},  # the backward walks the forward's states again
+    {"INTRA": {"dq": (128, 64, 8, 3)}},  # the chunks' own parts on other block shapes (BLOCK_M, BLOCK_N, warps, stages)
     {"INTRA": {"fwd": (128, 64, 4, 3)}},
-    {"INTRA": {"fwd": (64, 64, 4, 3)}},
-    {"INTRA": {"fwd": (128, 64, 8, 3)}},
-    {"INTRA": {"dkdv": (64, 64, 4, 3)}},
-    {"INTRA": {"dkdv": (64, 128, 8, 3)}},
-    {"INTRA": {"dq": (128, 64, 8, 3)}},
-    {"INTRA": {"dq": (64, 64, 4, 3)}},
 ]
 
 

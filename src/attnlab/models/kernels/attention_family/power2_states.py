@@ -85,6 +85,8 @@ CHUNK_COLUMNS = 64
 # The chunk kernel's product the other way round (`_chunk_kernel`'s FEATURES_FIRST): the features its first operand,
 # read by the tensor cores from registers, rather than its second, which they read from shared memory. Not timed yet.
 CHUNK_FEATURES_FIRST = False
+CHUNK_SPLIT = True
+CHUNK_BF16_FEATURES = False
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
 # chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
@@ -92,6 +94,7 @@ SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype 
 KEEP_STATES = True
 PASS_ROWS, PASS_WARPS = 64, 8  # the pass kernel's block of a state's packed rows (of all its value columns up to 64)
 PASS_COLUMNS = 64
+PASS_STAGES = 2  # the pass kernel's loads of the next chunks' shares (and the forward's states) issued ahead
 
 
 @triton.jit
@@ -132,10 +135,70 @@ def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK
 
 
 @triton.jit
+def _first_share(x, x_t, a, in_t, w, vt, A_END, LOW: tl.constexpr, UPCAST: tl.constexpr):
+    """One first index a's term of a chunk's share, vt @ (x * w x_a) for vt [BP, SUB] and x [SUB, BW] (bf16 features
+    formed in bf16 with LOW, else in fp32 and rounded once). A first index past A_END reads the last one's column (its
+    rows are not stored)."""
+    wa = tl.load(x_t + tl.minimum(a, A_END - 1), mask=in_t, other=0.0).to(tl.float32) * w
+    if LOW and UPCAST:  # the same rounding, for the interpreter (whose bf16 arithmetic is wrong): the fp32 product
+        # of two bf16 numbers is exact
+        phi = (x.to(tl.float32) * wa.to(x.dtype).to(tl.float32)[:, None]).to(vt.dtype)
+    elif LOW:
+        phi = x * wa.to(x.dtype)[:, None]
+    else:
+        phi = (x.to(tl.float32) * wa[:, None]).to(vt.dtype)
+    return _dot(vt, phi, vt.dtype == tl.float32, UPCAST)
+
+
+@triton.jit
+def _share_store(LOCAL, here, S, a, seconds, cols, A_END, D: tl.constexpr, P: tl.constexpr):
+    """First index a's packed rows (a, b >= a) of a chunk's share, from S [BP, BW] (transposed) over the columns
+    `seconds`, to the share's [F, P] rows at `here`."""
+    rows_ok = (seconds >= a) & (seconds < D) & (seconds * 0 + a < A_END)
+    tl.store(LOCAL + here * P + _packed_row(a, seconds, D).to(tl.int64)[:, None] * P + cols[None, :],
+             tl.trans(S).to(LOCAL.dtype.element_ty), mask=rows_ok[:, None] & (cols < P)[None, :])
+
+
+@triton.jit
+def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, c, i_b, i_h, i_bh, sxt, svt,
+                 H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                 BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
+                 REVERSE: tl.constexpr, UPCAST: tl.constexpr, LOW: tl.constexpr):
+    """`_chunk_kernel`'s share as FIRSTS (1, 2 or 4) products of two-dimensional tiles, one accumulator [BP, BW] per
+    first index: the features x * w x_a are formed in the layout of x's tile, with no reshape between layouts."""
+    j = tl.arange(0, SUB)
+    S0 = tl.zeros([BP, BW], dtype=tl.float32)
+    S1 = tl.zeros([BP, BW], dtype=tl.float32)
+    S2 = tl.zeros([BP, BW], dtype=tl.float32)
+    S3 = tl.zeros([BP, BW], dtype=tl.float32)
+    for sub in range(CHUNK // SUB):
+        t = c * CHUNK + sub * SUB + j
+        in_t = t < T
+        w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
+        vt = tl.trans(_rows_tile(v_bh, t, svt, cols, P, in_t))  # [BP, SUB]
+        x = _rows_tile(x_bh, t, sxt, seconds, D, in_t)  # [SUB, BW]
+        x_t = x_bh + t.to(tl.int64) * sxt
+        S0 += _first_share(x, x_t, a0, in_t, w, vt, A_END, LOW, UPCAST)
+        if FIRSTS >= 2:
+            S1 += _first_share(x, x_t, a0 + 1, in_t, w, vt, A_END, LOW, UPCAST)
+        if FIRSTS >= 4:
+            S2 += _first_share(x, x_t, a0 + 2, in_t, w, vt, A_END, LOW, UPCAST)
+            S3 += _first_share(x, x_t, a0 + 3, in_t, w, vt, A_END, LOW, UPCAST)
+    here = (i_bh.to(tl.int64) * NC + c) * (D * (D + 1) // 2)
+    _share_store(LOCAL, here, S0, a0, seconds, cols, A_END, D, P)
+    if FIRSTS >= 2:
+        _share_store(LOCAL, here, S1, a0 + 1, seconds, cols, A_END, D, P)
+    if FIRSTS >= 4:
+        _share_store(LOCAL, here, S2, a0 + 2, seconds, cols, A_END, D, P)
+        _share_store(LOCAL, here, S3, a0 + 3, seconds, cols, A_END, D, P)
+
+
+@triton.jit
 def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, svb, svt, svh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                   BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  REVERSE: tl.constexpr, UPCAST: tl.constexpr, FEATURES_FIRST: tl.constexpr):
+                  REVERSE: tl.constexpr, UPCAST: tl.constexpr, FEATURES_FIRST: tl.constexpr, SPLIT: tl.constexpr,
+                  LOW: tl.constexpr):
     """One (chunk n, FIRSTS first indices a from A0 and a block of P, batch * head): the chunk's own share of the
     packed rows (a, b), b >= a, of the state, transposed ([P, D (D + 1) / 2] per chunk); b runs over the BW columns
     from B0 (a band: `_bands`). Forward (X = k, V = v): v^T (k_a k_b * scale2 exp(G_n - g)); REVERSE (X = q,
@@ -158,6 +221,10 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
     a = A0 + i_a * FIRSTS + pairs // BW
     b = B0 + pairs % BW
     j = tl.arange(0, SUB)
+    if SPLIT:
+        _chunk_split(LOCAL, T, NC, A0 + i_a * FIRSTS, A_END, x_bh, v_bh, G, scale2, cols, seconds, c, i_b, i_h, i_bh, sxt,
+                     svt, H, D, P, CHUNK, SUB, BW, BP, FIRSTS, HAS_DECAY, REVERSE, UPCAST, LOW)
+        return
     if FEATURES_FIRST:
         S = tl.zeros([FIRSTS * BW, BP], dtype=tl.float32)
     else:
@@ -181,11 +248,11 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
     here = (i_bh.to(tl.int64) * NC + c) * F
     in_rows = (a < A_END) & (b >= a) & (b < D)
     if FEATURES_FIRST:
-        tl.store(LOCAL + here * P + cols.to(tl.int64)[None, :] * F + _packed_row(a, b, D)[:, None],
+        tl.store(LOCAL + here * P + _packed_row(a, b, D).to(tl.int64)[:, None] * P + cols[None, :],
                  S.to(LOCAL.dtype.element_ty), mask=in_rows[:, None] & (cols < P)[None, :])
     else:
-        tl.store(LOCAL + here * P + cols.to(tl.int64)[:, None] * F + _packed_row(a, b, D)[None, :],
-                 S.to(LOCAL.dtype.element_ty), mask=(cols < P)[:, None] & in_rows[None, :])
+        tl.store(LOCAL + here * P + _packed_row(a, b, D).to(tl.int64)[:, None] * P + cols[None, :],
+                 tl.trans(S).to(LOCAL.dtype.element_ty), mask=in_rows[:, None] & (cols < P)[None, :])
 
 
 @triton.jit
@@ -218,9 +285,9 @@ def _chunk_normaliser_kernel(X, E, G, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, seb
 def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, TIMES, DOTS, NC,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BR: tl.constexpr,
                  BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
-                 REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
+                 REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr, PASS_STAGES: tl.constexpr):
     """One (batch * head, block of BR packed state rows, block of P) through every chunk: STATES[bh, n] <- S, the state
-    when chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL, transposed). REVERSE: from the last chunk
+    when chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL). REVERSE: from the last chunk
     back, STATES[bh, n] <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS,
     DOTS[bh, n, rows block, block of P] <- exp(G_n) <dS, S_n> over the block's rows, each counted TIMES times as in the
     full layout (PREV: the forward's states). The last S goes to FINAL (fp32). All packed."""
@@ -233,7 +300,6 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
     cols = i_p * BP + tl.arange(0, BP)
     in_rows = rows < F
     block = rows[:, None] * P + cols[None, :]  # the block's offsets in a packed [F, P] state (int32; int64 bases)
-    block_t = cols[None, :] * F + rows[:, None]  # and in a [P, F] one (the chunks' shares)
     in_block = in_rows[:, None] & (cols < P)[None, :]
     z_mine = in_rows & (rows * 0 + i_p == 0)  # the normaliser's rows: the first block of P alone keeps them
     j = tl.arange(0, 16)
@@ -243,7 +309,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
     else:
         S = tl.zeros([BR, BP], dtype=tl.float32)
         z = tl.zeros([BR], dtype=tl.float32)
-    for step in range(NC):
+    for step in tl.range(NC, num_stages=PASS_STAGES):
         if REVERSE:
             c = NC - 1 - step
         else:
@@ -261,7 +327,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
             if HAS_ONES:
                 dot += tl.sum(z * tl.load(PREV_Z + packed + rows, mask=z_mine, other=0.0) * times, axis=0)
             tl.store(DOTS + ((i_bh.to(tl.int64) * NC + c) * NR + i_r) * NP + i_p, decay * dot)
-        S = S * decay + tl.load(LOCAL + packed * P + block_t, mask=in_block, other=0.0).to(tl.float32)
+        S = S * decay + tl.load(LOCAL + packed * P + block, mask=in_block, other=0.0).to(tl.float32)
         if HAS_ONES:
             z = z * decay + tl.load(LOCAL_Z + packed + rows, mask=in_rows, other=0.0)
     tl.store(FINAL + i_bh.to(tl.int64) * F * P + block, S, mask=in_block)
@@ -515,17 +581,21 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     value_dim = v.shape[-1]
     chunks = seq_len // chunk
     packed = head_dim * (head_dim + 1) // 2
-    local = v.new_empty(batch * heads, chunks, value_dim, packed, dtype=v.dtype if SHARES_16BIT else torch.float32)
+    local = v.new_empty(batch * heads, chunks, packed, value_dim, dtype=v.dtype if SHARES_16BIT else torch.float32)
     local_z = v.new_empty(batch * heads, chunks, packed, dtype=torch.float32) if ones else local
     bp = min(_block(value_dim), CHUNK_COLUMNS)
     g_arg = g if g is not None else local
     sub = _rows(chunk, STATE_ROWS)
     for first, end, second, width in _bands(head_dim):
-        firsts = min(CHUNK_FIRSTS * _block(head_dim) // width, triton.next_power_of_2(end - first))
+        if CHUNK_SPLIT:
+            firsts = min(CHUNK_FIRSTS, 4, triton.next_power_of_2(end - first))
+        else:
+            firsts = min(CHUNK_FIRSTS * _block(head_dim) // width, triton.next_power_of_2(end - first))
         _chunk_kernel[(chunks, triton.cdiv(end - first, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
             x, v, g_arg, local, seq_len, chunks, first, end, second, scale2, *x.stride()[:3], *v.stride()[:3], H=heads,
             D=head_dim, P=value_dim, CHUNK=chunk, SUB=sub, BW=width, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
-            REVERSE=reverse, UPCAST=not x.is_cuda, FEATURES_FIRST=CHUNK_FEATURES_FIRST, num_warps=STATE_WARPS)
+            REVERSE=reverse, UPCAST=not x.is_cuda, FEATURES_FIRST=CHUNK_FEATURES_FIRST, SPLIT=CHUNK_SPLIT,
+            LOW=CHUNK_BF16_FEATURES, num_warps=STATE_WARPS)
     if ones:
         _chunk_normaliser_kernel[(chunks, batch * heads)](
             x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
@@ -543,7 +613,7 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
         final, final_z, prev if prev is not None else final, prev_z if prev_z is not None else final,
         times if times is not None else final, dots, chunks,
         H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BR=br, BP=bp, HAS_DECAY=g is not None, HAS_INIT=init is not None,
-        HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, num_warps=PASS_WARPS)
+        HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, PASS_STAGES=PASS_STAGES, num_warps=PASS_WARPS)
     return states, zs if ones else None, final, final_z if ones else None, dots if prev is not None else None
 
 
