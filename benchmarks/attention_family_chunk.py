@@ -238,6 +238,7 @@ def differences(got, reference) -> float:
 
 # power2_states' block choices that `--sweep` times beside the committed ones
 SWEEP = [
+    {"PREFETCH": False},  # the loads that feed no product waited for where they are used
     {"CHUNK_SPLIT": False},  # the chunk kernel's features of its first indices side by side as one operand
     {"CHUNK_SPLIT": False, "CHUNK_FEATURES_FIRST": True},
     {"CHUNK_BF16_FEATURES": True},  # the features formed in bf16

@@ -94,10 +94,12 @@ for stage in "$@"; do case $stage in
   chunk-ncu)  # Nsight Compute on one forward and backward of 2mamba's chunked mixing (the second of two): where each kernel waits
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     run chunk-ncu "${NCU_LIMIT:-240}" "$NCU" --clock-control none \
-      --kernel-name regex:'_chunk_kernel|_chunk_normaliser_kernel|_pass_kernel|_output_kernel|_dq_kernel|_dkdv_kernel|_fwd_kernel' \
-      --launch-skip "${NCU_PER_STEP:-16}" --launch-count "${NCU_PER_STEP:-16}" --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      --section ComputeWorkloadAnalysis python benchmarks/attention_family_chunk.py --bare --shape "${NCU_SHAPE:-2x8192}" --heads "${NCU_HEADS:-24}" ;;
+      --kernel-name regex:'^(_chunk_kernel|_pass_kernel|_output_kernel|_dq_kernel|_dkdv_kernel)$' \
+      --launch-skip "${NCU_PER_STEP:-11}" --launch-count "${NCU_PER_STEP:-11}" --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --metrics "$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard short_scoreboard \
+        barrier mio_throttle math_pipe_throttle wait not_selected selected lg_throttle dispatch_stall no_instruction \
+        membar branch_resolving sleeping drain tex_throttle misc | sed 's/,$//')" python benchmarks/attention_family_chunk.py --bare --shape "${NCU_SHAPE:-2x8192}" --heads "${NCU_HEADS:-24}" ;;
   chunk-crossover) run chunk-crossover "${CROSSOVER_LIMIT:-480}" python benchmarks/attention_family_chunk.py ${CROSSOVER_ARGS:-} ;;
   memory) if [ "${MEMORY_SEPARATE:-0}" = 1 ] && [ -n "${MEMORY_MODELS:-}" ]; then  # each model in a process of its own
       run memory "${MEMORY_LIMIT:-300}" bash -c 'for m in $1; do python benchmarks/memory_peak.py --model "$m" --shape "$2" "${@:3}"; done' _ \

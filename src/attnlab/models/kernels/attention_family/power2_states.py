@@ -87,6 +87,9 @@ CHUNK_COLUMNS = 64
 CHUNK_FEATURES_FIRST = False
 CHUNK_SPLIT = True
 CHUNK_BF16_FEATURES = False
+# The chunk kernel's and the token kernels' loads that feed no product (x's columns of the first indices, the weights)
+# issued a step ahead of their use, by hand
+PREFETCH = True
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
 # chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
@@ -135,11 +138,10 @@ def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK
 
 
 @triton.jit
-def _first_share(x, x_t, a, in_t, w, vt, A_END, LOW: tl.constexpr, UPCAST: tl.constexpr):
-    """One first index a's term of a chunk's share, vt @ (x * w x_a) for vt [BP, SUB] and x [SUB, BW] (bf16 features
-    formed in bf16 with LOW, else in fp32 and rounded once). A first index past A_END reads the last one's column (its
-    rows are not stored)."""
-    wa = tl.load(x_t + tl.minimum(a, A_END - 1), mask=in_t, other=0.0).to(tl.float32) * w
+def _first_share(x, x_a, w, vt, LOW: tl.constexpr, UPCAST: tl.constexpr):
+    """One first index a's term of a chunk's share, vt @ (x * w x_a) for vt [BP, SUB], x [SUB, BW] and its column a,
+    x_a [SUB] (bf16 features formed in bf16 with LOW, else in fp32 and rounded once)."""
+    wa = x_a.to(tl.float32) * w
     if LOW and UPCAST:  # the same rounding, for the interpreter (whose bf16 arithmetic is wrong): the fp32 product
         # of two bf16 numbers is exact
         phi = (x.to(tl.float32) * wa.to(x.dtype).to(tl.float32)[:, None]).to(vt.dtype)
@@ -148,6 +150,28 @@ def _first_share(x, x_t, a, in_t, w, vt, A_END, LOW: tl.constexpr, UPCAST: tl.co
     else:
         phi = (x.to(tl.float32) * wa[:, None]).to(vt.dtype)
     return _dot(vt, phi, vt.dtype == tl.float32, UPCAST)
+
+
+@triton.jit
+def _step_columns(x_bh, G, sxt, a0, A_END, c, sub, j, T, NC, scale2, i_b, i_h, H: tl.constexpr, CHUNK: tl.constexpr,
+                  SUB: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr):
+    """What one step of `_chunk_split` reads beside its tiles: the tokens' weights and x's columns of the FIRSTS first
+    indices from a0 (4 of them, the unused ones zero); a first index past A_END reads the last one's column (its rows
+    are not stored)."""
+    t = c * CHUNK + sub * SUB + j
+    in_t = t < T
+    w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
+    x_t = x_bh + t.to(tl.int64) * sxt
+    x0 = tl.load(x_t + a0, mask=in_t, other=0.0)
+    x1 = tl.zeros_like(x0)
+    x2 = tl.zeros_like(x0)
+    x3 = tl.zeros_like(x0)
+    if FIRSTS >= 2:
+        x1 = tl.load(x_t + tl.minimum(a0 + 1, A_END - 1), mask=in_t, other=0.0)
+    if FIRSTS >= 4:
+        x2 = tl.load(x_t + tl.minimum(a0 + 2, A_END - 1), mask=in_t, other=0.0)
+        x3 = tl.load(x_t + tl.minimum(a0 + 3, A_END - 1), mask=in_t, other=0.0)
+    return w, x0, x1, x2, x3
 
 
 @triton.jit
@@ -163,7 +187,7 @@ def _share_store(LOCAL, here, S, a, seconds, cols, A_END, D: tl.constexpr, P: tl
 def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, c, i_b, i_h, i_bh, sxt, svt,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                  BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
-                 REVERSE: tl.constexpr, UPCAST: tl.constexpr, LOW: tl.constexpr):
+                 REVERSE: tl.constexpr, UPCAST: tl.constexpr, LOW: tl.constexpr, PREFETCH: tl.constexpr):
     """`_chunk_kernel`'s share as FIRSTS (1, 2 or 4) products of two-dimensional tiles, one accumulator [BP, BW] per
     first index: the features x * w x_a are formed in the layout of x's tile, with no reshape between layouts."""
     j = tl.arange(0, SUB)
@@ -171,19 +195,30 @@ def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, 
     S1 = tl.zeros([BP, BW], dtype=tl.float32)
     S2 = tl.zeros([BP, BW], dtype=tl.float32)
     S3 = tl.zeros([BP, BW], dtype=tl.float32)
-    for sub in range(CHUNK // SUB):
+    # the weights and columns of the next step read while this one multiplies: their loads feed no product, so
+    # Triton's pipelining leaves them to wait for at their use
+    w, x0, x1, x2, x3 = _step_columns(x_bh, G, sxt, a0, A_END, c, 0, j, T, NC, scale2, i_b, i_h, H, CHUNK, SUB, FIRSTS,
+                                      HAS_DECAY, REVERSE)
+    STEPS: tl.constexpr = CHUNK // SUB
+    for sub in range(STEPS):
         t = c * CHUNK + sub * SUB + j
         in_t = t < T
-        w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
+        if PREFETCH:
+            w_n, x0_n, x1_n, x2_n, x3_n = _step_columns(x_bh, G, sxt, a0, A_END, c, tl.minimum(sub + 1, STEPS - 1), j, T,
+                                                        NC, scale2, i_b, i_h, H, CHUNK, SUB, FIRSTS, HAS_DECAY, REVERSE)
+        else:
+            w, x0, x1, x2, x3 = _step_columns(x_bh, G, sxt, a0, A_END, c, sub, j, T, NC, scale2, i_b, i_h, H, CHUNK,
+                                              SUB, FIRSTS, HAS_DECAY, REVERSE)
         vt = tl.trans(_rows_tile(v_bh, t, svt, cols, P, in_t))  # [BP, SUB]
         x = _rows_tile(x_bh, t, sxt, seconds, D, in_t)  # [SUB, BW]
-        x_t = x_bh + t.to(tl.int64) * sxt
-        S0 += _first_share(x, x_t, a0, in_t, w, vt, A_END, LOW, UPCAST)
+        S0 += _first_share(x, x0, w, vt, LOW, UPCAST)
         if FIRSTS >= 2:
-            S1 += _first_share(x, x_t, a0 + 1, in_t, w, vt, A_END, LOW, UPCAST)
+            S1 += _first_share(x, x1, w, vt, LOW, UPCAST)
         if FIRSTS >= 4:
-            S2 += _first_share(x, x_t, a0 + 2, in_t, w, vt, A_END, LOW, UPCAST)
-            S3 += _first_share(x, x_t, a0 + 3, in_t, w, vt, A_END, LOW, UPCAST)
+            S2 += _first_share(x, x2, w, vt, LOW, UPCAST)
+            S3 += _first_share(x, x3, w, vt, LOW, UPCAST)
+        if PREFETCH:
+            w, x0, x1, x2, x3 = w_n, x0_n, x1_n, x2_n, x3_n
     here = (i_bh.to(tl.int64) * NC + c) * (D * (D + 1) // 2)
     _share_store(LOCAL, here, S0, a0, seconds, cols, A_END, D, P)
     if FIRSTS >= 2:
@@ -198,7 +233,7 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                   BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
                   REVERSE: tl.constexpr, UPCAST: tl.constexpr, FEATURES_FIRST: tl.constexpr, SPLIT: tl.constexpr,
-                  LOW: tl.constexpr):
+                  LOW: tl.constexpr, PREFETCH: tl.constexpr):
     """One (chunk n, FIRSTS first indices a from A0 and a block of P, batch * head): the chunk's own share of the
     packed rows (a, b), b >= a, of the state, transposed ([P, D (D + 1) / 2] per chunk); b runs over the BW columns
     from B0 (a band: `_bands`). Forward (X = k, V = v): v^T (k_a k_b * scale2 exp(G_n - g)); REVERSE (X = q,
@@ -223,7 +258,7 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
     j = tl.arange(0, SUB)
     if SPLIT:
         _chunk_split(LOCAL, T, NC, A0 + i_a * FIRSTS, A_END, x_bh, v_bh, G, scale2, cols, seconds, c, i_b, i_h, i_bh, sxt,
-                     svt, H, D, P, CHUNK, SUB, BW, BP, FIRSTS, HAS_DECAY, REVERSE, UPCAST, LOW)
+                     svt, H, D, P, CHUNK, SUB, BW, BP, FIRSTS, HAS_DECAY, REVERSE, UPCAST, LOW, PREFETCH)
         return
     if FEATURES_FIRST:
         S = tl.zeros([FIRSTS * BW, BP], dtype=tl.float32)
@@ -421,11 +456,23 @@ def _banded(acc, x_bh, t, sxt, in_t, weight, STATES, here, D: tl.constexpr, P: t
 
 
 @triton.jit
+def _column_ahead(x_t, a, loaded, in_t, D: tl.constexpr, PREFETCH: tl.constexpr):
+    """(what the next step of a loop over first indices a takes as `loaded`, x's column a): with PREFETCH, `loaded` is
+    column a (read a step before) and column a + 1 is read now, so that its load waits for no one; else column a is
+    read now."""
+    if PREFETCH:
+        return tl.load(x_t + tl.minimum(a + 1, D - 1), mask=in_t, other=0.0), loaded
+    else:
+        column = tl.load(x_t + a, mask=in_t, other=0.0)
+        return column, column
+
+
+@triton.jit
 def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt, sqh, snb, snt, snh, sdb, sdt, sdh,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                    BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                    UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
-                   SPLIT2: tl.constexpr):
+                   SPLIT2: tl.constexpr, PREFETCH: tl.constexpr):
     """num = the chunk's own part NUM + exp(g) phi(q) S_n for a block of tokens of chunk n: BANDED, sum over a <= b of
     (q_b * exp(g) q_a * c_ab) S_ab in the bands of `_bands` (`_banded`), else sum over a of (q * exp(g) q_a) S_a, to
     NUM_OUT; with HAS_ONES the normaliser's part plus DEN to DEN_OUT. NUM and NUM_OUT [B, T, H, P] fp32, both at the
@@ -439,9 +486,11 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
         acc = _banded(acc, q_bh, t, sqt, in_t, weight, STATES, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, UPCAST)
     else:
         DT = STATES.dtype.element_ty
+        q_t = q_bh + t.to(tl.int64) * sqt
+        qa = tl.load(q_t, mask=in_t, other=0.0)
         for a in range(D):
-            qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
-            phi = q * (qa * weight)[:, None]
+            qa, q_a = _column_ahead(q_t, a, qa, in_t, D, PREFETCH)
+            phi = q * (q_a.to(tl.float32) * weight)[:, None]
             S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
                           mask=in_block, other=0.0)
             acc += _dot(phi.to(DT), S_a, DT == tl.float32, UPCAST)
@@ -459,7 +508,7 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
 def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, syt, syh, seb, set_, seh,
                H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-               UPCAST: tl.constexpr):
+               UPCAST: tl.constexpr, PREFETCH: tl.constexpr):
     """dq = 2 exp(g) sum_a q_a S_a [dy, dden] for a block of tokens (S symmetric), dy [B, T, H, P] and the
     normaliser's gradient dden [B, T, H] (HAS_ONES) at their strides; DQ in its own dtype, laid out as Q; with
     HAS_DECAY, QDQ [B, T, H] fp32 (contiguous) <- q . dq, from dq before its rounding."""
@@ -473,11 +522,13 @@ def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, s
         dden_bh = DDEN + i_b.to(tl.int64) * seb + i_h * seh
         dden = tl.load(dden_bh + t.to(tl.int64) * set_, mask=in_t, other=0.0).to(tl.float32) * weight
     dq = tl.zeros([BL, BD], dtype=tl.float32)
+    q_t = q_bh + t.to(tl.int64) * sqt
+    qa = tl.load(q_t, mask=in_t, other=0.0)
     for a in range(D):
-        qa = tl.load(q_bh + t.to(tl.int64) * sqt + a, mask=in_t, other=0.0).to(tl.float32)
+        qa, q_a = _column_ahead(q_t, a, qa, in_t, D, PREFETCH)
         S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block,
                       other=0.0)
-        dq += _dot((dy * qa[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
+        dq += _dot((dy * q_a.to(tl.float32)[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
     in_q = in_t[:, None] & (rows < D)[None, :]
     if HAS_ONES or HAS_DECAY:  # q read again, at addresses from the block's first token: the start's tile or its
         # addresses kept through the loop would hold registers
@@ -497,7 +548,7 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, sk
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                  UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
-                 SPLIT2: tl.constexpr):
+                 SPLIT2: tl.constexpr, PREFETCH: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
     dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (BANDED: on the rows b >= a,
     `_banded`); DK, DV in their own dtypes, laid out as K, V; with HAS_DECAY, KDK [B, T, H] fp32 (contiguous)
@@ -513,8 +564,11 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, sk
     dv = tl.zeros([BL, BP], dtype=tl.float32)
     if BANDED:
         dv = _banded(dv, k_bh, t, skt, in_t, weight, DSTATES, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, UPCAST)
+    k_t = k_bh + t.to(tl.int64) * skt
+    ka = tl.load(k_t, mask=in_t, other=0.0)
     for a in range(D):
-        kw = tl.load(k_bh + t.to(tl.int64) * skt + a, mask=in_t, other=0.0).to(tl.float32) * weight
+        ka, k_a = _column_ahead(k_t, a, ka, in_t, D, PREFETCH)
+        kw = k_a.to(tl.float32) * weight
         dS_a = tl.load(DSTATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
                        mask=in_block, other=0.0)
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
@@ -595,7 +649,7 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
             x, v, g_arg, local, seq_len, chunks, first, end, second, scale2, *x.stride()[:3], *v.stride()[:3], H=heads,
             D=head_dim, P=value_dim, CHUNK=chunk, SUB=sub, BW=width, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
             REVERSE=reverse, UPCAST=not x.is_cuda, FEATURES_FIRST=CHUNK_FEATURES_FIRST, SPLIT=CHUNK_SPLIT,
-            LOW=CHUNK_BF16_FEATURES, num_warps=STATE_WARPS)
+            LOW=CHUNK_BF16_FEATURES, PREFETCH=PREFETCH, num_warps=STATE_WARPS)
     if ones:
         _chunk_normaliser_kernel[(chunks, batch * heads)](
             x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
@@ -621,7 +675,8 @@ def _meta(heads, head_dim, value_dim, chunk, g, ones, x, banded=False):
     """The token kernels' constants; `banded` (the output and dk/dv kernels): `BANDED` and the bands of `_bands` as
     `_banded` takes them (how many, and where the second and third start)."""
     meta = dict(H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BL=_rows(chunk, TOKEN_ROWS), BD=_block(head_dim),
-                BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, num_warps=TOKEN_WARPS)
+                BP=_block(value_dim), HAS_DECAY=g is not None, HAS_ONES=ones, UPCAST=not x.is_cuda, PREFETCH=PREFETCH,
+                num_warps=TOKEN_WARPS)
     if banded:
         starts = [first for first, _, _, _ in _bands(head_dim)[1:]] + [0, 0]
         meta.update(BANDED=BANDED, BANDS=len(_bands(head_dim)), SPLIT1=starts[0], SPLIT2=starts[1])
