@@ -238,16 +238,12 @@ def differences(got, reference) -> float:
 
 # power2_states' block choices that `--sweep` times beside the committed ones
 SWEEP = [
+    {"SPLIT_MIN_WIDTH": 16},  # every band of the chunk kernel one product per first index
+    {"SPLIT_MIN_WIDTH": 128},  # no band: the first indices' features side by side as one operand
     {"PREFETCH": False},  # the loads that feed no product waited for where they are used
-    {"CHUNK_SPLIT": False},  # the chunk kernel's features of its first indices side by side as one operand
-    {"CHUNK_SPLIT": False, "CHUNK_FEATURES_FIRST": True},
-    {"CHUNK_BF16_FEATURES": True},  # the features formed in bf16
     {"STATE_ROWS": 64},
-    {"STATE_ROWS": 64, "CHUNK_BF16_FEATURES": True},
     {"CHUNK_FIRSTS": 2},
-    {"PASS_STAGES": 1},  # the pass kernel's loads not issued ahead
-    {"PASS_STAGES": 3},
-    {"PASS_ROWS": 32, "PASS_WARPS": 4},
+    {"PASS_ROWS": 64, "PASS_WARPS": 8},
     {"TOKEN_ROWS": 128, "TOKEN_WARPS": 8},  # the token kernels on blocks of 128 tokens
     {"BANDED": True},  # the output and dv in bands
     {"KEEP_STATES": False},  # the backward walks the forward's states again

@@ -462,22 +462,25 @@ def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernel
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("keep, banded, features_first",
-                         [(True, True, False), (False, False, False), (True, False, True)],
+@pytest.mark.parametrize("keep, banded, split_from, prefetch",
+                         [(True, True, 32, True), (False, False, 32, True), (True, False, 16, False),
+                          (True, False, 128, True)],
                          ids=["states kept, output banded", "states walked again, output on full rows",
-                              "the chunk kernel's features its first operand"])
+                              "every band split, nothing read ahead", "no band split"])
 @pytest.mark.parametrize("head_dim", [24, 64], ids=lambda d: f"heads of {d}")
-def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, features_first, power2_on_kernels,
-                                                        monkeypatch):
+def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, split_from, prefetch,
+                                                        power2_on_kernels, monkeypatch):
     """Heads of 24 and 64: the state's packed rows in two and three bands of second indices (`_bands`) in the chunk
-    kernel (its product either way round: `CHUNK_FEATURES_FIRST`), and in the output and dv kernels or their full rows
-    read from the packed ones (`BANDED`); the states kept from the forward or walked again in the backward
-    (`KEEP_STATES`); outputs and gradients against the fp32 reference."""
+    kernel (one product per first index, or one for all, per band: `SPLIT_MIN_WIDTH`), and in the output and dv
+    kernels or their full rows read from the packed ones (`BANDED`); the states kept from the forward or walked again
+    in the backward (`KEEP_STATES`); the next step's columns read ahead or not (`PREFETCH`); outputs and gradients
+    against the fp32 reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
     monkeypatch.setattr(power2_states, "KEEP_STATES", keep)
     monkeypatch.setattr(power2_states, "BANDED", banded)
-    monkeypatch.setattr(power2_states, "CHUNK_FEATURES_FIRST", features_first)
+    monkeypatch.setattr(power2_states, "SPLIT_MIN_WIDTH", split_from)
+    monkeypatch.setattr(power2_states, "PREFETCH", prefetch)
     assert len(power2_states._bands(head_dim)) == {24: 2, 64: 3}[head_dim]
     case = ("power2", "sum", True)
     q, k, v, log_decay, mask = case_inputs(case, 1, 40, 1, head_dim, masked=True)
@@ -486,19 +489,19 @@ def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, 
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("firsts, features_first", [(1, False), (4, False), (4, True)],
-                         ids=["one first index a program", "four", "four, the features the first operand"])
+@pytest.mark.parametrize("firsts, split_from", [(1, 16), (2, 16), (4, 16), (4, 32)],
+                         ids=["one first index a program", "two", "four", "four, side by side"])
 @pytest.mark.parametrize("value_dim", [24, 80], ids=["values narrower than a block", "values in two blocks"])
-def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, features_first,
+def test_power2_state_kernels_take_long_chunks_and_other_value_widths(value_dim, firsts, split_from,
                                                                       power2_on_kernels, monkeypatch):
     """Chunks of 128 (the chunk kernel's walk in several steps, the token kernels in blocks of 64), values wider
-    and narrower than the heads and not a power of two, the chunk kernel's first indices one or four a program
-    (`CHUNK_FIRSTS`), in blocks of 64 value columns (`CHUNK_COLUMNS`), its product either way round
-    (`CHUNK_FEATURES_FIRST`): outputs, normaliser and gradients against the reference."""
+    and narrower than the heads and not a power of two, the chunk kernel's first indices one, two or four a program
+    (`CHUNK_FIRSTS`), each its own product or side by side in one (`SPLIT_MIN_WIDTH`), in blocks of 64 value columns
+    (`CHUNK_COLUMNS`): outputs, normaliser and gradients against the reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
     monkeypatch.setattr(power2_states, "CHUNK_FIRSTS", firsts)
-    monkeypatch.setattr(power2_states, "CHUNK_FEATURES_FIRST", features_first)
+    monkeypatch.setattr(power2_states, "SPLIT_MIN_WIDTH", split_from)
     g = torch.Generator().manual_seed(3)
     q, k = (torch.randn(1, 300, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(1, 300, 2, value_dim, generator=g)

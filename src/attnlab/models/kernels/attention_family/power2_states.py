@@ -12,10 +12,11 @@ rows. So every product with the features is an ordinary product of tiles in regi
 per token is ever written:
 
     1. `_chunk_kernel`    one program per (chunk, a few first indices a and a block of Dv, batch * head): the chunk's
-                          own share of the packed rows (a, b >= a), v^T (w x_a x_b), the first indices' features side
-                          by side as one operand; b runs over a band of columns from a's band start (`_bands`: at
-                          d = 64 it forms 2816 rows for the 2080 packed). Every chunk at once. REVERSE: with (q, dy)
-                          and weights exp(g), the share of the state's gradient. `_chunk_normaliser_kernel`: the
+                          own share of the packed rows (a, b >= a), v^T (w x_a x_b), one product per first index
+                          (narrow bands: the first indices' features side by side as one operand); b runs over a band
+                          of columns from a's band start (`_bands`: at d = 64 it forms 2816 rows for the 2080
+                          packed). Every chunk at once. REVERSE: with (q, dy) and weights exp(g), the share of the
+                          state's gradient. `_chunk_normaliser_kernel`: the
                           normaliser's share, x^T (w x), per chunk.
        `_pass_kernel`     one program per (batch * head, block of packed rows) walks the chunks, stores the state when
                           each chunk starts (in the inputs' dtype: its readers multiply them on it) and moves on,
@@ -82,22 +83,29 @@ STATE_ROWS = 32
 STATE_WARPS = 4
 CHUNK_FIRSTS = 4
 CHUNK_COLUMNS = 64
-# The chunk kernel's product the other way round (`_chunk_kernel`'s FEATURES_FIRST): the features its first operand,
-# read by the tensor cores from registers, rather than its second, which they read from shared memory. Not timed yet.
-CHUNK_FEATURES_FIRST = False
-CHUNK_SPLIT = True
-CHUNK_BF16_FEATURES = False
+# Bands at least this wide run the chunk kernel SPLIT: one product and accumulator per first index, the features formed
+# in the layout of x's tile (`_chunk_split`). Side by side in one operand, they pass through a reshape between layouts:
+# compiled by the device's Triton 3.6 for sm_90, its step of 32 tokens issues 791 instructions against 364 split, 65 of
+# them 16-bit stores to shared memory. Narrower bands keep the one operand, which takes all their first indices in one
+# program (the widest band, 32 first indices on 64 columns, takes 437 us split against 598, a band of 16 columns 133
+# against 80: Nsight Compute, one direction of the 2 x 8192 shape below). On an H200 (2mamba's mixing forward and
+# backward at 2 x 8192, 24 heads; benchmarks/results/h200-chunk-blocks-power2-split-2x8192.txt): every band split
+# 5.88 ms, none 6.27; with the loads of the next step's columns not issued ahead (`PREFETCH`) 6.33.
+SPLIT_MIN_WIDTH = 32
 # The chunk kernel's and the token kernels' loads that feed no product (x's columns of the first indices, the weights)
-# issued a step ahead of their use, by hand
+# issued a step ahead of their use, by hand: Triton's pipelining issues ahead only the loads of a product's operands
 PREFETCH = True
 SHARES_16BIT = True  # the chunks' own shares of the state in the inputs' dtype (in fp32: 33.25 against 31.38 ms, above)
 # The states when each chunk starts, packed in the inputs' dtype, kept from the forward for the backward (F * Dv per
 # chunk and head: at heads of 64 and chunks of 512, 520 bytes a token and head in bf16) rather than walked again:
 # 23.89 against 26.45 ms (h200-chunk-blocks-power2-banded-or-full-rows.txt)
 KEEP_STATES = True
-PASS_ROWS, PASS_WARPS = 64, 8  # the pass kernel's block of a state's packed rows (of all its value columns up to 64)
+# The pass kernel's block of a state's packed rows (of all its value columns up to 64) and warps. At 2 x 8192
+# (h200-chunk-blocks-power2-split-2x8192.txt): 32 rows on 4 warps 5.68 ms, 64 on 8 5.88 (in three more calls: 6.65
+# against 6.81, 6.52 against 6.42, 6.16 against 6.50). Its next chunk's loads issued ahead by Triton's pipelining
+# (2 stages): 5.88 against 5.80 without.
+PASS_ROWS, PASS_WARPS = 32, 4
 PASS_COLUMNS = 64
-PASS_STAGES = 2  # the pass kernel's loads of the next chunks' shares (and the forward's states) issued ahead
 
 
 @triton.jit
@@ -138,17 +146,10 @@ def _chunk_weights(G, i_b, i_h, c, pos, NC, scale2, in_t, H: tl.constexpr, CHUNK
 
 
 @triton.jit
-def _first_share(x, x_a, w, vt, LOW: tl.constexpr, UPCAST: tl.constexpr):
+def _first_share(x, x_a, w, vt, UPCAST: tl.constexpr):
     """One first index a's term of a chunk's share, vt @ (x * w x_a) for vt [BP, SUB], x [SUB, BW] and its column a,
-    x_a [SUB] (bf16 features formed in bf16 with LOW, else in fp32 and rounded once)."""
-    wa = x_a.to(tl.float32) * w
-    if LOW and UPCAST:  # the same rounding, for the interpreter (whose bf16 arithmetic is wrong): the fp32 product
-        # of two bf16 numbers is exact
-        phi = (x.to(tl.float32) * wa.to(x.dtype).to(tl.float32)[:, None]).to(vt.dtype)
-    elif LOW:
-        phi = x * wa.to(x.dtype)[:, None]
-    else:
-        phi = (x.to(tl.float32) * wa[:, None]).to(vt.dtype)
+    x_a [SUB]: the features formed in fp32 and rounded once to the products' dtype."""
+    phi = (x.to(tl.float32) * (x_a.to(tl.float32) * w)[:, None]).to(vt.dtype)
     return _dot(vt, phi, vt.dtype == tl.float32, UPCAST)
 
 
@@ -187,7 +188,7 @@ def _share_store(LOCAL, here, S, a, seconds, cols, A_END, D: tl.constexpr, P: tl
 def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, c, i_b, i_h, i_bh, sxt, svt,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                  BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
-                 REVERSE: tl.constexpr, UPCAST: tl.constexpr, LOW: tl.constexpr, PREFETCH: tl.constexpr):
+                 REVERSE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr):
     """`_chunk_kernel`'s share as FIRSTS (1, 2 or 4) products of two-dimensional tiles, one accumulator [BP, BW] per
     first index: the features x * w x_a are formed in the layout of x's tile, with no reshape between layouts."""
     j = tl.arange(0, SUB)
@@ -211,12 +212,12 @@ def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, 
                                               SUB, FIRSTS, HAS_DECAY, REVERSE)
         vt = tl.trans(_rows_tile(v_bh, t, svt, cols, P, in_t))  # [BP, SUB]
         x = _rows_tile(x_bh, t, sxt, seconds, D, in_t)  # [SUB, BW]
-        S0 += _first_share(x, x0, w, vt, LOW, UPCAST)
+        S0 += _first_share(x, x0, w, vt, UPCAST)
         if FIRSTS >= 2:
-            S1 += _first_share(x, x1, w, vt, LOW, UPCAST)
+            S1 += _first_share(x, x1, w, vt, UPCAST)
         if FIRSTS >= 4:
-            S2 += _first_share(x, x2, w, vt, LOW, UPCAST)
-            S3 += _first_share(x, x3, w, vt, LOW, UPCAST)
+            S2 += _first_share(x, x2, w, vt, UPCAST)
+            S3 += _first_share(x, x3, w, vt, UPCAST)
         if PREFETCH:
             w, x0, x1, x2, x3 = w_n, x0_n, x1_n, x2_n, x3_n
     here = (i_bh.to(tl.int64) * NC + c) * (D * (D + 1) // 2)
@@ -232,16 +233,13 @@ def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, 
 def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, svb, svt, svh,
                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                   BW: tl.constexpr, BP: tl.constexpr, FIRSTS: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  REVERSE: tl.constexpr, UPCAST: tl.constexpr, FEATURES_FIRST: tl.constexpr, SPLIT: tl.constexpr,
-                  LOW: tl.constexpr, PREFETCH: tl.constexpr):
+                  REVERSE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
     """One (chunk n, FIRSTS first indices a from A0 and a block of P, batch * head): the chunk's own share of the
-    packed rows (a, b), b >= a, of the state, transposed ([P, D (D + 1) / 2] per chunk); b runs over the BW columns
-    from B0 (a band: `_bands`). Forward (X = k, V = v): v^T (k_a k_b * scale2 exp(G_n - g)); REVERSE (X = q,
-    V = dy): dy^T (q_a q_b * exp(g)). The features of the FIRSTS first indices lie side by side as one
-    [tokens, FIRSTS * BW] operand, formed from one load of X's tile and its columns a, so the value tile is read once
-    for all of them. FEATURES_FIRST: the same share untransposed, phi^T v, its features (formed from X's tile loaded
-    transposed) the product's first operand, which the tensor cores read from registers, and the value tile loaded
-    as it lies the second."""
+    packed rows (a, b), b >= a, of the state ([D (D + 1) / 2, P] per chunk); b runs over the BW columns from B0 (a
+    band: `_bands`). Forward (X = k, V = v): v^T (k_a k_b * scale2 exp(G_n - g)); REVERSE (X = q, V = dy):
+    dy^T (q_a q_b * exp(g)). SPLIT: one product and accumulator per first index (`_chunk_split`); else the features
+    of the FIRSTS first indices side by side as one [tokens, FIRSTS * BW] operand, formed from one load of X's tile
+    and its columns a (narrow bands: many first indices a program, the tiles read once for all of them)."""
     c, i_ap, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NP: tl.constexpr = (P + BP - 1) // BP
     F: tl.constexpr = D * (D + 1) // 2
@@ -251,41 +249,27 @@ def _chunk_kernel(X, V, G, LOCAL, T, NC, A0, A_END, B0, scale2, sxb, sxt, sxh, s
     v_bh = V + i_b.to(tl.int64) * svb + i_h * svh
     cols = i_p * BP + tl.arange(0, BP)
     seconds = B0 + tl.arange(0, BW)
-    firsts = A0 + i_a * FIRSTS + tl.arange(0, FIRSTS)
-    pairs = tl.arange(0, FIRSTS * BW)  # the operand's columns: (a, b) with b the faster
-    a = A0 + i_a * FIRSTS + pairs // BW
-    b = B0 + pairs % BW
-    j = tl.arange(0, SUB)
     if SPLIT:
         _chunk_split(LOCAL, T, NC, A0 + i_a * FIRSTS, A_END, x_bh, v_bh, G, scale2, cols, seconds, c, i_b, i_h, i_bh, sxt,
-                     svt, H, D, P, CHUNK, SUB, BW, BP, FIRSTS, HAS_DECAY, REVERSE, UPCAST, LOW, PREFETCH)
-        return
-    if FEATURES_FIRST:
-        S = tl.zeros([FIRSTS * BW, BP], dtype=tl.float32)
+                     svt, H, D, P, CHUNK, SUB, BW, BP, FIRSTS, HAS_DECAY, REVERSE, UPCAST, PREFETCH)
     else:
+        firsts = A0 + i_a * FIRSTS + tl.arange(0, FIRSTS)
+        pairs = tl.arange(0, FIRSTS * BW)  # the operand's columns: (a, b) with b the faster
+        a = A0 + i_a * FIRSTS + pairs // BW
+        b = B0 + pairs % BW
+        j = tl.arange(0, SUB)
         S = tl.zeros([BP, FIRSTS * BW], dtype=tl.float32)
-    for sub in range(CHUNK // SUB):
-        t = c * CHUNK + sub * SUB + j
-        in_t = t < T
-        w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
-        vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
-        if FEATURES_FIRST:
-            x_t = x_bh + t.to(tl.int64)[None, :] * sxt
-            x = tl.load(x_t + seconds[:, None], mask=in_t[None, :] & (seconds < D)[:, None], other=0.0).to(tl.float32)
-            x_a = tl.load(x_t + firsts[:, None], mask=in_t[None, :] & (firsts < D)[:, None], other=0.0).to(tl.float32)
-            phi = tl.reshape((x_a * w[None, :])[:, None, :] * x[None, :, :], (FIRSTS * BW, SUB))  # transposed
-            S += _dot(phi.to(vt.dtype), vt, vt.dtype == tl.float32, UPCAST)
-        else:
+        for sub in range(CHUNK // SUB):
+            t = c * CHUNK + sub * SUB + j
+            in_t = t < T
+            w = _chunk_weights(G, i_b, i_h, c, sub * SUB + j, NC, scale2, in_t, H, CHUNK, HAS_DECAY, REVERSE)
+            vt = _rows_tile(v_bh, t, svt, cols, P, in_t)
             x = _rows_tile(x_bh, t, sxt, seconds, D, in_t).to(tl.float32)  # [SUB, BW]
             x_a = _rows_tile(x_bh, t, sxt, firsts, D, in_t).to(tl.float32) * w[:, None]  # [SUB, FIRSTS]
             phi = tl.reshape(x_a[:, :, None] * x[:, None, :], (SUB, FIRSTS * BW))  # the features, weighted
             S += _dot(tl.trans(vt), phi.to(vt.dtype), vt.dtype == tl.float32, UPCAST)
-    here = (i_bh.to(tl.int64) * NC + c) * F
-    in_rows = (a < A_END) & (b >= a) & (b < D)
-    if FEATURES_FIRST:
-        tl.store(LOCAL + here * P + _packed_row(a, b, D).to(tl.int64)[:, None] * P + cols[None, :],
-                 S.to(LOCAL.dtype.element_ty), mask=in_rows[:, None] & (cols < P)[None, :])
-    else:
+        here = (i_bh.to(tl.int64) * NC + c) * F
+        in_rows = (a < A_END) & (b >= a) & (b < D)
         tl.store(LOCAL + here * P + _packed_row(a, b, D).to(tl.int64)[:, None] * P + cols[None, :],
                  tl.trans(S).to(LOCAL.dtype.element_ty), mask=in_rows[:, None] & (cols < P)[None, :])
 
@@ -320,7 +304,7 @@ def _chunk_normaliser_kernel(X, E, G, LOCAL_Z, T, NC, scale2, sxb, sxt, sxh, seb
 def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PREV, PREV_Z, TIMES, DOTS, NC,
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BR: tl.constexpr,
                  BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ONES: tl.constexpr,
-                 REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr, PASS_STAGES: tl.constexpr):
+                 REVERSE: tl.constexpr, WANT_DOTS: tl.constexpr):
     """One (batch * head, block of BR packed state rows, block of P) through every chunk: STATES[bh, n] <- S, the state
     when chunk n starts, then S <- exp(G_n) S + the chunk's own share (LOCAL). REVERSE: from the last chunk
     back, STATES[bh, n] <- the gradient of the state when chunk n ends, and the same recurrence; with WANT_DOTS,
@@ -344,7 +328,7 @@ def _pass_kernel(LOCAL, LOCAL_Z, G, INIT, INIT_Z, STATES, ZS, FINAL, FINAL_Z, PR
     else:
         S = tl.zeros([BR, BP], dtype=tl.float32)
         z = tl.zeros([BR], dtype=tl.float32)
-    for step in tl.range(NC, num_stages=PASS_STAGES):
+    for step in range(NC):
         if REVERSE:
             c = NC - 1 - step
         else:
@@ -641,15 +625,15 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
     g_arg = g if g is not None else local
     sub = _rows(chunk, STATE_ROWS)
     for first, end, second, width in _bands(head_dim):
-        if CHUNK_SPLIT:
-            firsts = min(CHUNK_FIRSTS, 4, triton.next_power_of_2(end - first))
+        split = width >= SPLIT_MIN_WIDTH
+        if split:
+            firsts = min(CHUNK_FIRSTS, triton.next_power_of_2(end - first))
         else:
             firsts = min(CHUNK_FIRSTS * _block(head_dim) // width, triton.next_power_of_2(end - first))
         _chunk_kernel[(chunks, triton.cdiv(end - first, firsts) * triton.cdiv(value_dim, bp), batch * heads)](
             x, v, g_arg, local, seq_len, chunks, first, end, second, scale2, *x.stride()[:3], *v.stride()[:3], H=heads,
             D=head_dim, P=value_dim, CHUNK=chunk, SUB=sub, BW=width, BP=bp, FIRSTS=firsts, HAS_DECAY=g is not None,
-            REVERSE=reverse, UPCAST=not x.is_cuda, FEATURES_FIRST=CHUNK_FEATURES_FIRST, SPLIT=CHUNK_SPLIT,
-            LOW=CHUNK_BF16_FEATURES, PREFETCH=PREFETCH, num_warps=STATE_WARPS)
+            REVERSE=reverse, UPCAST=not x.is_cuda, SPLIT=split, PREFETCH=PREFETCH, num_warps=STATE_WARPS)
     if ones:
         _chunk_normaliser_kernel[(chunks, batch * heads)](
             x, e if e is not None else local_z, g_arg, local_z, seq_len, chunks, scale2, *x.stride()[:3],
@@ -667,7 +651,7 @@ def _walk(x, v, e, g, init, init_z, chunk, scale2, reverse, ones, prev=None, pre
         final, final_z, prev if prev is not None else final, prev_z if prev_z is not None else final,
         times if times is not None else final, dots, chunks,
         H=heads, D=head_dim, P=value_dim, CHUNK=chunk, BR=br, BP=bp, HAS_DECAY=g is not None, HAS_INIT=init is not None,
-        HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, PASS_STAGES=PASS_STAGES, num_warps=PASS_WARPS)
+        HAS_ONES=ones, REVERSE=reverse, WANT_DOTS=prev is not None, num_warps=PASS_WARPS)
     return states, zs if ones else None, final, final_z if ones else None, dots if prev is not None else None
 
 
