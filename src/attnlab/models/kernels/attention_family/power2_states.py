@@ -49,7 +49,8 @@ Memory beyond the inputs: the chunks' shares while a walk runs and the states pe
 (266 KB per head and chunk at d = 64 and Dv = 64). Measured on an H200 (one layer of 16 heads of 64, forward and
 backward, chunks of 512; benchmarks/NOTES.md): 20.6 ms at 1 x 65536 against 180 for the tiled kernels and 75 for
 the features formed in memory, before the normaliser's products moved onto the tensor cores; at 1 x 16384 its kernels
-take 4.1 ms, about 3.3 of them these. Heads up to `MAX_HEAD_DIM` and values up to `MAX_VALUE_DIM` wide (a program holds
+took 4.1 ms, about 3.3 of them these, before the chunk kernel's split (at 2 x 8192 and 24 heads the mixing then took
+6.27 ms, 5.73 after: benchmarks/results/h200-chunk-blocks-power2-split-bands-2x8192.txt). Heads up to `MAX_HEAD_DIM` and values up to `MAX_VALUE_DIM` wide (a program holds
 [d, Dv] blocks of the state in registers); wider ones run on PyTorch's products in `chunk.py`. Under
 TRITON_INTERPRET=1 the same kernels run on CPU tensors (slowly): the tests use that.
 """
