@@ -241,6 +241,7 @@ SWEEP = [
     {"SPLIT_MIN_WIDTH": 16},  # every band of the chunk kernel one product per first index
     {"SPLIT_MIN_WIDTH": 128},  # no band: the first indices' features side by side as one operand
     {"PREFETCH": False},  # the loads that feed no product waited for where they are used
+    {"STEPPED_ROWS": True},  # dq's and dkdv's full rows found from the last ones
     {"STATE_ROWS": 64},
     {"CHUNK_FIRSTS": 2},
     {"PASS_ROWS": 64, "PASS_WARPS": 8},

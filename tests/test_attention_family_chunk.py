@@ -462,25 +462,26 @@ def test_power2_state_kernels_match_the_reference(case, masked, power2_on_kernel
     assert_close(reference, chunked, 1e-5, case)
 
 
-@pytest.mark.parametrize("keep, banded, split_from, prefetch",
-                         [(True, True, 32, True), (False, False, 32, True), (True, False, 16, False),
-                          (True, False, 128, True)],
+@pytest.mark.parametrize("keep, banded, split_from, prefetch, stepped",
+                         [(True, True, 32, True, False), (False, False, 32, True, False), (True, False, 16, False, False),
+                          (True, False, 128, True, False), (True, False, 32, True, True)],
                          ids=["states kept, output banded", "states walked again, output on full rows",
-                              "every band split, nothing read ahead", "no band split"])
+                              "every band split, nothing read ahead", "no band split", "full rows stepped"])
 @pytest.mark.parametrize("head_dim", [24, 64], ids=lambda d: f"heads of {d}")
-def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, split_from, prefetch,
+def test_power2_state_kernels_take_wider_heads_in_bands(head_dim, keep, banded, split_from, prefetch, stepped,
                                                         power2_on_kernels, monkeypatch):
     """Heads of 24 and 64: the state's packed rows in two and three bands of second indices (`_bands`) in the chunk
     kernel (one product per first index, or one for all, per band: `SPLIT_MIN_WIDTH`), and in the output and dv
     kernels or their full rows read from the packed ones (`BANDED`); the states kept from the forward or walked again
-    in the backward (`KEEP_STATES`); the next step's columns read ahead or not (`PREFETCH`); outputs and gradients
-    against the fp32 reference."""
+    in the backward (`KEEP_STATES`); the next step's columns read ahead or not (`PREFETCH`); dq's and dkdv's full rows
+    found from the last ones (`STEPPED_ROWS`); outputs and gradients against the fp32 reference."""
     from attnlab.models.kernels.attention_family import power2_states
 
     monkeypatch.setattr(power2_states, "KEEP_STATES", keep)
     monkeypatch.setattr(power2_states, "BANDED", banded)
     monkeypatch.setattr(power2_states, "SPLIT_MIN_WIDTH", split_from)
     monkeypatch.setattr(power2_states, "PREFETCH", prefetch)
+    monkeypatch.setattr(power2_states, "STEPPED_ROWS", stepped)
     assert len(power2_states._bands(head_dim)) == {24: 2, 64: 3}[head_dim]
     case = ("power2", "sum", True)
     q, k, v, log_decay, mask = case_inputs(case, 1, 40, 1, head_dim, masked=True)

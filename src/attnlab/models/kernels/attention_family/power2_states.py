@@ -93,6 +93,11 @@ CHUNK_COLUMNS = 64
 # backward at 2 x 8192, 24 heads; benchmarks/results/h200-chunk-blocks-power2-split-2x8192.txt): every band split
 # 5.88 ms, none 6.27; with the loads of the next step's columns not issued ahead (`PREFETCH`) 6.33.
 SPLIT_MIN_WIDTH = 32
+# dq's and dkdv's full rows of the state found from the last first index's packed rows (`_full_row_block`) rather than
+# computed anew: compiled for sm_90 by Triton 3.6, 140 instructions per first index against 164 (dq), 221 against 243
+# (dkdv), in as many registers. The output kernel held 51 more registers that way (219 against 168) and keeps its own.
+# Not timed yet.
+STEPPED_ROWS = False
 # The chunk kernel's and the token kernels' loads that feed no product (x's columns of the first indices, the weights)
 # issued a step ahead of their use, by hand: Triton's pipelining issues ahead only the loads of a product's operands
 PREFETCH = True
@@ -441,6 +446,22 @@ def _banded(acc, x_bh, t, sxt, in_t, weight, STATES, here, D: tl.constexpr, P: t
 
 
 @triton.jit
+def _full_row_block(STATES, here, a, row_a, rows, cols, in_block, D: tl.constexpr, P: tl.constexpr,
+                    STEPPED: tl.constexpr):
+    """(full row a's [BD, BP] block of the packed state at `here`, what the next first index takes as row_a): with
+    STEPPED, row_a holds row a's packed rows (`_full_rows`), and row a + 1's follow from them: entry (a, b) lies at
+    packed row (b, a) for b < a and (a, b) for b >= a, and moving to a + 1 adds 1 to the first and D - 1 - a to the
+    second (b = a moves from (a, a) to (a, a + 1): 1); else they are computed anew."""
+    if STEPPED:
+        block = tl.load(STATES + (here + row_a).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block, other=0.0)
+        return block, row_a + tl.where(rows <= a, 1, D - 1 - a)
+    else:
+        block = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
+                        mask=in_block, other=0.0)
+        return block, row_a
+
+
+@triton.jit
 def _column_ahead(x_t, a, loaded, in_t, D: tl.constexpr, PREFETCH: tl.constexpr):
     """(what the next step of a loop over first indices a takes as `loaded`, x's column a): with PREFETCH, `loaded` is
     column a (read a step before) and column a + 1 is read now, so that its load waits for no one; else column a is
@@ -493,7 +514,7 @@ def _output_kernel(Q, G, STATES, ZS, NUM, DEN, NUM_OUT, DEN_OUT, T, NC, sqb, sqt
 def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, syt, syh, seb, set_, seh,
                H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
-               UPCAST: tl.constexpr, PREFETCH: tl.constexpr):
+               UPCAST: tl.constexpr, PREFETCH: tl.constexpr, STEPPED: tl.constexpr):
     """dq = 2 exp(g) sum_a q_a S_a [dy, dden] for a block of tokens (S symmetric), dy [B, T, H, P] and the
     normaliser's gradient dden [B, T, H] (HAS_ONES) at their strides; DQ in its own dtype, laid out as Q; with
     HAS_DECAY, QDQ [B, T, H] fp32 (contiguous) <- q . dq, from dq before its rounding."""
@@ -509,10 +530,10 @@ def _dq_kernel(Q, G, DY, DDEN, STATES, ZS, DQ, QDQ, T, NC, sqb, sqt, sqh, syb, s
     dq = tl.zeros([BL, BD], dtype=tl.float32)
     q_t = q_bh + t.to(tl.int64) * sqt
     qa = tl.load(q_t, mask=in_t, other=0.0)
+    row_a = rows  # full row 0: the packed rows (0, b)
     for a in range(D):
         qa, q_a = _column_ahead(q_t, a, qa, in_t, D, PREFETCH)
-        S_a = tl.load(STATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :], mask=in_block,
-                      other=0.0)
+        S_a, row_a = _full_row_block(STATES, here, a, row_a, rows, cols, in_block, D, P, STEPPED)
         dq += _dot((dy * q_a.to(tl.float32)[:, None]).to(DT), tl.trans(S_a), DT == tl.float32, UPCAST)
     in_q = in_t[:, None] & (rows < D)[None, :]
     if HAS_ONES or HAS_DECAY:  # q read again, at addresses from the block's first token: the start's tile or its
@@ -533,7 +554,7 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, sk
                  H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr, BL: tl.constexpr,
                  BD: tl.constexpr, BP: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_ONES: tl.constexpr,
                  UPCAST: tl.constexpr, BANDED: tl.constexpr, BANDS: tl.constexpr, SPLIT1: tl.constexpr,
-                 SPLIT2: tl.constexpr, PREFETCH: tl.constexpr):
+                 SPLIT2: tl.constexpr, PREFETCH: tl.constexpr, STEPPED: tl.constexpr):
     """For a block of tokens of chunk n, dS the gradient of the state when the chunk ends and w = scale2 exp(G - g):
     dk = 2 sum_a (v * w k_a) dS_a^T (+ w k_a dz_a), dv = sum_a (k * w k_a) dS_a (BANDED: on the rows b >= a,
     `_banded`); DK, DV in their own dtypes, laid out as K, V; with HAS_DECAY, KDK [B, T, H] fp32 (contiguous)
@@ -551,11 +572,11 @@ def _dkdv_kernel(K, V, G, DSTATES, DZS, DK, DV, KDK, T, NC, scale2, skb, skt, sk
         dv = _banded(dv, k_bh, t, skt, in_t, weight, DSTATES, here, D, P, BD, BP, BANDS, SPLIT1, SPLIT2, UPCAST)
     k_t = k_bh + t.to(tl.int64) * skt
     ka = tl.load(k_t, mask=in_t, other=0.0)
+    row_a = rows  # full row 0: the packed rows (0, b)
     for a in range(D):
         ka, k_a = _column_ahead(k_t, a, ka, in_t, D, PREFETCH)
         kw = k_a.to(tl.float32) * weight
-        dS_a = tl.load(DSTATES + (here + _full_rows(a, rows, D)).to(tl.int64)[:, None] * P + cols[None, :],
-                       mask=in_block, other=0.0)
+        dS_a, row_a = _full_row_block(DSTATES, here, a, row_a, rows, cols, in_block, D, P, STEPPED)
         dk += _dot((v * kw[:, None]).to(DT), tl.trans(dS_a), DT == tl.float32, UPCAST)
         if not BANDED:
             dv += _dot((k * kw[:, None]).to(DT), dS_a, DT == tl.float32, UPCAST)
@@ -732,7 +753,7 @@ class Power2States(torch.autograd.Function):
         # dnum [B, T, H, Dv] in v's dtype: the products' operand, as the forward's v; dden [B, T, H] at its strides
         dstates, dzs, d_start, d_start_z, dots = _walk(
             q, dnum.to(v.dtype), dden, g, d_init, d_init_z, chunk, 1.0, True, ones, prev=states, prev_z=zs, times=times)
-        meta = _meta(heads, head_dim, value_dim, chunk, g, ones, q)
+        meta = dict(_meta(heads, head_dim, value_dim, chunk, g, ones, q), STEPPED=STEPPED_ROWS)
         grid = (seq_len // _rows(chunk, TOKEN_ROWS), batch * heads)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # q . dq and k . dk per token ([B, T, H] fp32) for the log-decays' gradient
@@ -746,7 +767,7 @@ class Power2States(torch.autograd.Function):
         kdk = k.new_empty(batch, seq_len, heads, dtype=torch.float32) if g is not None else dk
         _dkdv_kernel[grid](k, v, g if g is not None else dk, dstates, dzs if ones else dstates, dk, dv, kdk, seq_len,
                            chunks, scale2, *k.stride()[:3], *v.stride()[:3],
-                           **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
+                           STEPPED=STEPPED_ROWS, **_meta(heads, head_dim, value_dim, chunk, g, ones, k, banded=True))
         del dstates, dzs
         dg = None
         if g is not None:
