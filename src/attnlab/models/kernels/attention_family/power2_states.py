@@ -88,14 +88,16 @@ CHUNK_COLUMNS = 64
 # in the layout of x's tile (`_chunk_split`). Side by side in one operand, they pass through a reshape between layouts:
 # compiled by the device's Triton 3.6 for sm_90, its step of 32 tokens issues 791 instructions against 364 split, 65 of
 # them 16-bit stores to shared memory. Narrower bands keep the one operand, which takes all their first indices in one
-# program (the widest band, 32 first indices on 64 columns, takes 437 us split against 598, a band of 16 columns 133
-# against 80: Nsight Compute, one direction of the 2 x 8192 shape below). On an H200 (2mamba's mixing forward and
+# program (the widest band, 32 first indices on 64 columns, takes 437 us split and with the next step's columns read
+# ahead against 598 before, a band of 16 columns 133 against 80: Nsight Compute, one direction of the 2 x 8192 shape
+# below). On an H200 (2mamba's mixing forward and
 # backward at 2 x 8192, 24 heads; benchmarks/results/h200-chunk-blocks-power2-split-2x8192.txt): every band split
 # 5.88 ms, none 6.27; with the loads of the next step's columns not issued ahead (`PREFETCH`) 6.33.
 SPLIT_MIN_WIDTH = 32
 # dq's and dkdv's full rows of the state found from the last first index's packed rows (`_full_row_block`) rather than
-# computed anew: compiled for sm_90 by Triton 3.6, 140 instructions per first index against 164 (dq), 221 against 243
-# (dkdv), in as many registers. The output kernel held 51 more registers that way (219 against 168) and keeps its own.
+# computed anew: compiled for sm_90 by Triton 3.6, 140 instructions per first index against 164 (dq, 164 registers
+# either way), 221 against 243 (dkdv, 206 registers against 203). The output kernel held 51 more registers that way
+# (219 against 168) and keeps its own.
 # Not timed yet.
 STEPPED_ROWS = False
 # The chunk kernel's and the token kernels' loads that feed no product (x's columns of the first indices, the weights)
@@ -204,8 +206,9 @@ def _chunk_split(LOCAL, T, NC, a0, A_END, x_bh, v_bh, G, scale2, cols, seconds, 
     S3 = tl.zeros([BP, BW], dtype=tl.float32)
     # the weights and columns of the next step read while this one multiplies: their loads feed no product, so
     # Triton's pipelining leaves them to wait for at their use
-    w, x0, x1, x2, x3 = _step_columns(x_bh, G, sxt, a0, A_END, c, 0, j, T, NC, scale2, i_b, i_h, H, CHUNK, SUB, FIRSTS,
-                                      HAS_DECAY, REVERSE)
+    if PREFETCH:
+        w, x0, x1, x2, x3 = _step_columns(x_bh, G, sxt, a0, A_END, c, 0, j, T, NC, scale2, i_b, i_h, H, CHUNK, SUB,
+                                          FIRSTS, HAS_DECAY, REVERSE)
     STEPS: tl.constexpr = CHUNK // SUB
     for sub in range(STEPS):
         t = c * CHUNK + sub * SUB + j
