@@ -10,7 +10,7 @@
 # each model with its blocks under torch.compile), prof-eager (the
 # eager steps of PROF_EAGER_MODELS under torch's profiler: the host's own time per aten op and the top kernels),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
-# zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 4x4096 and 1x16384-65536 beside
+# zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 16x1024, 4x4096 and 1x16384-65536 beside
 # mamba2 and HF Llama, and the paper's medium model, hidden 1536 x 27 layers x 24 heads, at 2x8192; then the targets checked;
 # ZOO_LONG_MODELS picks the family's presets, ZOO_LONG_MEDIUM=0 skips the medium model),
 # chunk-crossover (the linearizable presets' token mixing, tiled against chunked under several chunk sizes, 16x1024 to 1x65536;
@@ -82,7 +82,7 @@ for stage in "$@"; do case $stage in
     [ -f "$OUT/zoo.json" ] && python -c "import json,sys; from pathlib import Path; from attnlab.bench.plot import plot_zoo; p=Path(sys.argv[1]); print('wrote', plot_zoo(json.loads(p.read_text()), p.with_suffix('.png')))" "$OUT/zoo.json" ;;
   zoo-long) LONG_ZOO="$AL bench zoo --skip-ops --steps 3 --warmup 1"
     run zoo-long-family "${ZOO_LONG_LIMIT:-300}" $LONG_ZOO $(printf -- '--model %s ' ${ZOO_LONG_MODELS:-2mamba linear__output_norm linear_elu}) \
-      --shape 1x16384 --shape 1x32768 --shape 1x65536 --shape 4x4096 --out "$OUT/zoo-long-family.json"
+      --shape 1x16384 --shape 1x32768 --shape 1x65536 --shape 4x4096 --shape 16x1024 --out "$OUT/zoo-long-family.json"
     run zoo-long-peers "${ZOO_PEERS_LIMIT:-150}" $LONG_ZOO --model mamba2 --model hf-llama --shape 1x16384 --shape 1x32768 \
       --shape 1x65536 --out "$OUT/zoo-long-peers.json"
     [ "${ZOO_LONG_MEDIUM:-1}" = 1 ] && run zoo-long-medium "${ZOO_MEDIUM_LIMIT:-100}" $LONG_ZOO --hidden 1536 --layers 27 --heads 24 --intermediate 3072 \
