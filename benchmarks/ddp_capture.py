@@ -31,7 +31,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from attnlab.bench.train import build
+from attnlab.bench.train import add_size_arguments, build_sized
 from attnlab.train.graphs import CapturedLoss
 
 VARIANTS = {"plain": dict(flat=False), "after": dict(flat=True), "inside": dict(flat=True, reduce=True)}
@@ -70,11 +70,7 @@ def main() -> None:
     parser.add_argument("--model", action="append", help="bench model names (attnlab-2mamba, ...)")
     parser.add_argument("--batch", type=int, default=9)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=32768)
+    add_size_arguments(parser)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--nccl-max-ctas", type=int, action="append", default=[], metavar="N",
                         help="also measure with NCCL's collectives on at most N CTAs (repeatable)")
@@ -89,7 +85,7 @@ def main() -> None:
     rows = []
     for name in args.model or ["attnlab-2mamba-e"]:
         torch.manual_seed(0)
-        model = build(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate).cuda().train()
+        model = build_sized(name, args).cuda().train()
         x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
         for (cap, group), (variant, options) in itertools.product(groups.items(), VARIANTS.items()):
             captured = CapturedLoss(model, x, x, torch.bfloat16, group=group, **options)

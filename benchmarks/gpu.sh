@@ -3,7 +3,7 @@
 # Stages: tests (every CUDA test in tests/, TEST_WORKERS processes at once; TEST_FILES picks files), accuracy (the bf16
 # decode step against fp32 arithmetic, projections separate and fused), train (training throughput at 8x2048), long (T=8192/16384),
 # decode (greedy and beam decoding), train-gla (attnlab and fla GLA only), train-run (`attnlab train` with and
-# without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384),
+# without CUDA graphs), zoo (every mixer family beside its peers: training and ops at 16x1024, 4x4096, 1x16384; ZOO_ARGS adds options),
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
 # eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE; EAGER_COMPILED=1 adds
@@ -25,7 +25,8 @@
 # 2mamba eager and HF Llama, one step of each under torch's profiler: GPU time by kernel category and the top kernels),
 # chunk-ncu (Nsight Compute's sections for each kernel of 2mamba's chunked mixing, forward and backward, at NCU_SHAPE, default
 # 2x8192 with NCU_HEADS 24: throughput, occupancy, and what the warps wait on),
-# fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), ddp-ctas (benchmarks/ddp_capture.py on
+# fsdp (the CUDA tests of tests/test_distributed.py on 2 GPUs; FSDP_K selects by name), fsdp-capture (the step under FSDP2 captured
+# apart from the trainer, benchmarks/fsdp_capture.py: FSDP_CAPTURE_MODELS, FSDP_CAPTURE_ARGS), ddp-ctas (benchmarks/ddp_capture.py on
 # DDP_GPUS GPUs, default 2: the captured DDP step of 2mamba-e and GLA with NCCL's collectives capped at each of DDP_CTAS CTAs in turn,
 # default "2 4 8 16", beside NCCL's own choice; NCCL's INIT log, the channels each communicator got, in $OUT/ddp-ctas-nccl.*), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
 # every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
@@ -77,7 +78,7 @@ for stage in "$@"; do case $stage in
   accuracy) run accuracy 300 python benchmarks/fused_projection_accuracy.py ;;
   train) run train "${TRAIN_LIMIT:-240}" $AL bench train --shape 8x2048 --steps 6 --warmup 2 --profile --out "$OUT/train-8x2048.json" ;;
   train-gla) run train-gla "${TRAIN_LIMIT:-240}" $AL bench train --model attnlab-gla --model attnlab-gla-eager --model fla-gla --shape 8x2048 --steps 6 --warmup 2 --profile --saved --out "$OUT/train-gla-8x2048.json" ;;
-  zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo --out "$OUT/zoo.json"
+  zoo) run zoo "${ZOO_LIMIT:-580}" $AL bench zoo ${ZOO_ARGS:-} --out "$OUT/zoo.json"
     # the plot of the rows measured, also when the limit stopped the run before its end
     [ -f "$OUT/zoo.json" ] && python -c "import json,sys; from pathlib import Path; from attnlab.bench.plot import plot_zoo; p=Path(sys.argv[1]); print('wrote', plot_zoo(json.loads(p.read_text()), p.with_suffix('.png')))" "$OUT/zoo.json" ;;
   zoo-long) LONG_ZOO="$AL bench zoo --skip-ops --steps 3 --warmup 1"
@@ -128,6 +129,12 @@ for stage in "$@"; do case $stage in
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
+  fsdp-capture)  # benchmarks/fsdp_capture.py on FSDP_CAPTURE_GPUS GPUs (default 2) for each of FSDP_CAPTURE_MODELS
+    for model in ${FSDP_CAPTURE_MODELS:-attnlab-2mamba hf-llama}; do
+      run "fsdp-capture-$model" "${FSDP_CAPTURE_LIMIT:-150}" torchrun --standalone --nproc_per_node "${FSDP_CAPTURE_GPUS:-2}" \
+        benchmarks/fsdp_capture.py --model "$model" --deadline "$(( ${FSDP_CAPTURE_LIMIT:-150} - 20 ))" ${FSDP_CAPTURE_ARGS:-}
+      grep -E "^\[rank 0\].*(captured;|FAILED)|deadline" "$OUT/fsdp-capture-$model.log" | tee -a "$OUT/summary.txt"
+    done ;;
   fsdp) run fsdp "${FSDP_LIMIT:-400}" python -m pytest -q -p no:cacheprovider --tb=short -rfs -m cuda ${FSDP_K:+-k "$FSDP_K"} tests/test_distributed.py ;;
   ddp-ctas)  # NCCL_DEBUG_FILE: NCCL's log apart from the table, one file per process
     run ddp-ctas "${DDP_CTAS_LIMIT:-480}" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV NCCL_DEBUG_FILE="$OUT/ddp-ctas-nccl.%h.%p.log" \

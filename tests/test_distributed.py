@@ -255,14 +255,28 @@ two_cuda_devices = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nee
 
 @pytest.fixture(scope="module")
 def fsdp_cuda_runs(tmp_path_factory, small_corpus):
-    """The tiny run in fp32 on CUDA: under FSDP on 2 GPUs, and in one process."""
+    """The tiny run in fp32 on CUDA: under FSDP on 2 GPUs (its step captured, as by default), and in one process;
+    with what the FSDP run printed."""
     from conftest import TINY
 
     overrides = TINY + [f"data.source={small_corpus}", "train.device=cuda", "train.precision=fp32"]
     root = tmp_path_factory.mktemp("fsdp")
-    _train_under_torchrun(overrides, root / "fsdp", "--set", "train.strategy=fsdp")
+    proc = _train_under_torchrun(overrides, root / "fsdp", "--set", "train.strategy=fsdp")
+    (root / "fsdp-printed.txt").write_text(proc.stdout + proc.stderr)
     assert run_cli("train", *sets(overrides), "--run-dir", str(root / "single")) == 0
     return root / "fsdp", root / "single", overrides
+
+
+@pytest.mark.cuda
+@two_cuda_devices
+def test_fsdp_captured_follows_fsdp_eager_and_prints_no_warning(fsdp_cuda_runs, tmp_path):
+    """FSDP's all-gathers and reduce-scatters captured with the step and replayed, against FSDP's eager step."""
+    fsdp, _, overrides = fsdp_cuda_runs
+    printed = (fsdp.parent / "fsdp-printed.txt").read_text()
+    assert "training step captured as CUDA graphs" in printed, printed[-2000:]
+    assert "UserWarning" not in printed and "FutureWarning" not in printed, printed[-2000:]
+    _train_under_torchrun(overrides + ["train.cuda_graphs=false"], tmp_path / "eager", "--set", "train.strategy=fsdp")
+    assert _losses(fsdp) == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
 
 
 @pytest.fixture(scope="module")

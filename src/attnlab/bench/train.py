@@ -88,6 +88,20 @@ def build(name: str, hidden: int, layers: int, heads: int, vocab: int, intermedi
                                                 n_groups=ssm["n_groups"], conv_kernel=ssm["conv_kernel"], **same))
 
 
+def add_size_arguments(parser, vocab: int = 32768) -> None:
+    """The model size options of the benchmark scripts (`build_sized` builds from them): the issues' 300M model by default."""
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=vocab)
+
+
+def build_sized(name: str, args):
+    """`build(name, ...)` at the sizes of `add_size_arguments`' options."""
+    return build(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate)
+
+
 def train_step(model, opt, x: torch.Tensor, capture: bool = True):
     """One optimizer step on the batch x (labels = inputs), as `attnlab train` runs it: on CUDA under
     bf16 autocast, an attnlab model's forward and backward captured as CUDA graphs where they can be

@@ -9,4 +9,12 @@ import itertools
 def weights_fingerprint(model) -> tuple:
     """Where every weight and buffer lives: a captured graph reads those addresses, so any change
     (a move, a cast, a reload that replaces tensors, an adapter added) calls for a new capture."""
-    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in itertools.chain(model.parameters(), model.buffers()))
+    # an FSDP parameter (a DTensor) lives where its local shard does
+    return tuple((local_part(t).data_ptr(), t.dtype, t.device, tuple(t.shape))
+                 for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def local_part(t):
+    """This process's part of a tensor: a DTensor's local shard (an FSDP parameter or gradient), else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

@@ -22,7 +22,14 @@ has written its last gradient, while the backward goes on (`GradientBuckets`; th
 in one fixed order on every process, so the collectives match). That applies where each optimizer step
 has one micro-batch; with gradient accumulation the micro-batches' gradients are summed in the same
 buckets and `CapturedLoss.all_reduce_grads` averages them once per optimizer step, after the last
-backward. FSDP gathers parameters inside the forward, so it stays eager.
+backward.
+
+Under FSDP (torch's FSDP2, `fully_shard`) the captured forward and backward run FSDP's own hooks: its
+all-gathers of each block's parameters and its reduce-scatters of their gradients, on its own streams, are
+captured with the compute and replayed with it; a replay leaves each sharded parameter's `.grad` holding
+its shard of the averaged gradient, as FSDP's eager backward does. The shards themselves stay where FSDP put
+them (the optimizer updates them in place), so the replayed all-gathers read the new weights. Steps of one
+micro-batch, without gradient checkpointing (`graph_blocker`, `CapturedLoss`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch.nn as nn
 
 from attnlab.models import AttnLabForCausalLM
 from attnlab.models.mixers import Mixer
-from attnlab.models.weights import weights_fingerprint
+from attnlab.models.weights import local_part as local, weights_fingerprint
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size (bucket_cap_mb=25)
 WARMUP_STEPS = 3  # forward and backward on a side stream before capture: fla's kernels autotune, the allocator settles
@@ -55,7 +62,8 @@ def graph_blocker(model: nn.Module, sharded: bool = False, hf: bool = False) -> 
     causal LMs of `HF_CAPTURABLE` may be captured too (`attnlab train` captures them; the benchmarks keep
     their HF peers as HF trains them)."""
     if not isinstance(model, AttnLabForCausalLM):
-        name = type(model).__name__
+        # the model's own class: FSDP makes a subclass of it (FSDPLlamaForCausalLM)
+        name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in HF_CAPTURABLE), type(model).__name__)
         if not hf or name not in HF_CAPTURABLE:
             return f"{name} is not an attnlab model" + (" nor an HF model verified for capture" if hf else "")
         config = model.config
@@ -74,8 +82,8 @@ def graph_blocker(model: nn.Module, sharded: bool = False, hf: bool = False) -> 
         return "a mixer records statistics during the forward (not verified for capture)"
     if getattr(model, "is_activation_checkpointing", False) and not _checkpoints_capturably(model):
         return f"gradient checkpointing is not in its capturable form ({CHECKPOINT_KWARGS})"
-    if sharded:
-        return "FSDP gathers the sharded parameters inside the forward"
+    if sharded and getattr(model, "is_activation_checkpointing", False):
+        return "FSDP with gradient checkpointing is not verified for capture"
     if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
         return "the model is not on a CUDA device"
     return None
@@ -254,6 +262,33 @@ class GradientBuckets:
                 handle.remove()
 
 
+def fsdp_gather_streams(model: nn.Module) -> list:
+    """The streams FSDP2 gathers parameters on (each module's `_comm_ctx`: the copy-in and the all-gather stream)."""
+    streams = {}
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        ctx = getattr(state, "_comm_ctx", None)
+        if state is not None and ctx is None:
+            raise RuntimeError("this torch's FSDP2 keeps its streams elsewhere (no _comm_ctx): not verified for capture")
+        for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+            stream = getattr(ctx, name, None)
+            if stream is not None:
+                streams[id(stream)] = stream
+    return list(streams.values())
+
+
+@contextmanager
+def class_forward(module: nn.Module):
+    """`module` called through its hooks, but with its class's forward: a forward another library put on the
+    instance (accelerate's autocast wrapper) is set aside meanwhile."""
+    instance = module.__dict__.pop("forward", None)
+    try:
+        yield module
+    finally:
+        if instance is not None:
+            module.forward = instance
+
+
 class _Replay(torch.autograd.Function):
     """Replays the captured forward; its backward replays the captured backward and hands the
     gradients to the parameters itself (`CapturedLoss.replay_backward`). The parameters are inputs
@@ -277,11 +312,20 @@ class CapturedLoss:
     `flat`: the gradients land in flat buffers (`all_reduce_grads` reduces them over processes); `reduce`:
     the backward graph itself averages them over the processes, bucket by bucket while it runs
     (`GradientBuckets`), for steps of one micro-batch; `reduce_dtype`: the dtype they are averaged in; `group`: the
-    process group they are averaged over (None: the default one)."""
+    process group they are averaged over (None: the default one).
+
+    `sharded`: `model` is the root of an FSDP2 model (`fully_shard`). Forward and backward then run through its
+    hooks (the module called, `.backward()` rather than `torch.autograd.grad`): the gradients the backward graph
+    leaves are FSDP's reduce-scattered shards, already averaged."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype: torch.dtype | None,
-                 flat: bool = False, reduce: bool = False, reduce_dtype: torch.dtype | None = None, group=None):
+                 flat: bool = False, reduce: bool = False, reduce_dtype: torch.dtype | None = None, group=None,
+                 sharded: bool = False):
+        if sharded and (flat or reduce or reduce_dtype is not None):
+            raise ValueError("under FSDP the gradients are FSDP's reduce-scattered shards: no flat buffers, no averaging of our own")
         self.model = model
+        self.sharded = sharded
+        self._resharded()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.reduce_dtype = reduce_dtype  # the dtype the processes average their gradients in (None: their own)
         self.group = group
@@ -301,9 +345,14 @@ class CapturedLoss:
         self.static_ids, self.static_labels = input_ids.clone(), labels.clone()
         side = capture_stream()
         side.wait_stream(torch.cuda.current_stream())
+        held = [p.grad for p in self.params]  # gradients of this step so far: the warm-up and capture leave them be
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                torch.autograd.grad(self._loss(), self.params, allow_unused=True)
+                if sharded:  # FSDP's hooks reduce-scatter into .grad: dropped after each
+                    self._loss().backward()
+                    self._set_grads([None] * len(self.params))
+                else:
+                    torch.autograd.grad(self._loss(), self.params, allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: a CUDA call from another thread (a data loader, a logger) does not void the capture
@@ -312,13 +361,30 @@ class CapturedLoss:
         self.static_loss = static_loss.detach()
         self.static_grad_loss = torch.empty_like(static_loss)
         with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=side, capture_error_mode="thread_local"):
-            with self.buckets.reducing() if self.buckets is not None else nullcontext():
-                self.static_grads = torch.autograd.grad(static_loss, self.params, grad_outputs=self.static_grad_loss,
-                                                        allow_unused=True, materialize_grads=True)
-            if self.buckets is None and self.flat_grads is not None:
-                torch._foreach_copy_(self.flat_grads, self.static_grads)
-            if self.flat_grads is not None:
-                self.static_grads = self.flat_grads
+            if sharded:
+                # FSDP makes its gathering streams wait on the compute stream in the root's forward only: the
+                # backward graph's first all-gathers would otherwise run outside the capture
+                for stream in fsdp_gather_streams(self.model):
+                    stream.wait_stream(side)
+                static_loss.backward(self.static_grad_loss)
+            else:
+                with self.buckets.reducing() if self.buckets is not None else nullcontext():
+                    self.static_grads = torch.autograd.grad(static_loss, self.params, grad_outputs=self.static_grad_loss,
+                                                            allow_unused=True, materialize_grads=True)
+                if self.buckets is None and self.flat_grads is not None:
+                    torch._foreach_copy_(self.flat_grads, self.static_grads)
+        if sharded:
+            missing = [i for i, p in enumerate(self.params) if p.grad is None]
+            if missing:
+                raise RuntimeError(f"FSDP left no gradient for {len(missing)} parameters in the captured backward")
+            self.static_grads = [p.grad for p in self.params]
+            self._set_grads(held)
+        elif self.flat_grads is not None:
+            self.static_grads = self.flat_grads
+
+    def _set_grads(self, grads: list) -> None:
+        for p, g in zip(self.params, grads):
+            p.grad = g
 
     def _loss(self) -> torch.Tensor:
         # Autocast's weight-cast cache must be off while capturing: a cached cast would be reused by
@@ -326,12 +392,23 @@ class CapturedLoss:
         amp = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False) if self.autocast_dtype is not None
                else nullcontext())
         with amp:
+            if self.sharded:  # through the module's hooks (FSDP's gathers), with the class's forward
+                with class_forward(self.model):
+                    return self.model(input_ids=self.static_ids, labels=self.static_labels, num_items_in_batch=1,
+                                      **self.forward_extra).loss
             # the class's forward: not a wrapper another library may have put on the instance
             return type(self.model).forward(self.model, input_ids=self.static_ids, labels=self.static_labels,
                                             num_items_in_batch=1, **self.forward_extra).loss
 
+    def _resharded(self) -> None:
+        """FSDP's root keeps its parameters gathered after a forward (its reshard_after_forward is off): after one
+        outside the graphs (an evaluation), they are sharded again, so that the model holds the shards the graphs read."""
+        if self.sharded:
+            self.model.reshard()
+
     def matches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> bool:
         """The batch has the captured shape and the weights are where they were when captured."""
+        self._resharded()
         return (input_ids.shape == self.static_ids.shape and labels.shape == self.static_labels.shape
                 and input_ids.device == self.static_ids.device and weights_fingerprint(self.model) == self.fingerprint)
 
@@ -347,7 +424,7 @@ class CapturedLoss:
             for p, view in zip(self.params, self.sums[1]):
                 p.grad = view
         for p, buffer in zip(self.params, self.static_grads):
-            if p.grad is not None and p.grad.data_ptr() == buffer.data_ptr():
+            if p.grad is not None and local(p.grad).data_ptr() == local(buffer).data_ptr():
                 p.grad = p.grad.clone()
         self.static_ids.copy_(input_ids)
         self.static_labels.copy_(labels)
@@ -370,10 +447,11 @@ class CapturedLoss:
                 p.grad = buffer
             else:
                 p.grad.add_(buffer)
-        self.reduced = self.buckets is not None and self._grads_are(self.flat_grads)
+        self.reduced = self.sharded or (self.buckets is not None and self._grads_are(self.flat_grads))
 
-    def _grads_are(self, views: list[torch.Tensor]) -> bool:
-        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(self.params, views))
+    def _grads_are(self, views: list[torch.Tensor] | None) -> bool:
+        return views is not None and all(p.grad is not None and local(p.grad).data_ptr() == local(v).data_ptr()
+                                         for p, v in zip(self.params, views))
 
     def all_reduce_grads(self) -> None:
         """Average the parameters' gradients over `group` (None: the default process group), as DDP does: one

@@ -30,7 +30,7 @@ from attnlab.config.preflight import PreflightReport
 from attnlab.console import make_console
 from attnlab.data import BlockDataset
 from attnlab.data.blocks import DATA_STATE, PositionSampler, PreparedBlocks
-from attnlab.errors import CheckpointError, RunDirError, RunInterrupted, TrainingDivergedError
+from attnlab.errors import CheckpointError, ConfigError, RunDirError, RunInterrupted, TrainingDivergedError
 from attnlab.eval.callback import EvalDuringTraining
 from attnlab.launch import rank, world_size
 from attnlab.models import AttnLabForCausalLM
@@ -112,22 +112,32 @@ class AttnLabTrainer(Trainer):
         if self.graph_note is not None:
             return None
         model = self.accelerator.unwrap_model(model)
-        blocker = graph_blocker(model, sharded=self.is_fsdp_enabled, hf=True)
+        sharded = self.is_fsdp_enabled
+        blocker = graph_blocker(model, sharded=sharded, hf=True)
+        if blocker is None and sharded and self.args.gradient_accumulation_steps > 1:
+            blocker = "FSDP with gradient accumulation is not verified for capture"
         if blocker is None:
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
             self.captured = None  # moved weights: the old graphs' memory goes first
             try:
-                # one micro-batch a step: the backward graph averages the gradients over the processes as it runs
-                reduce = world_size() > 1 and self.args.gradient_accumulation_steps == 1
-                self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype,
-                                             flat=world_size() > 1, reduce=reduce, reduce_dtype=self.grad_reduce_dtype)
+                if sharded:  # FSDP's own hooks gather the weights and reduce-scatter the gradients inside the graphs
+                    self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype, sharded=True)
+                else:
+                    # one micro-batch a step: the backward graph averages the gradients over the processes as it runs
+                    reduce = world_size() > 1 and self.args.gradient_accumulation_steps == 1
+                    self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype,
+                                                 flat=world_size() > 1, reduce=reduce, reduce_dtype=self.grad_reduce_dtype)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
-                blocker = f"capture failed ({str(err).splitlines()[0][:200]})"
+                blocker = f"capture failed ({first_error(err)})"
                 torch.cuda.empty_cache()
         if world_size() > 1 and not _all_ranks(blocker is None, self.args.device):
             # every process reduces its gradients the same way: all captured, or all through DDP
             self.captured = None
             blocker = blocker or "capture failed on another process"
+        if sharded and blocker is not None and blocker.startswith("capture failed"):
+            # FSDP's streams and events may hold what the failed capture left: no eager step after it
+            raise ConfigError(f"the training step under FSDP could not be captured as CUDA graphs: {blocker}. "
+                              "Train with train.cuda_graphs=false.")
         if blocker is None:
             self.say(f"training step captured as CUDA graphs (batch {tuple(inputs['input_ids'].shape)}; other shapes run eagerly)")
             return self.captured
@@ -342,6 +352,14 @@ class FiniteLossCheck:
             if bad:
                 return step, value
         return None
+
+
+def first_error(err: BaseException) -> str:
+    """The first line of the error that started `err`'s chain: a failed CUDA graph capture ends in "operation failed
+    due to a previous error during capture", raised while the error that broke it unwinds."""
+    while (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
 def _all_ranks(ok: bool, device) -> bool:
