@@ -68,8 +68,17 @@ def version(name):
         return "absent"
 print("versions:", ", ".join(f"{n} {version(n)}" for n in ("torch", "triton", "transformers", "peft", "accelerate", "flash-linear-attention")))
 PY
+# `limited LIMIT CMD...`: CMD in a session of its own, interrupted after LIMIT seconds and killed 20 s later together with
+# everything it started (torchrun's workers, a test's subprocesses): `timeout` signals its own child only, and a worker
+# left running keeps the pipe to tee open until the call's own limit. Exit status 124 where the limit stopped it.
+limited() { local limit=$1; shift; local mark; mark=$(mktemp)
+  setsid "$@" & local pid=$!  # a background job of this shell leads no group, so setsid runs CMD itself, as $pid
+  ( sleep "$limit"; echo stopped > "$mark"; kill -INT -- -"$pid"; sleep 20; kill -KILL -- -"$pid" ) >/dev/null 2>&1 & local watch=$!
+  wait "$pid"; local rc=$?
+  kill "$watch" 2>/dev/null; pkill -P "$watch" 2>/dev/null
+  [ -s "$mark" ] && rc=124; rm -f "$mark"; return $rc; }
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
-  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  limited "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   bundle; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
