@@ -29,7 +29,7 @@ all-gathers of each block's parameters and its reduce-scatters of their gradient
 captured with the compute and replayed with it; a replay leaves each sharded parameter's `.grad` holding
 its shard of the averaged gradient, as FSDP's eager backward does. The shards themselves stay where FSDP put
 them (the optimizer updates them in place), so the replayed all-gathers read the new weights. Steps of one
-micro-batch, without gradient checkpointing (`graph_blocker`, `CapturedLoss`).
+micro-batch, without gradient checkpointing (`graph_blocker`; the trainer keeps FSDP with accumulation eager).
 """
 
 from __future__ import annotations
