@@ -360,19 +360,57 @@ open(sys.argv[1] + f"/ok-{rank}", "w").close()  # one file per process: two proc
 
 def test_gradient_buckets_average_over_two_gloo_processes_while_the_backward_runs(tmp_path):
     """What the captured step under DDP does inside its backward graph, run eagerly on CPU."""
+    _run_two_gloo_processes(tmp_path, _BUCKETS_WORKER)
+
+_FSDP_WORKER = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from attnlab.models import AttnLabConfig, AttnLabForCausalLM
+from attnlab.models.weights import local_part, weights_fingerprint
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = AttnLabForCausalLM(AttnLabConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mixer="gla"))
+for block in model.model.layers:
+    fully_shard(block)
+fully_shard(model)
+def sharded():
+    return all(hasattr(p, "to_local") for p in model.parameters())
+assert sharded()
+shards = [p.to_local() for p in model.parameters()]
+assert all(local_part(p).data_ptr() == s.data_ptr() and local_part(p).shape == s.shape for p, s in zip(model.parameters(), shards))
+before = weights_fingerprint(model)
+x = torch.randint(0, 64, (2, 8))
+with torch.no_grad():
+    model(input_ids=x)  # an evaluation's forward: the root may keep its parameters gathered
+model.reshard()  # what CapturedLoss does before it compares (its _resharded)
+assert sharded() and weights_fingerprint(model) == before
+model(input_ids=x, labels=x).loss.backward()
+assert all(hasattr(p.grad, "to_local") and local_part(p.grad).shape == local_part(p).shape for p in model.parameters())
+open(sys.argv[1] + f"/ok-{dist.get_rank()}", "w").close()
+"""
+
+
+def test_fsdp_shards_are_what_the_captured_step_fingerprints_and_reads(tmp_path):
+    """Under FSDP (two gloo processes on CPU) the weights' fingerprint and the gradients' checks read each DTensor's
+    local shard; after an evaluation's forward the model holds its shards again."""
+    _run_two_gloo_processes(tmp_path, _FSDP_WORKER)
+
+
+def _run_two_gloo_processes(tmp_path, worker: str) -> None:
     import os
     import shutil
     import subprocess
     import sys
 
     script = tmp_path / "worker.py"
-    script.write_text(_BUCKETS_WORKER)
+    script.write_text(worker)
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
+
 
 def _tiny_hf(name: str, **options):
     import transformers
