@@ -386,13 +386,27 @@ model.reshard()  # what CapturedLoss does before it compares (its _resharded)
 assert sharded() and weights_fingerprint(model) == before
 model(input_ids=x, labels=x).loss.backward()
 assert all(hasattr(p.grad, "to_local") and local_part(p.grad).shape == local_part(p).shape for p in model.parameters())
+# the trainer's norm and clipping from the shards, against torch's on the DTensors
+from attnlab.train.loop import sharded_grad_norm_
+params = list(model.parameters())
+saved = [local_part(p.grad).clone() for p in params]
+norm = torch.nn.utils.clip_grad_norm_(params, 0.1)
+norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+clipped = [local_part(p.grad).clone() for p in params]
+for p, g in zip(params, saved):
+    local_part(p.grad).copy_(g)
+assert torch.allclose(sharded_grad_norm_(params, float("inf")), norm, rtol=1e-6)
+assert all(torch.equal(local_part(p.grad), g) for p, g in zip(params, saved))  # no clipping without a finite bound
+assert norm > 0.1 and torch.allclose(sharded_grad_norm_(params, 0.1), norm, rtol=1e-6)
+assert all(torch.allclose(local_part(p.grad), c, rtol=1e-5, atol=1e-8) for p, c in zip(params, clipped))
 open(sys.argv[1] + f"/ok-{dist.get_rank()}", "w").close()
 """
 
 
-def test_fsdp_shards_are_what_the_captured_step_fingerprints_and_reads(tmp_path):
+def test_fsdp_shards_are_what_the_captured_step_fingerprints_reads_and_clips(tmp_path):
     """Under FSDP (two gloo processes on CPU) the weights' fingerprint and the gradients' checks read each DTensor's
-    local shard; after an evaluation's forward the model holds its shards again."""
+    local shard; after an evaluation's forward the model holds its shards again; the trainer's gradient norm and
+    clipping from the shards equal torch's clip_grad_norm_ on the DTensors."""
     _run_two_gloo_processes(tmp_path, _FSDP_WORKER)
 
 
