@@ -35,6 +35,7 @@ from attnlab.eval.callback import EvalDuringTraining
 from attnlab.launch import rank, world_size
 from attnlab.models import AttnLabForCausalLM
 from attnlab.models.modeling import AttnLabBlock
+from attnlab.models.weights import local_part
 from attnlab.outputs import publishing, replace_file
 
 from .build import build_model
@@ -385,8 +386,6 @@ def sharded_grad_norm_(params: list, max_norm: float) -> torch.Tensor:
     norms, summed over the processes, are the whole gradients'. clip_grad_norm_ on the DTensors themselves spent 46 ms
     of host time a call on 283 parameters (2 gloo processes on CPU), as long as a captured step's GPU time."""
     import torch.distributed as dist
-
-    from attnlab.models.weights import local_part
 
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
