@@ -16,8 +16,4 @@ def weights_fingerprint(model) -> tuple:
 
 def local_part(t):
     """This process's part of a tensor: a DTensor's local shard (an FSDP parameter or gradient), else the tensor."""
-    shard = getattr(t, "_local_tensor", None)  # read directly: DTensor.to_local() is an autograd call, 5 us a tensor
-    if shard is not None:
-        return shard
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    return getattr(t, "_local_tensor", t)  # read directly: DTensor.to_local() is an autograd call, 5 us a tensor

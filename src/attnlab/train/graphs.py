@@ -345,10 +345,12 @@ class CapturedLoss:
         self.static_ids, self.static_labels = input_ids.clone(), labels.clone()
         side = capture_stream()
         side.wait_stream(torch.cuda.current_stream())
-        held = [p.grad for p in self.params]  # gradients of this step so far: the warm-up and capture leave them be
+        if sharded:  # FSDP's backward adds into .grad: the step's gradients so far are set aside, given back after capture
+            held = [p.grad for p in self.params]
+            self._set_grads([None] * len(self.params))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                if sharded:  # FSDP's hooks reduce-scatter into .grad: dropped after each
+                if sharded:
                     self._loss().backward()
                     self._set_grads([None] * len(self.params))
                 else:

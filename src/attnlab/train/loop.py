@@ -118,6 +118,7 @@ class AttnLabTrainer(Trainer):
         blocker = graph_blocker(model, sharded=sharded, hf=True)
         if blocker is None and sharded and self.args.gradient_accumulation_steps > 1:
             blocker = "FSDP with gradient accumulation is not verified for capture"
+        failed = False  # a capture was tried and failed, here or on another process
         if blocker is None:
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
             self.captured = None  # moved weights: the old graphs' memory goes first
@@ -130,13 +131,14 @@ class AttnLabTrainer(Trainer):
                     self.captured = CapturedLoss(model, inputs["input_ids"], inputs["labels"], autocast_dtype,
                                                  flat=world_size() > 1, reduce=reduce, reduce_dtype=self.grad_reduce_dtype)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
-                blocker = f"capture failed ({first_error(err)})"
+                blocker, failed = f"capture failed ({first_error(err)})", True
                 torch.cuda.empty_cache()
         if world_size() > 1 and not _all_ranks(blocker is None, self.args.device):
             # every process reduces its gradients the same way: all captured, or all through DDP
             self.captured = None
-            blocker = blocker or "capture failed on another process"
-        if sharded and blocker is not None and blocker.startswith("capture failed"):
+            if blocker is None:
+                blocker, failed = "capture failed on another process", True
+        if sharded and failed:
             # FSDP's streams and events may hold what the failed capture left: no eager step after it
             raise ConfigError(f"the training step under FSDP could not be captured as CUDA graphs: {blocker}. "
                               "Train with train.cuda_graphs=false.")
@@ -384,7 +386,8 @@ def sharded_grad_norm_(params: list, max_norm: float) -> torch.Tensor:
     """The 2-norm of FSDP's gradients (DTensors of one mesh) and, where `max_norm` is finite, the gradients clipped
     to it in place, as torch.nn.utils.clip_grad_norm_ computes them, but from each process's shards: their squared
     norms, summed over the processes, are the whole gradients'. clip_grad_norm_ on the DTensors themselves spent 46 ms
-    of host time a call on 283 parameters (2 gloo processes on CPU), as long as a captured step's GPU time."""
+    of host time a call on 283 parameters (2 gloo processes on CPU), this about 1 ms; a captured FSDP step of the
+    300M `2mamba` model replays in 58 ms (2 x H200)."""
     import torch.distributed as dist
 
     grads = [p.grad for p in params if p.grad is not None]
