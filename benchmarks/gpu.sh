@@ -29,7 +29,8 @@
 # apart from the trainer, benchmarks/fsdp_capture.py: FSDP_CAPTURE_MODELS, FSDP_CAPTURE_ARGS), ddp-ctas (benchmarks/ddp_capture.py on
 # DDP_GPUS GPUs, default 2: the captured DDP step of 2mamba-e and GLA with NCCL's collectives capped at each of DDP_CTAS CTAs in turn,
 # default "2 4 8 16", beside NCCL's own choice; NCCL's INIT log, the channels each communicator got, in $OUT/ddp-ctas-nccl.*), scale (`attnlab train` over 1, 2, 4, ... GPUs: SCALE_MODELS="2mamba hf-llama", SCALE_GPUS="1 2 4" (default: up to
-# every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`),
+# every visible GPU), SCALE_ARGS (default --no-ckpt) adds options of `attnlab bench scale`; scale2 .. scale9 are more benches in
+# one call, each from SCALE2_MODELS, SCALE2_GPUS, SCALE2_ARGS, SCALE2_LIMIT ... where set, else from scale's),
 # before-after (a compact zoo at 4x4096 and 2mamba's decode on this tree and on BASE_TREE, an export of an earlier commit),
 # recall (issue 37: the suite `recall` on every visible GPU (RECALL_GPUS=0,1 picks), RECALL_PER_GPU jobs at a time on each (default 21),
 # or with RECALL_SPLIT=1 its 128- and 256-token jobs on GPU 0 beside its 512-token ones on GPU 1, stopped at RECALL_LIMIT seconds
@@ -155,9 +156,11 @@ for stage in "$@"; do case $stage in
       echo "ddp-ctas: NCCL coll channels per communicator, ${f##*/} (NCCL's own choice, then ${DDP_CTAS:-2 4 8 16}):" \
         $(grep -o '[0-9]* coll channels' "$f" | cut -d' ' -f1)
     done | tee -a "$OUT/summary.txt" ;;
-  scale|scale2) name=$stage; [ $stage = scale2 ] && { SCALE_MODELS=${SCALE2_MODELS:-$SCALE_MODELS}; SCALE_ARGS=${SCALE2_ARGS:-$SCALE_ARGS}; }
-    run $name "${SCALE_LIMIT:-580}" $AL bench scale $(printf -- '--model %s ' ${SCALE_MODELS:-2mamba hf-llama}) \
-    ${SCALE_GPUS:+$(printf -- '--gpus %s ' $SCALE_GPUS)} ${SCALE_ARGS---no-ckpt} --out "$OUT/$name.json"
+  scale|scale[2-9])  # scaleN: SCALEN_MODELS, SCALEN_GPUS, SCALEN_ARGS and SCALEN_LIMIT where set, else scale's own
+    name=$stage; n=${stage#scale}; m=SCALE${n}_MODELS g=SCALE${n}_GPUS a=SCALE${n}_ARGS l=SCALE${n}_LIMIT
+    models=${!m:-${SCALE_MODELS:-2mamba hf-llama}}; gpus=${!g:-${SCALE_GPUS:-}}; if [ -n "${!a+set}" ]; then args=${!a}; else args=${SCALE_ARGS---no-ckpt}; fi
+    run $name "${!l:-${SCALE_LIMIT:-580}}" $AL bench scale $(printf -- '--model %s ' $models) \
+    ${gpus:+$(printf -- '--gpus %s ' $gpus)} $args --out "$OUT/$name.json"
     # the table and plot of the runs measured, when the limit stopped the bench before it wrote them
     [ "$OUT/$name.json" -nt "$OUT/$name.png" ] && python -c "import json,sys; from pathlib import Path; from rich.console import Console; from attnlab.bench.scale import results_table; from attnlab.bench.plot import plot_scale; p=Path(sys.argv[1]); r=json.loads(p.read_text()); Console(width=200).print(results_table(r)[0]); print('wrote', plot_scale(r, p.with_suffix('.png')))" "$OUT/$name.json" ;;
   long) run long "${LONG_LIMIT:-240}" $AL bench train --model attnlab-gla --model hf-llama --shape 2x8192 --shape 1x16384 --steps 5 --warmup 2 --out "$OUT/train-long.json" ;;

@@ -36,20 +36,28 @@ def test_the_plan_runs_one_gpu_once_under_the_first_strategy_each_model_from_its
     assert [v.key for v in scale.variants(["hf-llama"], [1], ["fsdp"], 2, 32, ckpt=False, eager=False)] == ["hf-llama@1x2x32:fsdp"]
 
 
-def test_side_by_side_runs_the_one_gpu_runs_in_groups_of_the_gpu_count_before_the_runs_over_several():
-    plan = scale.variants(["attnlab-2mamba", "attnlab-gla", "hf-llama"], [1, 4], ["ddp"], 9, 1024, ckpt=True, eager=False)
+def test_side_by_side_runs_each_gpu_count_in_groups_that_share_the_gpus_out_fewest_gpus_first():
+    plan = scale.variants(["attnlab-2mamba", "attnlab-gla", "hf-llama"], [1, 2, 4], ["ddp"], 9, 1024, ckpt=True, eager=False)
     assert [[v.key for v in wave] for wave in scale.waves(plan, 1)] == [[v.key] for v in plan]
     waves = scale.waves(plan, 4)
-    assert [len(w) for w in waves] == [4, 2, 1, 1, 1, 1, 1, 1]
-    assert all(v.gpus == 1 for w in waves[:2] for v in w) and all(w[0].gpus == 4 for w in waves[2:])
+    assert [len(w) for w in waves] == [4, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert [w[0].gpus for w in waves] == [1, 1, 2, 2, 2, 4, 4, 4, 4, 4, 4]
+    assert all(len({v.gpus for v in w}) == 1 for w in waves)
     assert sorted(v.key for w in waves for v in w) == sorted(v.key for v in plan)
+    assert scale.wave_devices(waves[0], cuda=True) == [[0], [1], [2], [3]]
+    assert scale.wave_devices(waves[2], cuda=True) == [[0, 1], [2, 3]]
+    assert scale.wave_devices(waves[-1], cuda=True) == [None]
+    assert scale.wave_devices(scale.waves(plan, 1)[0], cuda=True) == [[0]]  # one process alone: one GPU, not every one visible
+    assert scale.wave_devices(waves[0], cuda=False) == [None] * 4
 
 
-def test_a_run_side_by_side_sees_only_its_own_gpu_of_those_visible(monkeypatch):
+def test_a_run_side_by_side_sees_only_its_own_gpus_of_those_visible(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert scale.run_environment(1, 2)["CUDA_VISIBLE_DEVICES"] == "2"
+    assert scale.run_environment(1, [2])["CUDA_VISIBLE_DEVICES"] == "2"
+    assert scale.run_environment(2, [2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert scale.run_environment(1, 1)["CUDA_VISIBLE_DEVICES"] == "5"
+    assert scale.run_environment(1, [1])["CUDA_VISIBLE_DEVICES"] == "5"
+    assert scale.run_environment(2, [2, 3])["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert scale.run_environment(4)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
@@ -184,6 +192,8 @@ def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_p
     assert two["efficiency"] == pytest.approx(two["per_gpu_tokens_per_s"] / one["per_gpu_tokens_per_s"], abs=2e-3)
     assert out.with_suffix(".png").read_bytes()[:8] == PNG
     assert (tmp_path / "scale-logs" / "attnlab-softmax-2x2x32-ddp.log").is_file()
+    # one process is given no strategy, which it would warn that it ignores
+    assert "warning" not in (tmp_path / "scale-logs" / "attnlab-softmax-1x2x32-ddp.log").read_text()
     printed = capsys.readouterr().out
     assert "[2/2] attnlab-softmax@2x2x32:ddp: started (torchrun, 2 processes" in printed
     assert "per-GPU tokens/s" in printed

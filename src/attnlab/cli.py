@@ -619,8 +619,8 @@ def bench_scale_cmd(
     set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="One more config override for every run, applied last, e.g. --set train.grad_clip=0 (repeatable)."),
     timeout_s: float = typer.Option(900, "--timeout-s", min=1, help="Time limit of one run in seconds; a run past it is stopped and recorded as an error."),
     side_by_side: bool = typer.Option(False, "--side-by-side/--one-at-a-time", help=(
-        "Run the one-GPU runs side by side, one per visible GPU, before the runs over several GPUs: a shorter bench; "
-        "the processes share the host (CPUs), which slows host-bound (eager) steps.")),
+        "Run the runs of each GPU count side by side on GPUs of their own (four one-GPU runs on 4 GPUs, then two 2-GPU runs): "
+        "a shorter bench; the processes share the host (CPUs), which slows host-bound (eager) steps.")),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", show_default=False, help="Where the tokenizer, HF Llama's starting weights and the run directories go (kept, and reused by the next bench). Default: a temporary folder, deleted at the end."),
     out: Path = typer.Option(Path("scale.json"), "--out", help="JSON result, rewritten after every run; a PNG plot beside it (same name, .png), and the runs' logs in NAME-logs/."),
     device: str = typer.Option("cuda", "--device", help=(

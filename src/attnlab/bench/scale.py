@@ -238,18 +238,18 @@ class Finished:
     wall_s: float
 
 
-def run_environment(gpus: int, device_index: int | None = None) -> dict[str, str]:
+def run_environment(gpus: int, devices: list[int] | None = None) -> dict[str, str]:
     """The environment of a run: whole lines in its logs, written as they come; one process gets the one
     OpenMP thread that torchrun gives each of its processes (unless the caller set a count), so that one
-    GPU and several differ only in their count. `device_index`: the one GPU a one-process run sees (runs
-    side by side), of those this process sees."""
+    GPU and several differ only in their count. `devices`: the GPUs the run sees (runs side by side, or one
+    process pinned to one GPU), as indices into those this process sees."""
     env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
     if gpus == 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    if device_index is not None:
+    if devices is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(device_index + 1)]
-        env["CUDA_VISIBLE_DEVICES"] = ids[device_index]
+        ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(max(devices) + 1)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in devices)
     return env
 
 
@@ -371,7 +371,9 @@ class Bench:
             f"train.warmup_steps={self.warmup_steps}", f"train.log_every={self.log_every}", "train.eval_every=0", "train.eval_batches=1",
             "train.save_every=0", "train.sample_tokens=0", f"train.device={self.device}",
             f"train.precision={'bf16' if self.device == 'cuda' else 'fp32'}", f"train.cuda_graphs={str(not v.eager).lower()}",
-            f"train.gradient_checkpointing={str(v.ckpt).lower()}", f"train.strategy={v.strategy}", *self.extra,
+            f"train.gradient_checkpointing={str(v.ckpt).lower()}",
+            # one process has nothing to share or shard: the trainer would warn that it ignores the strategy
+            *([f"train.strategy={v.strategy}"] if v.gpus > 1 else []), *self.extra,
         ]
 
     def command(self, v: Variant, run_dir: Path) -> list[str]:
@@ -379,13 +381,13 @@ class Bench:
         return [*launcher(v.gpus), "train", *sets, "--run-dir", str(run_dir)]
 
 
-def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s: float, device_index: int | None = None) -> dict:
+def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s: float, devices: list[int] | None = None) -> dict:
     """Run one variant and read its row from its run directory (the weights it wrote are deleted);
-    `device_index`: the GPU a one-process run is pinned to."""
+    `devices`: the GPUs the run is pinned to."""
     run_dir = runs_dir / v.name
     shutil.rmtree(run_dir, ignore_errors=True)
     stdout_path, stderr_path = logs_dir / f"{v.name}.log", logs_dir / f"{v.name}.stderr.log"
-    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s, run_environment(v.gpus, device_index))
+    done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s, run_environment(v.gpus, devices))
     stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
     for heavy in ("final", "checkpoints"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
@@ -446,20 +448,35 @@ def describe(key: str, row: dict) -> str:
 
 
 def waves(plan: list[Variant], side_by_side: int) -> list[list[Variant]]:
-    """The plan in the order it runs: with `side_by_side` > 1, the one-GPU runs in groups of up to that many
-    (each on a GPU of its own, at the same time), before the runs over several GPUs, one at a time."""
+    """The plan in the order it runs: with `side_by_side` (the visible GPU count) > 1, the runs of each GPU
+    count in groups that share the GPUs out (four one-GPU runs on 4 GPUs, then two 2-GPU runs, then one
+    4-GPU run), fewest GPUs first."""
     if side_by_side <= 1:
         return [[v] for v in plan]
-    singles = [v for v in plan if v.gpus == 1]
-    return ([singles[i:i + side_by_side] for i in range(0, len(singles), side_by_side)]
-            + [[v] for v in plan if v.gpus > 1])
+    out = []
+    for gpus in sorted({v.gpus for v in plan}):
+        same = [v for v in plan if v.gpus == gpus]
+        per = max(1, side_by_side // gpus)
+        out += [same[i:i + per] for i in range(0, len(same), per)]
+    return out
+
+
+def wave_devices(wave: list[Variant], cuda: bool) -> list[list[int] | None]:
+    """The GPUs each run of a wave is pinned to: the i-th run of k GPUs gets GPUs i*k .. i*k+k-1; a run
+    alone sees every GPU unless it is one process (pinned to the first, so that it never trains on one GPU
+    of several visible and warns about it); None off CUDA."""
+    if not cuda:
+        return [None] * len(wave)
+    if len(wave) == 1:
+        return [[0] if wave[0].gpus == 1 else None]
+    return [list(range(i * v.gpus, (i + 1) * v.gpus)) for i, v in enumerate(wave)]
 
 
 def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: Path, out: Path, timeout_s: float,
               log: Callable[[str], None] = print, side_by_side: int = 1) -> tuple[dict, bool]:
     """Run every variant of `plan`; a line to `log` as each starts and ends, the JSON rewritten after each.
-    `side_by_side` > 1: the one-GPU runs go that many at a time, each pinned to its own GPU (a process per
-    GPU shares nothing with the others but the host). Returns (result, finished): finished is False when
+    `side_by_side` > 1 (the visible GPU count): the runs of one GPU count go as many at a time as the GPUs
+    hold, each pinned to GPUs of its own (runs on different GPUs share nothing but the host). Returns (result, finished): finished is False when
     the bench was interrupted."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -469,22 +486,23 @@ def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: P
     logs_dir.mkdir(parents=True, exist_ok=True)
     result = {"env": environment(bench.device), "settings": bench.settings(plan), "runs": {}}
     if side_by_side > 1:
-        result["settings"]["one_gpu_runs_side_by_side"] = side_by_side
+        result["settings"]["runs_side_by_side_on_gpus"] = side_by_side
     write(result, out)
     n = 0
     for wave in waves(plan, side_by_side):
         numbers = {v.key: n + i for i, v in enumerate(wave, 1)}
         n += len(wave)
-        for i, v in enumerate(wave):
+        devices = wave_devices(wave, bench.device == "cuda")
+        for v, on in zip(wave, devices):
             where = "1 process" if v.gpus == 1 else f"torchrun, {v.gpus} processes"
-            where += f" on GPU {i}" if len(wave) > 1 else ""
+            where += f" on GPU {', '.join(map(str, on))}" if on is not None and len(wave) > 1 else ""
             log(f"[{numbers[v.key]}/{len(plan)}] {v.key}: started ({where}; log {logs_dir / v.name}.log)")
         try:
             if len(wave) == 1:
-                rows = [measure(bench, wave[0], runs_dir, logs_dir, timeout_s)]
+                rows = [measure(bench, wave[0], runs_dir, logs_dir, timeout_s, devices[0])]
             else:
                 with ThreadPoolExecutor(len(wave)) as pool:
-                    rows = list(pool.map(lambda iv: measure(bench, iv[1], runs_dir, logs_dir, timeout_s, iv[0]), enumerate(wave)))
+                    rows = list(pool.map(lambda vd: measure(bench, vd[0], runs_dir, logs_dir, timeout_s, vd[1]), zip(wave, devices)))
         except KeyboardInterrupt:
             log(f"[{numbers[wave[0].key]}/{len(plan)}] {wave[0].key}: interrupted; {out} holds the {len(result['runs'])} runs "
                 "measured before it")
