@@ -61,6 +61,13 @@ def test_a_run_side_by_side_sees_only_its_own_gpus_of_those_visible(monkeypatch)
     assert scale.run_environment(4)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
 
 
+def test_every_run_gets_torchruns_one_openmp_thread_so_torchrun_has_nothing_to_warn_about(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert scale.run_environment(1)["OMP_NUM_THREADS"] == scale.run_environment(4)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert scale.run_environment(4)["OMP_NUM_THREADS"] == "8"
+
+
 @pytest.mark.parametrize("visible, counts", [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
 def test_default_gpu_counts_double_up_to_every_visible_gpu(visible, counts):
     assert scale.default_gpu_counts(visible) == counts

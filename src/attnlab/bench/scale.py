@@ -239,13 +239,12 @@ class Finished:
 
 
 def run_environment(gpus: int, devices: list[int] | None = None) -> dict[str, str]:
-    """The environment of a run: whole lines in its logs, written as they come; one process gets the one
-    OpenMP thread that torchrun gives each of its processes (unless the caller set a count), so that one
-    GPU and several differ only in their count. `devices`: the GPUs the run sees (runs side by side, or one
+    """The environment of a run: whole lines in its logs, written as they come; every process gets the one
+    OpenMP thread that torchrun would give each of its own (unless the caller set a count), so that one GPU
+    and several differ only in their count, and torchrun has no default to warn about. `devices`: the GPUs the run sees (runs side by side, or one
     process pinned to one GPU), as indices into those this process sees."""
     env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
-    if gpus == 1:
-        env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
     if devices is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(max(devices) + 1)]
