@@ -5,15 +5,21 @@ GPU's kernel time, the host's time to issue the forward, the backward and the op
 (the GPU drained before each part), the number of kernels each part launches, and the Python functions
 the forward and the backward spend their host time in (cProfile, own time). Prints a table last; --out
 writes the rows as JSON. `--compiled` adds each attnlab model with its blocks under torch.compile (`model+compiled`),
-as `attnlab train` runs an eager step.
+as `attnlab train` runs an eager step. `--traced` adds each with its blocks compiled and the mixers' kernels traced
+by torch.compile too (`model+traced`: the `outside_compile` marks lifted, so that a block can compile to one graph
+with its Triton kernels launched by Inductor, where torch.compile can trace them). Compiled rows record the graphs
+compiled and the graph breaks by reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import pkgutil
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -30,6 +36,32 @@ def _kernels(fn):
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(events), round(sum(e.device_time for e in events) / 1000, 2)
+
+
+@contextmanager
+def kernels_traced():
+    """Every function and method of attnlab.models marked `outside_compile` (torch.compiler.disable) as written instead,
+    wherever a module or class holds it, for the duration; yields how many places were changed."""
+    import attnlab.models
+
+    changed = []
+    for info in pkgutil.walk_packages(attnlab.models.__path__, "attnlab.models."):
+        module = importlib.import_module(info.name)
+        owners = [module] + [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__]
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                inner = getattr(value, "__wrapped__", None)
+                if inner is None or not getattr(value, "_torchdynamo_disable", False):
+                    continue
+                # what was set on the marked function after marking it (e.g. `attention_terms.divide`)
+                inner.__dict__.update({k: v for k, v in vars(value).items() if k != "__wrapped__" and not k.startswith("_torchdynamo")})
+                setattr(owner, name, inner)
+                changed.append((owner, name, value))
+    try:
+        yield len(changed)
+    finally:
+        for owner, name, value in reversed(changed):
+            setattr(owner, name, value)
 
 
 def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len):
@@ -54,6 +86,10 @@ def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len
 def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured=None):
     """One model's row; `name` with "+compiled": the attnlab model with its blocks under torch.compile (as `attnlab
     train` runs an eager step, `train.compile`). `captured`: the captured step's ms when already measured."""
+    if name.endswith("+traced"):
+        with kernels_traced() as places:
+            row = measure(name.removesuffix("+traced") + "+compiled", hidden, layers, heads, vocab, intermediate, batch, seq_len, captured)
+        return {**row, "model": name, "outside_compile_lifted": places}
     device = torch.device("cuda")
     compiled = name.endswith("+compiled")
     base = name.removesuffix("+compiled")
@@ -84,15 +120,20 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, ca
         backward()
         optimizer()
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     t0 = time.perf_counter()
     step()  # the first step compiles the blocks ("+compiled")
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
+    compiled_graphs = {"graphs": counters["stats"].get("unique_graphs", 0),
+                       "graph_breaks": {reason[:200]: n for reason, n in counters["graph_break"].items()}} if compiled else {}
     for _ in range(2):
         step()
     step_s, _ = median_time(step, 6, device)
     row = {"model": name, "first_step_s": round(first_s, 1), "batch": batch, "seq_len": seq_len, "step_ms": round(step_s * 1000, 2),
-           "tok_per_s": round(batch * seq_len / step_s)}
+           "tok_per_s": round(batch * seq_len / step_s), **compiled_graphs}
     parts = {}
     for part, fn, before, after in (("forward", forward, None, lambda: (backward(), optimizer())),
                                     ("backward", backward, forward, optimizer),
@@ -141,20 +182,23 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--compiled", action="store_true", help="also each attnlab model with its blocks under torch.compile")
+    ap.add_argument("--traced", action="store_true", help=(
+        "also each attnlab model with its blocks compiled and the mixers' kernels traced too (the outside_compile marks lifted)"))
     ap.add_argument("--out")
     args = ap.parse_args()
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
     names = [name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}" for name in args.model]
-    if args.compiled:  # each attnlab model eager as written and with its blocks compiled
-        names = [variant for name in names for variant in ((name, name + "+compiled") if name.startswith("attnlab-") else (name,))]
+    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+traced", args.traced)) if on]
+    if suffixes:  # each attnlab model eager as written, then compiled in each way asked for
+        names = [variant for name in names for variant in ([name] + ([name + x for x in suffixes] if name.startswith("attnlab-") else []))]
     captured = {}
     for name in names:
         try:
-            row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len,
-                          captured.get(name.removesuffix("+compiled")))
+            base = name.removesuffix("+compiled").removesuffix("+traced")
+            row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len, captured.get(base))
             if "captured_ms" in row:
-                captured[name.removesuffix("+compiled")] = row["captured_ms"]
+                captured[base] = row["captured_ms"]
         except Exception as err:  # one model's failure is a row, not the end of the run
             row = {"model": name, "error": f"{type(err).__name__}: {err}"[:300]}
         rows.append(row)
@@ -173,6 +217,10 @@ def main():
               f"{p['forward']['kernels']:>5d} | {p['backward']['host_ms']:>8.1f} {p['backward']['gpu_ms']:>6.1f} {p['backward']['kernels']:>5d} | "
               f"{p['optimizer']['host_ms']:>8.1f} {p['optimizer']['gpu_ms']:>6.1f} | {r.get('captured_ms', float('nan')):>8.1f} "
               f"{r.get('eager_over_captured', float('nan')):>10.3f}")
+        if "graphs" in r:
+            breaks = sum(r["graph_breaks"].values())
+            top = max(r["graph_breaks"], key=r["graph_breaks"].get) if breaks else ""
+            print(f"{'':32s} {r['graphs']} graphs compiled, {breaks} graph breaks{': most often ' + top[:120] if top else ''}")
 
 
 if __name__ == "__main__":
