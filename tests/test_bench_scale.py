@@ -68,6 +68,13 @@ def test_every_run_gets_torchruns_one_openmp_thread_so_torchrun_has_nothing_to_w
     assert scale.run_environment(4)["OMP_NUM_THREADS"] == "8"
 
 
+def test_one_process_is_given_no_strategy_which_it_would_warn_that_it_ignores():
+    bench = scale.Bench(scale.Size(32, 1, 2, 64, None), "cuda", "byte", 8)
+    one, four = (scale.Variant("attnlab-2mamba", gpus, 9, 1024, "fsdp", False, False) for gpus in (1, 4))
+    assert not [o for o in bench.overrides(one) if o.startswith("train.strategy=")]
+    assert "train.strategy=fsdp" in bench.overrides(four)
+
+
 @pytest.mark.parametrize("visible, counts", [(0, [1]), (1, [1]), (2, [1, 2]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
 def test_default_gpu_counts_double_up_to_every_visible_gpu(visible, counts):
     assert scale.default_gpu_counts(visible) == counts
@@ -199,8 +206,6 @@ def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_p
     assert two["efficiency"] == pytest.approx(two["per_gpu_tokens_per_s"] / one["per_gpu_tokens_per_s"], abs=2e-3)
     assert out.with_suffix(".png").read_bytes()[:8] == PNG
     assert (tmp_path / "scale-logs" / "attnlab-softmax-2x2x32-ddp.log").is_file()
-    # one process is given no strategy, which it would warn that it ignores
-    assert "warning" not in (tmp_path / "scale-logs" / "attnlab-softmax-1x2x32-ddp.log").read_text()
     printed = capsys.readouterr().out
     assert "[2/2] attnlab-softmax@2x2x32:ddp: started (torchrun, 2 processes" in printed
     assert "per-GPU tokens/s" in printed

@@ -241,8 +241,8 @@ class Finished:
 def run_environment(gpus: int, devices: list[int] | None = None) -> dict[str, str]:
     """The environment of a run: whole lines in its logs, written as they come; every process gets the one
     OpenMP thread that torchrun would give each of its own (unless the caller set a count), so that one GPU
-    and several differ only in their count, and torchrun has no default to warn about. `devices`: the GPUs the run sees (runs side by side, or one
-    process pinned to one GPU), as indices into those this process sees."""
+    and several differ only in their count, and torchrun has no default to warn about. `devices`: the GPUs
+    the run sees (runs side by side, or one process pinned to one GPU), as indices into those this process sees."""
     env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
     if devices is not None:
@@ -475,8 +475,8 @@ def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: P
               log: Callable[[str], None] = print, side_by_side: int = 1) -> tuple[dict, bool]:
     """Run every variant of `plan`; a line to `log` as each starts and ends, the JSON rewritten after each.
     `side_by_side` > 1 (the visible GPU count): the runs of one GPU count go as many at a time as the GPUs
-    hold, each pinned to GPUs of its own (runs on different GPUs share nothing but the host). Returns (result, finished): finished is False when
-    the bench was interrupted."""
+    hold, each pinned to GPUs of its own (runs on different GPUs share nothing but the host). Returns
+    (result, finished): finished is False when the bench was interrupted."""
     from concurrent.futures import ThreadPoolExecutor
 
     plan = list(plan)
