@@ -7,8 +7,10 @@ the forward and the backward spend their host time in (cProfile, own time). Prin
 writes the rows as JSON. `--compiled` adds each attnlab model with its blocks under torch.compile (`model+compiled`),
 as `attnlab train` runs an eager step. `--traced` adds each with its blocks compiled and the mixers' kernels traced
 by torch.compile too (`model+traced`: the `outside_compile` marks lifted, so that a block can compile to one graph
-with its Triton kernels launched by Inductor, where torch.compile can trace them). Compiled rows record the graphs
-compiled and the graph breaks by reason.
+with its Triton kernels launched by Inductor, where torch.compile can trace them). `--whole` adds each with the whole
+model's training forward and loss under one torch.compile, the kernels traced as with `--traced` (`model+whole`: one
+forward graph and one backward graph where nothing breaks them). Compiled rows record the graphs compiled and the
+graph breaks by reason.
 """
 
 from __future__ import annotations
@@ -86,27 +88,30 @@ def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len
 def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured=None):
     """One model's row; `name` with "+compiled": the attnlab model with its blocks under torch.compile (as `attnlab
     train` runs an eager step, `train.compile`). `captured`: the captured step's ms when already measured."""
-    if name.endswith("+traced"):
+    if name.endswith(("+traced", "+whole")):
+        base, how = name.rsplit("+", 1)
         with kernels_traced() as places:
-            row = measure(name.removesuffix("+traced") + "+compiled", hidden, layers, heads, vocab, intermediate, batch, seq_len, captured)
+            row = measure(base + ("+compiled" if how == "traced" else "+model"), hidden, layers, heads, vocab, intermediate, batch,
+                          seq_len, captured)
         return {**row, "model": name, "outside_compile_lifted": places}
     device = torch.device("cuda")
-    compiled = name.endswith("+compiled")
-    base = name.removesuffix("+compiled")
+    compiled = name.endswith(("+compiled", "+model"))
+    base = name.removesuffix("+compiled").removesuffix("+model")
     if captured is None and base.startswith("attnlab-"):
         captured = captured_ms(base, hidden, layers, heads, vocab, intermediate, batch, seq_len)
     torch.manual_seed(0)
     release(device)
     model = build(base, hidden, layers, heads, vocab, intermediate).cuda().train()
-    if compiled:
+    if name.endswith("+compiled"):
         model.compile_blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     state = {}
+    run = torch.compile(model) if name.endswith("+model") else model
 
     def forward():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            state["loss"] = model(input_ids=x, labels=x).loss
+            state["loss"] = run(input_ids=x, labels=x).loss
 
     def backward():
         state["loss"].backward()
@@ -166,7 +171,7 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, ca
     row["parts"] = parts
     if captured:
         row.update(captured_ms=captured, eager_over_captured=round(captured / row["step_ms"], 3))
-    del model, opt
+    del model, opt, run
     if compiled:
         torch._dynamo.reset()  # the next model compiles its own blocks
     return row
@@ -184,18 +189,20 @@ def main():
     ap.add_argument("--compiled", action="store_true", help="also each attnlab model with its blocks under torch.compile")
     ap.add_argument("--traced", action="store_true", help=(
         "also each attnlab model with its blocks compiled and the mixers' kernels traced too (the outside_compile marks lifted)"))
+    ap.add_argument("--whole", action="store_true", help=(
+        "also each attnlab model with the whole model compiled as one, the mixers' kernels traced as with --traced"))
     ap.add_argument("--out")
     args = ap.parse_args()
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
     names = [name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}" for name in args.model]
-    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+traced", args.traced)) if on]
+    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+traced", args.traced), ("+whole", args.whole)) if on]
     if suffixes:  # each attnlab model eager as written, then compiled in each way asked for
         names = [variant for name in names for variant in ([name] + ([name + x for x in suffixes] if name.startswith("attnlab-") else []))]
     captured = {}
     for name in names:
         try:
-            base = name.removesuffix("+compiled").removesuffix("+traced")
+            base = name.removesuffix("+compiled").removesuffix("+traced").removesuffix("+whole")
             row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len, captured.get(base))
             if "captured_ms" in row:
                 captured[base] = row["captured_ms"]

@@ -7,9 +7,10 @@
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
 # eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE; EAGER_COMPILED=1 adds
-# each model with its blocks under torch.compile; EAGER_TRACED=1 each with its blocks compiled and the mixers' kernels traced too), compile-breaks (benchmarks/compile_breaks.py: what graph breaks at the mixer cost an
+# each model with its blocks under torch.compile; EAGER_TRACED=1 each with its blocks compiled and the mixers' kernels traced too; EAGER_WHOLE=1 each with the whole model compiled, kernels traced), compile-breaks (benchmarks/compile_breaks.py: what graph breaks at the mixer cost an
 # eager step, on stand-in blocks: eager, blocks compiled with the mixer a break or a custom op, the model compiled, captured;
-# BREAKS_ARGS adds options), prof-eager (the
+# BREAKS_ARGS adds options), traced-blocks (benchmarks/traced_blocks.py: which mixers' blocks compile whole with their kernels
+# traced, and whether that step's loss and gradients match eager's: TRACED_MODELS, TRACED_ARGS, e.g. --fp32), prof-eager (the
 # eager steps of PROF_EAGER_MODELS under torch's profiler: the host's own time per aten op and the top kernels),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 16x1024, 4x4096 and 1x16384-65536 beside
@@ -139,8 +140,10 @@ for stage in "$@"; do case $stage in
       --shape "$shape" --steps 4 --warmup 2 --profile --out "$OUT/$stage.json" ;;
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
-  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} ${EAGER_TRACED:+--traced} \
+  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} ${EAGER_TRACED:+--traced} ${EAGER_WHOLE:+--whole} \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
+  traced-blocks) run traced-blocks "${TRACED_LIMIT:-300}" python benchmarks/traced_blocks.py ${TRACED_ARGS:-} \
+    $(printf -- '--model %s ' ${TRACED_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla}) --out "$OUT/traced-blocks${TRACED_TAG:-}.json" ;;
   compile-breaks) run compile-breaks "${BREAKS_LIMIT:-420}" python benchmarks/compile_breaks.py ${BREAKS_ARGS:-} --out "$OUT/compile-breaks.json" ;;
   fsdp-capture)  # benchmarks/fsdp_capture.py on FSDP_CAPTURE_GPUS GPUs (default 2) for each of FSDP_CAPTURE_MODELS
     for model in ${FSDP_CAPTURE_MODELS:-attnlab-2mamba hf-llama}; do

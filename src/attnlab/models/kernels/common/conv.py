@@ -93,7 +93,7 @@ def _fwd_kernel(
     X, W, Bias, H0, Y, T, C,
     sxb, sxt, sxc, swc, swk, shb, sht, shc, syb, syt, syc,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ADVANCE_H0: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, ADVANCE_H0: tl.constexpr,
 ):
     pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -251,7 +251,7 @@ def conv_forward(x, weight, bias, h0, silu: bool, channel_major: bool, want_fina
             x, weight, bias if bias is not None else weight, h0_arg, y, T, C,
             *x.stride(), *weight.stride(), *sh, *y.stride(),
             K=K, HAS_BIAS=bias is not None, HAS_H0=h0 is not None, SILU=silu,
-            BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, num_warps=FWD_WARPS,
+            BLOCK_T=FWD_BLOCK_T, BLOCK_C=block_c, ADVANCE_H0=False, num_warps=FWD_WARPS,
         )
     return y, (_final_state(x, h0, K - 1, channel_major) if want_final else None)
 
