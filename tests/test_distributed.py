@@ -279,6 +279,40 @@ def test_fsdp_captured_follows_fsdp_eager_and_prints_no_warning(fsdp_cuda_runs, 
     assert _losses(fsdp) == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
 
 
+@pytest.mark.cuda
+@two_cuda_devices
+def test_fsdp_with_gradient_accumulation_captured_follows_fsdp_eager_and_one_process(small_corpus, tmp_path):
+    """Two micro-batches a step: the captured backward reduce-scatters each micro-batch and sums the shards;
+    FSDP's eager step under accelerate's no_sync keeps the unsharded gradients until the last. Same sum."""
+    from conftest import TINY
+
+    overrides = TINY + [f"data.source={small_corpus}", "train.device=cuda", "train.precision=fp32", "train.grad_accum=2"]
+    proc = _train_under_torchrun(overrides, tmp_path / "captured", "--set", "train.strategy=fsdp")
+    printed = proc.stdout + proc.stderr
+    assert "training step captured as CUDA graphs" in printed, printed[-2000:]
+    assert "UserWarning" not in printed and "FutureWarning" not in printed, printed[-2000:]
+    _train_under_torchrun(overrides + ["train.cuda_graphs=false"], tmp_path / "eager", "--set", "train.strategy=fsdp")
+    assert run_cli("train", *sets(overrides), "--run-dir", str(tmp_path / "one")) == 0
+    assert _losses(tmp_path / "captured") == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
+    assert _losses(tmp_path / "captured") == pytest.approx(_losses(tmp_path / "one"), abs=1e-4)
+
+
+@pytest.mark.cuda
+@two_cuda_devices
+def test_fsdp_with_gradient_checkpointing_captured_follows_fsdp_eager(small_corpus, tmp_path):
+    """The recomputed blocks gather their parameters again inside the captured backward."""
+    from conftest import TINY
+
+    overrides = TINY + [f"data.source={small_corpus}", "train.device=cuda", "train.precision=fp32",
+                        "train.gradient_checkpointing=true"]
+    proc = _train_under_torchrun(overrides, tmp_path / "captured", "--set", "train.strategy=fsdp")
+    printed = proc.stdout + proc.stderr
+    assert "training step captured as CUDA graphs" in printed, printed[-2000:]
+    assert "UserWarning" not in printed and "FutureWarning" not in printed, printed[-2000:]
+    _train_under_torchrun(overrides + ["train.cuda_graphs=false"], tmp_path / "eager", "--set", "train.strategy=fsdp")
+    assert _losses(tmp_path / "captured") == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def ddp_cuda_runs(tmp_path_factory, small_corpus):
     """The tiny run in fp32 on CUDA with two micro-batches a step: DDP on 2 GPUs captured and eager, and

@@ -28,8 +28,12 @@ Under FSDP (torch's FSDP2, `fully_shard`) the captured forward and backward run 
 all-gathers of each block's parameters and its reduce-scatters of their gradients, on its own streams, are
 captured with the compute and replayed with it; a replay leaves each sharded parameter's `.grad` holding
 its shard of the averaged gradient, as FSDP's eager backward does. The shards themselves stay where FSDP put
-them (the optimizer updates them in place), so the replayed all-gathers read the new weights. Steps of one
-micro-batch, without gradient checkpointing (`graph_blocker`; the trainer keeps FSDP with accumulation eager).
+them (the optimizer updates them in place), so the replayed all-gathers read the new weights. The backward
+graph reduce-scatters whichever micro-batch it replays, so with gradient accumulation every micro-batch's
+shards are reduce-scattered and summed (`replay_backward`), where FSDP's eager step under accelerate's
+`no_sync` keeps the whole unsharded gradients until the last: more traffic, less memory, the same sum; the
+trainer makes its eager micro-batches (other shapes) do the same. With gradient checkpointing, the
+recomputed blocks gather their parameters again inside the backward graph, as FSDP's eager backward does.
 """
 
 from __future__ import annotations
@@ -82,8 +86,6 @@ def graph_blocker(model: nn.Module, sharded: bool = False, hf: bool = False) -> 
         return "a mixer records statistics during the forward (not verified for capture)"
     if getattr(model, "is_activation_checkpointing", False) and not _checkpoints_capturably(model):
         return f"gradient checkpointing is not in its capturable form ({CHECKPOINT_KWARGS})"
-    if sharded and getattr(model, "is_activation_checkpointing", False):
-        return "FSDP with gradient checkpointing is not verified for capture"
     if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
         return "the model is not on a CUDA device"
     return None
@@ -340,6 +342,7 @@ class CapturedLoss:
             self.flats, self.flat_grads = flat_views(self.params) if flat else (None, None)
         self.reduced = False  # the gradients in .grad are the backward graph's, already averaged over the processes
         self.sums: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (flats, views), made on first accumulation
+        self.shard_sums: list[torch.Tensor] | None = None  # under FSDP: the shards' sums across micro-batches, made on first use
         self.fingerprint = weights_fingerprint(model)
         self.autocast_dtype = autocast_dtype
         self.static_ids, self.static_labels = input_ids.clone(), labels.clone()
@@ -348,6 +351,9 @@ class CapturedLoss:
         if sharded:  # FSDP's backward adds into .grad: the step's gradients so far are set aside, given back after capture
             held = [p.grad for p in self.params]
             self._set_grads([None] * len(self.params))
+            # the backward graph always reduce-scatters, whichever micro-batch of a step it is captured in (one
+            # under accelerate's no_sync included): the trainer then reduce-scatters every micro-batch
+            model.set_requires_gradient_sync(True)
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
                 if sharded:
@@ -425,6 +431,12 @@ class CapturedLoss:
                 total.copy_(flat)
             for p, view in zip(self.params, self.sums[1]):
                 p.grad = view
+        if self.sharded and self._grads_are(self.static_grads):  # the last replay's shards, still in .grad
+            if self.shard_sums is None:
+                self.shard_sums = [g.clone() for g in self.static_grads]
+            else:  # one copy for every shard, on their local tensors (no DTensor dispatch per gradient)
+                torch._foreach_copy_([local(t) for t in self.shard_sums], [local(g) for g in self.static_grads])
+            self._set_grads(self.shard_sums)
         for p, buffer in zip(self.params, self.static_grads):
             if p.grad is not None and local(p.grad).data_ptr() == local(buffer).data_ptr():
                 p.grad = p.grad.clone()
@@ -443,6 +455,10 @@ class CapturedLoss:
         if self.sums is not None and self._grads_are(self.sums[1]):
             for total, flat in zip(self.sums[0], self.flats):
                 total.add_(flat)
+            return
+        if self.shard_sums is not None and self._grads_are(self.shard_sums):  # FSDP, a later micro-batch of the step
+            torch._foreach_add_([local(t) for t in self.shard_sums], [local(g) for g in self.static_grads])
+            self.reduced = True
             return
         for p, buffer in zip(self.params, self.static_grads):
             if p.grad is None:

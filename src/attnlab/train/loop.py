@@ -116,8 +116,6 @@ class AttnLabTrainer(Trainer):
         model = self.accelerator.unwrap_model(model)
         sharded = self.is_fsdp_enabled
         blocker = graph_blocker(model, sharded=sharded, hf=True)
-        if blocker is None and sharded and self.args.gradient_accumulation_steps > 1:
-            blocker = "FSDP with gradient accumulation is not verified for capture"
         failed = False  # a capture was tried and failed, here or on another process
         if blocker is None:
             autocast_dtype = torch.bfloat16 if self.args.bf16 else None
@@ -144,6 +142,11 @@ class AttnLabTrainer(Trainer):
                               "Train with train.cuda_graphs=false.")
         if blocker is None:
             self.say(f"training step captured as CUDA graphs (batch {tuple(inputs['input_ids'].shape)}; other shapes run eagerly)")
+            if sharded and self.args.gradient_accumulation_steps > 1:
+                # the backward graph reduce-scatters every micro-batch it replays: a micro-batch of another shape
+                # (eager) must too, rather than keep its unsharded gradients under no_sync for a last backward
+                # that a replay would never add them to (the Trainer reads this before each micro-batch)
+                self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
             return self.captured
         self.graph_note = blocker
         self.say(f"training step runs eagerly: {blocker} (train.cuda_graphs)")
