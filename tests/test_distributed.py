@@ -221,13 +221,20 @@ def test_preflight_refuses_fsdp_with_evaluation_tasks_during_training(monkeypatc
     assert "eval.tasks" in [p.key for p in run_preflight(cfg, load_data=False).errors]
 
 
-def test_preflight_refuses_gradients_averaged_in_bf16_under_fsdp(monkeypatch):
+def test_fsdp_computes_and_reduces_as_ddp_does_unless_told(monkeypatch):
+    """fp32 parameters gathered (autocast casts them, as in one process and under DDP), gradients reduce-scattered in
+    fp32 unless train.grad_reduce_dtype says bf16: not accelerate's own bf16 policy, which gathers bf16 parameters,
+    reduces in bf16 and casts every output, the loss too, to bf16."""
     from attnlab.config import load_config
+    from attnlab.train.loop import fsdp_precision
     from attnlab.train.preflight import run_preflight
 
+    policy = fsdp_precision()
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (None, torch.float32, None)
+    assert fsdp_precision(torch.bfloat16).reduce_dtype == torch.bfloat16 and fsdp_precision(torch.bfloat16).param_dtype is None
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config(None, ["train.strategy=fsdp", "train.batch_size=4", "train.grad_reduce_dtype=bf16"])
-    assert "train.grad_reduce_dtype" in [p.key for p in run_preflight(cfg, load_data=False).errors]
+    assert "train.grad_reduce_dtype" not in [p.key for p in run_preflight(cfg, load_data=False).errors]
 
 
 def test_ddp_on_two_gloo_processes_averages_gradients_in_bf16_when_asked(two_process_run, tmp_path):

@@ -113,10 +113,6 @@ def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
     if cfg.train.strategy != "fsdp":
         return
     world = world_size()
-    if cfg.train.grad_reduce_dtype != "fp32" and world > 1:
-        report.error("train.grad_reduce_dtype", f"train.grad_reduce_dtype={cfg.train.grad_reduce_dtype} applies to DDP; under "
-                     "train.strategy=fsdp the gradients are reduced in the dtype of FSDP's mixed precision (accelerate's: "
-                     "bf16 under train.precision=bf16, else fp32). Use train.strategy=ddp, or leave train.grad_reduce_dtype at fp32.")
     if world == 1:
         report.warn("train.strategy", "train.strategy=fsdp with one process: nothing to shard, so it trains as one process. "
                     "Launch under torchrun --nproc_per_node N (N > 1) to shard.")

@@ -96,6 +96,12 @@ class AttnLabTrainer(Trainer):
             self.accelerator.prepare_model = on_capture_stream(self.accelerator.prepare_model)
         if grad_reduce_dtype is not None and world_size() > 1 and not self.is_fsdp_enabled:
             self.accelerator.prepare_model = compressing_gradients(self.accelerator.prepare_model, grad_reduce_dtype, say)
+        if self.is_fsdp_enabled:  # read when the model is prepared (sharded), at the start of training
+            policy = fsdp_precision(grad_reduce_dtype)
+            self.accelerator.state.fsdp_plugin.mixed_precision_policy = policy
+            if grad_reduce_dtype is not None:
+                say(f"gradients reduce-scattered over the processes in {str(grad_reduce_dtype).removeprefix('torch.')} "
+                    "(train.grad_reduce_dtype)")
 
     def _get_train_sampler(self, train_dataset=None):
         if self.train_sampler is not None:
@@ -685,6 +691,17 @@ def _broadcast_buffers_argument() -> bool | None:
     from torch.nn.parallel import DistributedDataParallel
 
     return None if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters else False
+
+
+def fsdp_precision(reduce_dtype: torch.dtype | None = None):
+    """FSDP2's mixed precision for a run: the fp32 parameters gathered as they are, so that under bf16 autocast casts
+    them for the matrix products and every other use (norm weights, decay rates) reads fp32, as in one process and
+    under DDP; the gradients reduce-scattered in fp32, as DDP averages them, or in `reduce_dtype`
+    (train.grad_reduce_dtype). accelerate's own policy under bf16 gathers bf16 parameters, reduce-scatters in bf16
+    and casts every module's output, the loss too, to bf16: another run than the same config under DDP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype or torch.float32, output_dtype=None)
 
 
 def fsdp_active(cfg: RunConfig) -> bool:
