@@ -41,9 +41,10 @@ def _kernels(fn):
 
 
 @contextmanager
-def kernels_traced():
+def kernels_traced(only=None):
     """Every function and method of attnlab.models marked `outside_compile` (torch.compiler.disable) as written instead,
-    wherever a module or class holds it, for the duration; yields how many places were changed."""
+    wherever a module or class holds it, for the duration; yields how many places were changed. `only`: names of
+    the marked functions to lift (e.g. {"causal_conv1d"}), the others kept."""
     import attnlab.models
 
     changed = []
@@ -54,6 +55,8 @@ def kernels_traced():
             for name, value in list(vars(owner).items()):
                 inner = getattr(value, "__wrapped__", None)
                 if inner is None or not getattr(value, "_torchdynamo_disable", False):
+                    continue
+                if only is not None and inner.__name__ not in only:
                     continue
                 # what was set on the marked function after marking it (e.g. `attention_terms.divide`)
                 inner.__dict__.update({k: v for k, v in vars(value).items() if k != "__wrapped__" and not k.startswith("_torchdynamo")})

@@ -10,7 +10,8 @@
 # each model with its blocks under torch.compile; EAGER_TRACED=1 each with its blocks compiled and the mixers' kernels traced too; EAGER_WHOLE=1 each with the whole model compiled, kernels traced), compile-breaks (benchmarks/compile_breaks.py: what graph breaks at the mixer cost an
 # eager step, on stand-in blocks: eager, blocks compiled with the mixer a break or a custom op, the model compiled, captured;
 # BREAKS_ARGS adds options), traced-blocks (benchmarks/traced_blocks.py: which mixers' blocks compile whole with their kernels
-# traced, and whether that step's loss and gradients match eager's: TRACED_MODELS, TRACED_ARGS, e.g. --fp32), prof-eager (the
+# traced, and whether that step's loss and gradients match eager's: TRACED_MODELS, TRACED_ARGS, e.g. "--both --shape 9x1024 --lift
+# causal_conv1d"; TRACED_CODE=1 keeps Inductor's generated code), prof-eager (the
 # eager steps of PROF_EAGER_MODELS under torch's profiler: the host's own time per aten op and the top kernels),
 # decode-zoo (every mixer's decoding at B=8, prompt 2048, 256 new, 20 layers x 1024 x 16 heads, HF Llama beside; DECODE_ARCHS picks),
 # zoo-long (the long-context table of issue 36: 2mamba, linear__output_norm, linear_elu at 16x1024, 4x4096 and 1x16384-65536 beside
@@ -142,7 +143,7 @@ for stage in "$@"; do case $stage in
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
   eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} ${EAGER_TRACED:+--traced} ${EAGER_WHOLE:+--whole} \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
-  traced-blocks) run traced-blocks "${TRACED_LIMIT:-300}" python benchmarks/traced_blocks.py ${TRACED_ARGS:-} \
+  traced-blocks) run traced-blocks "${TRACED_LIMIT:-300}" python benchmarks/traced_blocks.py ${TRACED_ARGS:-} ${TRACED_CODE:+--code-dir "$OUT/inductor-code"} \
     $(printf -- '--model %s ' ${TRACED_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla}) --out "$OUT/traced-blocks${TRACED_TAG:-}.json" ;;
   compile-breaks) run compile-breaks "${BREAKS_LIMIT:-420}" python benchmarks/compile_breaks.py ${BREAKS_ARGS:-} --out "$OUT/compile-breaks.json" ;;
   fsdp-capture)  # benchmarks/fsdp_capture.py on FSDP_CAPTURE_GPUS GPUs (default 2) for each of FSDP_CAPTURE_MODELS
