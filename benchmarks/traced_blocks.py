@@ -4,13 +4,13 @@ eager one does: `python benchmarks/traced_blocks.py --model 2mamba --model mamba
 For each model (bench names of `attnlab bench train`, small by default: 2 layers), in a process of its own (a kernel
 that faults must not take the next model down with it): the blocks compiled with the `outside_compile` marks lifted
 (`eager_host.kernels_traced`), so that Inductor launches the mixers' Triton kernels itself where it can trace them;
-one training forward and backward under bf16 autocast (`--fp32`: without), beside the same model run eagerly from the same weights.
-A row gives the graphs compiled, the graph breaks by reason, the loss of each, and the largest difference of any
-parameter's gradient relative to that gradient's largest magnitude (under bf16 also each step's from the fp32 step's
-gradients: the yardstick of bf16's own rounding); or the error, with the innermost frames of its traceback and what the
-process wrote last. `--lift NAME` lifts only some marks, to find which kernel entry fails; `--code-dir` keeps
-Inductor's generated code. `CUDA_LAUNCH_BLOCKING=1` in the environment places a kernel's fault at its launch. Prints a table last;
---out writes the rows as JSON.
+one training forward and backward under bf16 autocast (`--fp32`: without; `--both`: each), beside the same model run
+eagerly from the same weights. A row gives the graphs compiled, the graph breaks by reason, the loss of each, and the
+largest difference of any parameter's gradient relative to that gradient's largest magnitude (under bf16 also each
+step's from the fp32 step's gradients: the yardstick of bf16's own rounding); or the error, with the innermost frames
+of its traceback and what the process wrote last. `--lift NAME` lifts only some marks, to find which kernel entry
+fails; `--code-dir` keeps Inductor's generated code; `CUDA_LAUNCH_BLOCKING=1` in the environment places a kernel's
+fault at its launch. Prints a table last; --out writes the rows as JSON.
 """
 
 from __future__ import annotations
