@@ -27,6 +27,7 @@ import torch
 
 from attnlab.bench.timing import host_python_calls, median_time, release
 from attnlab.bench.train import build, train_step
+from attnlab.bench.zoo import model_names
 
 
 def _kernels(fn):
@@ -90,27 +91,30 @@ def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len
 
 def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured=None):
     """One model's row; `name` with "+compiled": the attnlab model with its blocks under torch.compile (as `attnlab
-    train` runs an eager step, `train.compile`). `captured`: the captured step's ms when already measured."""
-    if name.endswith(("+traced", "+whole")):
-        base, how = name.rsplit("+", 1)
+    train` runs an eager step, `train.compile`), "+traced": so with the mixers' kernels traced too, "+whole": the whole
+    model compiled, kernels traced. `captured`: the captured step's ms when already measured."""
+    base, _, how = name.partition("+")
+    if how in ("traced", "whole"):
         with kernels_traced() as places:
-            row = measure(base + ("+compiled" if how == "traced" else "+model"), hidden, layers, heads, vocab, intermediate, batch,
-                          seq_len, captured)
-        return {**row, "model": name, "outside_compile_lifted": places}
+            return {**_measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured),
+                    "outside_compile_lifted": places}
+    return _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured)
+
+
+def _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured):
     device = torch.device("cuda")
-    compiled = name.endswith(("+compiled", "+model"))
-    base = name.removesuffix("+compiled").removesuffix("+model")
+    compiled = bool(how)
     if captured is None and base.startswith("attnlab-"):
         captured = captured_ms(base, hidden, layers, heads, vocab, intermediate, batch, seq_len)
     torch.manual_seed(0)
     release(device)
     model = build(base, hidden, layers, heads, vocab, intermediate).cuda().train()
-    if name.endswith("+compiled"):
+    if how in ("compiled", "traced"):
         model.compile_blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     state = {}
-    run = torch.compile(model) if name.endswith("+model") else model
+    run = torch.compile(model) if how == "whole" else model
 
     def forward():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -198,14 +202,14 @@ def main():
     args = ap.parse_args()
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
-    names = [name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}" for name in args.model]
+    names = model_names(args.model)
     suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+traced", args.traced), ("+whole", args.whole)) if on]
     if suffixes:  # each attnlab model eager as written, then compiled in each way asked for
         names = [variant for name in names for variant in ([name] + ([name + x for x in suffixes] if name.startswith("attnlab-") else []))]
     captured = {}
     for name in names:
         try:
-            base = name.removesuffix("+compiled").removesuffix("+traced").removesuffix("+whole")
+            base = name.partition("+")[0]
             row = measure(name, args.hidden, args.layers, args.heads, args.vocab, args.intermediate, batch, seq_len, captured.get(base))
             if "captured_ms" in row:
                 captured[base] = row["captured_ms"]

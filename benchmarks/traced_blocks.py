@@ -25,6 +25,8 @@ import traceback
 import torch
 import torch._inductor.config
 
+from attnlab.bench.zoo import model_names
+
 
 def check(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int, fp32: bool = False,
           inductor: dict | None = None, lift: set[str] | None = None) -> dict:
@@ -100,7 +102,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     shapes = args.shape or ["2x512"]
-    names = [name if name.startswith(("attnlab-", "hf-", "fla-")) else f"attnlab-{name}" for name in args.model]
+    names = model_names(args.model)
     if args.one:
         batch, seq_len = (int(v) for v in shapes[0].split("x"))
         try:
