@@ -195,20 +195,13 @@ def sweep(args) -> None:
 
 @contextlib.contextmanager
 def intra_blocks(shapes: dict):
-    """The tiled kernels on other (BLOCK_M, BLOCK_N, warps, stages) for power2 (`parallel.BLOCKS[kernel][2]`), their
-    autotuners' choices forgotten on the way in and out."""
+    """The tiled kernels on other (BLOCK_M, BLOCK_N, warps, stages) for power2 (`parallel.BLOCKS[kernel][2]`): they
+    launch on the shape BLOCKS gives at each call."""
     from attnlab.models.kernels.attention_family import parallel
 
-    kernels = (parallel._fwd_kernel, parallel._bwd_dkdv_kernel, parallel._bwd_dq_kernel)
     blocks = {kernel: {**sims, **({2: shapes[kernel]} if kernel in shapes else {})} for kernel, sims in parallel.BLOCKS.items()}
-    for kernel in kernels:
-        kernel.cache.clear()
-    try:
-        with mock.patch.object(parallel, "BLOCKS", blocks):
-            yield
-    finally:
-        for kernel in kernels:
-            kernel.cache.clear()
+    with mock.patch.object(parallel, "BLOCKS", blocks):
+        yield
 
 
 def bare(args) -> None:

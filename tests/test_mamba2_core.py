@@ -36,8 +36,12 @@ def grads(layer, x, out, dy):
     return dict(zip(["x", *params], found))
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "as-traced"])  # as-traced: the backward torch.compile traces
 @pytest.mark.parametrize("seq_len,groups", [(37, 1), (16, 2)])  # a partial chunk; two groups of heads
-def test_the_core_equals_the_mixers_reference_and_every_gradient(seq_len, groups):
+def test_the_core_equals_the_mixers_reference_and_every_gradient(seq_len, groups, traced, monkeypatch):
+    import attnlab.models.kernels.mamba2.core as core_module
+
+    monkeypatch.setattr(core_module, "compiling", lambda: traced)
     layer = mixer(hidden=16, heads=2, state=16, groups=groups, chunk=16)
     x = torch.randn(2, seq_len, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
     out = core(layer, x)

@@ -91,6 +91,15 @@ def _allowed(KM, b, skmb, cols, col_ok, query_pos, row_ok, HAS_MASK: tl.constexp
 
 
 @triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b on the tensor cores, fp32 operands in full precision where IEEE (else as tf32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
 def _horner_f64(s, TERMS: tl.constexpr):
     x = s.to(tl.float64)
     out = tl.full(s.shape, 1.0, tl.float64)
@@ -166,20 +175,11 @@ def _config(shape) -> triton.Config:
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-def _tuning(kernel: str) -> dict:
-    """triton.autotune's arguments for one kernel: the measured block shape where one was measured
-    (nothing to tune, so nothing to time on first use), a choice of two for wide heads."""
-    shapes = sorted({*BLOCKS[kernel].values(), *WIDE_HEAD_BLOCKS[kernel]})
-    configs = [_config(shape) for shape in shapes[:1 if _interpreting() else None]]  # the interpreter cannot time
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        if max(args["BLOCK_DK"], args["BLOCK_DV"]) <= 64:
-            return [_config(BLOCKS[kernel][args["SIM"]])]
-        return [_config(shape) for shape in WIDE_HEAD_BLOCKS[kernel]]
-
-    return dict(configs=configs, key=["DK", "DV", "SIM", "HAS_DECAY", "USE_MAX", "HAS_CLAMP", "PRECISION"],
-                prune_configs_by={"early_config_prune": prune})
+def _wide_heads(kernel, name: str):
+    """`kernel` under triton.autotune with the two block shapes of WIDE_HEAD_BLOCKS (the interpreter cannot time: one).
+    No pruning function: torch.compile follows an autotuner only without one."""
+    configs = [_config(shape) for shape in WIDE_HEAD_BLOCKS[name][:1 if _interpreting() else None]]
+    return triton.autotune(configs=configs, key=["DK", "DV", "SIM", "HAS_DECAY", "USE_MAX", "HAS_CLAMP", "IEEE"])(kernel)
 
 
 REDO_BLOCK = tl.constexpr(16)  # keys (forward, dq) or queries (dk, dv) per tile where a program redoes its rows with the float64 series
@@ -190,7 +190,7 @@ def _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end,
               skb, skt, skh, svb, svt, svh, sdb, sdt, skmb, Tk, DK, DV, scale,
               SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr,
               HI: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr,
-              WANT_SUM: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+              WANT_SUM: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """A block of queries over the keys [0, n_end): (numerator, row sums, row maxima, rows that met a
     score outside the series' [LO, HI])."""
@@ -210,7 +210,7 @@ def _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end,
         ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
             ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = _mm(q, tl.trans(k), IEEE) * scale
         if USE_MAX:  # exp under the plain sum: online maximum, as FlashAttention-2
             logit = s
             if HAS_CLAMP:
@@ -230,18 +230,17 @@ def _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end,
             left = tl.maximum(left, left_tile)
         if WANT_SUM:
             l_i += tl.sum(w, 1)
-        acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+        acc += _mm(w.to(v.dtype), v, IEEE)
     return acc, l_i, m_i, left
 
 
-@triton.autotune(**_tuning("fwd"))
 @triton.jit
 def _fwd_kernel(
     Q, K, V, CQ, CK, KM, NUM, L, M,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -260,12 +259,12 @@ def _fwd_kernel(
     n_end = tl.minimum(Tk, past + start_m + BLOCK_M)
     acc, l_i, m_i, left = _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end, skb, skt, skh, svb, svt, svh, sdb,
                                     sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI, HAS_DECAY, HAS_MASK,
-                                    USE_MAX, WANT_SUM, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV)
+                                    USE_MAX, WANT_SUM, IEEE, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV)
     if SIM == 3:
         if tl.max(left, 0) > 0:  # a score outside [LO, HI]: these rows again, the series summed in float64 there
             acc, l_i, m_i, left = _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end, skb, skt, skh, svb, svt,
                                             svh, sdb, sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI,
-                                            HAS_DECAY, HAS_MASK, USE_MAX, WANT_SUM, PRECISION, True, BLOCK_M, REDO_BLOCK,
+                                            HAS_DECAY, HAS_MASK, USE_MAX, WANT_SUM, IEEE, True, BLOCK_M, REDO_BLOCK,
                                             BLOCK_DK, BLOCK_DV)
     tl.store(NUM + b * snb + h * snh + offs_m[:, None] * snt + offs_dv[None, :], acc.to(NUM.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
@@ -280,7 +279,7 @@ def _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq,
                   sqb, sqt, sqh, scb, sct, snb, snt, snh, slb, slt, DK, DV, scale,
                   SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr,
                   HI: tl.constexpr, HAS_DECAY: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr,
-                  PRECISION: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """A block of keys over the queries from `first` on: (dk unscaled, dv, the key side of the decay
     gradient, keys that met a score outside the series' [LO, HI])."""
@@ -303,29 +302,28 @@ def _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq,
         if USE_MAX:
             qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
         allowed = (cols[:, None] <= past + rows[None, :]) & keep_col[:, None] & row_ok[None, :]
-        s_t = tl.dot(k, q_t, input_precision=PRECISION) * scale  # [N, M]
+        s_t = _mm(k, q_t, IEEE) * scale  # [N, M]
         w_t, dw_ds_t, left_tile = _weights(s_t, allowed, qterm[None, :], ck[:, None], SIM, HAS_CLAMP, CLAMP,
                                            HAS_DECAY or USE_MAX, TERMS, LO, HI, EXACT)
         left = tl.maximum(left, left_tile)
-        g_t = tl.dot(v, tl.trans(dnum), input_precision=PRECISION)  # dL/dw, [N, M]
+        g_t = _mm(v, tl.trans(dnum), IEEE)  # dL/dw, [N, M]
         if WANT_SUM:
             g_t += _vec(DL, b, h, rows, row_ok, slb, slt)[None, :]
-        dv += tl.dot(w_t.to(dnum.dtype), dnum, input_precision=PRECISION)
+        dv += _mm(w_t.to(dnum.dtype), dnum, IEEE)
         ds_t = g_t * dw_ds_t
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)
+        dk += _mm(ds_t.to(q_t.dtype), tl.trans(q_t), IEEE)
         if HAS_DECAY:
             dck -= tl.sum(g_t * w_t, 1)
     return dk, dv, dck, left
 
 
-@triton.autotune(**_tuning("dkdv"))
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DK_, DV_, DCK,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """For a block of keys: dk, dv (same strides as k, v) and the key side of the decay gradient.
@@ -349,13 +347,13 @@ def _bwd_dkdv_kernel(
     first = tl.maximum(start_n - past, 0)  # the first query that can see these keys
     dk, dv, dck, left = _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq, past, sqb, sqt, sqh,
                                       scb, sct, snb, snt, snh, slb, slt, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO,
-                                      HI, HAS_DECAY, USE_MAX, WANT_SUM, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_DK,
+                                      HI, HAS_DECAY, USE_MAX, WANT_SUM, IEEE, False, BLOCK_M, BLOCK_N, BLOCK_DK,
                                       BLOCK_DV)
     if SIM == 3:
         if tl.max(left, 0) > 0:  # a score outside [LO, HI]: these keys again, the series summed in float64 there
             dk, dv, dck, left = _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq, past, sqb, sqt,
                                               sqh, scb, sct, snb, snt, snh, slb, slt, DK, DV, scale, SIM, HAS_CLAMP, CLAMP,
-                                              TERMS, LO, HI, HAS_DECAY, USE_MAX, WANT_SUM, PRECISION, True, REDO_BLOCK,
+                                              TERMS, LO, HI, HAS_DECAY, USE_MAX, WANT_SUM, IEEE, True, REDO_BLOCK,
                                               BLOCK_N, BLOCK_DK, BLOCK_DV)
     tl.store(DK_ + b * skb + h * skh + cols[:, None] * skt + offs_dk[None, :], (dk * scale).to(DK_.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dk[None, :] < DK))
@@ -370,7 +368,7 @@ def _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past,
              skb, skt, skh, svb, svt, svh, sdb, sdt, skmb, Tk, DK, DV, scale,
              SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr,
              HI: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr,
-             PRECISION: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             IEEE: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """A block of queries over the keys [0, n_end): (dq unscaled, the query side of the decay gradient,
     rows that met a score outside the series' [LO, HI])."""
@@ -389,26 +387,25 @@ def _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past,
         ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
             ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = _mm(q, tl.trans(k), IEEE) * scale
         w, dw_ds, left_tile = _weights(s, allowed, qterm[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX,
                                        TERMS, LO, HI, EXACT)
         left = tl.maximum(left, left_tile)
-        g = tl.dot(dnum, tl.trans(v), input_precision=PRECISION) + dl[:, None]
+        g = _mm(dnum, tl.trans(v), IEEE) + dl[:, None]
         ds = g * dw_ds
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += _mm(ds.to(k.dtype), k, IEEE)
         if HAS_DECAY:
             dcq += tl.sum(g * w, 1)
     return dq, dcq, left
 
 
-@triton.autotune(**_tuning("dq"))
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, CQ, CK, KM, M, DNUM, DL, DQ_, DCQ,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sdb, sdt, skmb, snb, snt, snh, slb, slt,
     Tq, Tk, H, DK, DV, scale,
     SIM: tl.constexpr, HAS_CLAMP: tl.constexpr, CLAMP: tl.constexpr, TERMS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MASK: tl.constexpr, USE_MAX: tl.constexpr, WANT_SUM: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """For a block of queries: dq (same strides as q) and the query side of the decay gradient."""
@@ -433,12 +430,12 @@ def _bwd_dq_kernel(
     n_end = tl.minimum(Tk, past + start_m + BLOCK_M)
     dq, dcq, left = _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past, skb, skt, skh, svb, svt,
                              svh, sdb, sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI, HAS_DECAY,
-                             HAS_MASK, USE_MAX, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV)
+                             HAS_MASK, USE_MAX, IEEE, False, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV)
     if SIM == 3:
         if tl.max(left, 0) > 0:  # a score outside [LO, HI]: these rows again, the series summed in float64 there
             dq, dcq, left = _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past, skb, skt, skh, svb,
                                      svt, svh, sdb, sdt, skmb, Tk, DK, DV, scale, SIM, HAS_CLAMP, CLAMP, TERMS, LO, HI,
-                                     HAS_DECAY, HAS_MASK, USE_MAX, PRECISION, True, BLOCK_M, REDO_BLOCK, BLOCK_DK, BLOCK_DV)
+                                     HAS_DECAY, HAS_MASK, USE_MAX, IEEE, True, BLOCK_M, REDO_BLOCK, BLOCK_DK, BLOCK_DV)
     tl.store(DQ_ + b * sqb + h * sqh + rows[:, None] * sqt + offs_dk[None, :], (dq * scale).to(DQ_.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < DK))
     if HAS_DECAY:
@@ -463,7 +460,7 @@ class _AttentionTerms(torch.autograd.Function):
         ck = ck.float().contiguous() if has_decay else rows
         km = key_mask.to(torch.int8).contiguous() if key_mask is not None else rows
         constexprs = dict(opts, HAS_DECAY=has_decay, HAS_MASK=key_mask is not None, **_head_blocks(dk, dv),
-                          PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                          IEEE=q.dtype == torch.float32)
         scale = constexprs.pop("scale")
         strides = (*_bht(q), *_bht(k), *_bht(v), cq.stride(0), cq.stride(1), ck.stride(0), ck.stride(1), km.stride(0) if key_mask is not None else 0,
                    *_bht(num), rows.stride(0), rows.stride(1))
@@ -500,8 +497,19 @@ class _AttentionTerms(torch.autograd.Function):
         return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None, None
 
 
+_NAMES = {_fwd_kernel: "fwd", _bwd_dkdv_kernel: "dkdv", _bwd_dq_kernel: "dq"}
+_WIDE_HEAD_KERNELS = {kernel: _wide_heads(kernel, name) for kernel, name in _NAMES.items()}
+
+
 def _launch(kernel, grid, tensors, scalars, constexprs) -> None:
-    kernel[grid](*tensors, *scalars, **constexprs)
+    """`kernel` on its block shape measured for the similarity (BLOCKS) where the heads are at most 64 wide, else through
+    its autotuner over WIDE_HEAD_BLOCKS. A plain launch with the block shape given (not an autotuner that prunes its
+    configurations to one) is what torch.compile can trace."""
+    if max(constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]) > 64:
+        _WIDE_HEAD_KERNELS[kernel][grid](*tensors, *scalars, **constexprs)
+        return
+    config = _config(BLOCKS[_NAMES[kernel]][constexprs["SIM"]])
+    kernel[grid](*tensors, *scalars, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ import torch
 import attnlab.models.kernels as dispatch  # use_triton looked up when called (tests replace it there)
 from attnlab.models.kernels import triton_installed, use_fla
 from attnlab.models.ops.mamba2 import ssd_skip_grads, ssd_with_skip
-from attnlab.models.kernels.eager import outside_compile
+from attnlab.models.kernels.eager import compiling, outside_compile
 
 
 def ssd_as_gla(
@@ -262,25 +262,36 @@ class _Mamba2Core(torch.autograd.Function):
 
         u, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_weight, conv_out, y, rstd, dt = ctx.saved_tensors
         inner, conv_dim, heads, group_size = ctx.dims[0], ctx.dims[1], ctx.dims[2], ctx.dims[6]
-        du = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # the gradients of z, xBC, dt side by side
-        du_z, du_xBC, du_dt = du.split([inner, conv_dim, heads], dim=-1)
+        # Eagerly the kernels write the gradients of z, xBC, dt (and of x, B, C) into views of one buffer each; under
+        # torch.compile, which traces the kernels, each gets a tensor of its own and torch.cat joins them: Inductor's
+        # tracing of a kernel that writes through a view into a wider buffer is what an illegal memory access of the
+        # compiled step was traced to.
+        apart = compiling()
+        du = None if apart else torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        du_z, du_xBC, du_dt = (None, None, None) if apart else du.split([inner, conv_dim, heads], dim=-1)
         rows = u.shape[0] * u.shape[1]
-        dy, _, dnorm_weight, dout_weight = _norm_linear_backward(dout, y, u[..., :inner], norm_weight, out_weight, rstd,
-                                                                 group_size, dz_out=du_z.view(rows, inner))
+        dy, dz, dnorm_weight, dout_weight = _norm_linear_backward(dout, y, u[..., :inner], norm_weight, out_weight, rstd,
+                                                                  group_size, dz_out=None if apart else du_z.view(rows, inner))
 
         A = -torch.exp(A_log.float())
         xs, B, C = _conv_pieces(conv_out, ctx.dims)
-        dconv = torch.empty(conv_out.shape, dtype=conv_out.dtype, device=conv_out.device)  # of x, B, C side by side
-        dxs, dB, dC = _conv_pieces(dconv, ctx.dims)
+        dconv = None if apart else torch.empty(conv_out.shape, dtype=conv_out.dtype, device=conv_out.device)
+        dxs, dB, dC = (None, None, None) if apart else _conv_pieces(dconv, ctx.dims)
         saved = (xs, dt, A, B, C, D, None)
-        _, ddt, dA, _, _, dD, _ = ssd_backward(saved, ctx.chunk, dy.view(xs.shape), None, dx_out=dxs, dB_out=dB, dC_out=dC)
+        dxs, ddt, dA, dB, dC, dD, _ = ssd_backward(saved, ctx.chunk, dy.view(xs.shape), None, dx_out=dxs, dB_out=dB, dC_out=dC)
         del dy
-        _, dconv_weight, dconv_bias, _ = conv_backward(u[..., inner:inner + conv_dim], conv_weight, conv_bias, None, True,
-                                                       dconv, None, False, dx_out=du_xBC)
+        if apart:
+            batch, seq_len = u.shape[:2]
+            dconv = torch.cat([dxs.reshape(batch, seq_len, -1), dB.reshape(batch, seq_len, -1), dC.reshape(batch, seq_len, -1)], -1)
+        dxBC, dconv_weight, dconv_bias, _ = conv_backward(u[..., inner:inner + conv_dim], conv_weight, conv_bias, None, True,
+                                                          dconv, None, False, dx_out=du_xBC)
         del dconv
         # through dt = softplus(raw + dt_bias): d raw = ddt * sigmoid(raw + dt_bias)
         draw = ddt * torch.sigmoid(u[..., inner + conv_dim:].float() + dt_bias.float())
-        du_dt.copy_(draw)
+        if apart:
+            du = torch.cat([dz.view(u.shape[0], u.shape[1], inner), dxBC, draw.to(u.dtype)], -1)
+        else:
+            du_dt.copy_(draw)
         ddt_bias = draw.sum((0, 1)).to(dt_bias.dtype)
         dA_log = (dA.float() * A).to(A_log.dtype)  # A = -exp(A_log): dA / dA_log = A
         return du, dconv_weight, dconv_bias, ddt_bias, dA_log, dD, dnorm_weight, dout_weight, None, None, None
