@@ -28,6 +28,19 @@ import torch._inductor.config
 from attnlab.bench.zoo import model_names
 
 
+def causes(err: BaseException, keep: int = 4) -> list[str]:
+    """The exceptions that led to `err` (its `__cause__` or `__context__`, and theirs), innermost last: a Triton
+    compile error raised inside Inductor names the failing line at the top and the reason at the bottom of this chain."""
+    chain, seen = [], {id(err)}
+    inner = err.__cause__ or err.__context__
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        message = f"{type(inner).__name__}: {inner}"
+        chain.append(message if len(message) <= 800 else message[:200] + " ... " + message[-600:])
+        inner = inner.__cause__ or inner.__context__
+    return chain[-keep:]
+
+
 def check(name: str, hidden: int, layers: int, heads: int, vocab: int, batch: int, seq_len: int, fp32: bool = False,
           inductor: dict | None = None, lift: set[str] | None = None) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +128,8 @@ def main():
             message = f"{type(err).__name__}: {err}"  # its head and its tail: a compile error's reason comes last
             row = {"model": names[0], "shape": shapes[0], "precision": "fp32" if args.fp32 else "bf16",
                    "error": message if len(message) <= 1500 else message[:500] + " ... " + message[-1000:],
-                   "where": [f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno} {f.name}" for f in frames]}
+                   "where": [f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno} {f.name}" for f in frames],
+                   "causes": causes(err)}
         print("ROW " + json.dumps(row), flush=True)
         return
     rows = []

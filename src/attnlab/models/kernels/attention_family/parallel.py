@@ -465,7 +465,7 @@ class _AttentionTerms(torch.autograd.Function):
         strides = (*_bht(q), *_bht(k), *_bht(v), cq.stride(0), cq.stride(1), ck.stride(0), ck.stride(1), km.stride(0) if key_mask is not None else 0,
                    *_bht(num), rows.stride(0), rows.stride(1))
         sizes = (num_queries, num_keys, heads, dk, dv, scale)
-        _launch(_fwd_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
+        _launch("fwd", lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
                 (q, k, v, cq, ck, km, num, rows, row_max), (*strides, *sizes), constexprs)
         ctx.save_for_backward(q, k, v, cq, ck, km, row_max)
         ctx.meta = (strides, sizes, constexprs, has_decay)
@@ -490,26 +490,26 @@ class _AttentionTerms(torch.autograd.Function):
         dcq = torch.empty_like(cq) if has_decay else drows
         dck = torch.empty_like(ck) if has_decay else drows
         args = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1), *sizes)
-        _launch(_bwd_dkdv_kernel, lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads),
+        _launch("dkdv", lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads),
                 (q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck), args, constexprs)
-        _launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
+        _launch("dq", lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
                 (q, k, v, cq, ck, km, row_max, dnum, drows, dq, dcq), args, constexprs)
         return dq, dk, dv, (dcq if has_decay else None), (dck if has_decay else None), None, None, None
 
 
-_NAMES = {_fwd_kernel: "fwd", _bwd_dkdv_kernel: "dkdv", _bwd_dq_kernel: "dq"}
-_WIDE_HEAD_KERNELS = {kernel: _wide_heads(kernel, name) for kernel, name in _NAMES.items()}
+_KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}  # by name: torch.compile cannot hash a kernel
+_WIDE_HEAD_KERNELS = {name: _wide_heads(kernel, name) for name, kernel in _KERNELS.items()}
 
 
-def _launch(kernel, grid, tensors, scalars, constexprs) -> None:
-    """`kernel` on its block shape measured for the similarity (BLOCKS) where the heads are at most 64 wide, else through
-    its autotuner over WIDE_HEAD_BLOCKS. A plain launch with the block shape given (not an autotuner that prunes its
-    configurations to one) is what torch.compile can trace."""
+def _launch(name, grid, tensors, scalars, constexprs) -> None:
+    """The kernel `name` ("fwd", "dkdv", "dq") on its block shape measured for the similarity (BLOCKS) where the heads
+    are at most 64 wide, else through its autotuner over WIDE_HEAD_BLOCKS. A plain launch with the block shape given
+    (not an autotuner that prunes its configurations to one) is what torch.compile can trace."""
     if max(constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]) > 64:
-        _WIDE_HEAD_KERNELS[kernel][grid](*tensors, *scalars, **constexprs)
+        _WIDE_HEAD_KERNELS[name][grid](*tensors, *scalars, **constexprs)
         return
-    config = _config(BLOCKS[_NAMES[kernel]][constexprs["SIM"]])
-    kernel[grid](*tensors, *scalars, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    config = _config(BLOCKS[name][constexprs["SIM"]])
+    _KERNELS[name][grid](*tensors, *scalars, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:
