@@ -1,6 +1,7 @@
 """The blocks of an attnlab model under torch.compile (`AttnLabForCausalLM.compile_blocks`, `train.compile`): the same
-losses and gradients as the blocks as written, the mixers' own kernels left out of the compiled graphs, and only
-training forwards compiled."""
+losses and gradients as the blocks as written, the mixers' kernels traced into one graph per block where the mixer
+says it compiles whole (`Mixer.compiles_whole`) and left out of the compiled graphs otherwise, and only training
+forwards compiled."""
 
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def test_compile_blocks_off_again_runs_the_blocks_as_written():
 def test_the_train_section_compiles_eager_steps_only_when_asked():
     from attnlab.config.schema import TrainSection
 
-    assert TrainSection().compile is False
-    assert TrainSection(compile=True).compile is True
+    assert TrainSection().compile == "auto"
+    assert TrainSection(compile=True).compile is True and TrainSection(compile=False).compile is False
 
 
 @pytest.mark.cuda
@@ -103,6 +104,8 @@ def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mi
         error = (got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-12)
         assert error < 1e-3, f"fp32: {name}'s gradient differs from the blocks as written by {error:.2e} of its norm"
     assert counters["stats"]["unique_graphs"] >= 1
+    if compiled.compiles_whole():  # the mixer's kernels traced: one graph for both blocks, no break
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
 
     plain_loss, plain_bf16 = _loss_and_grads(plain, ids, autocast=True)
     got_loss, got_bf16 = _loss_and_grads(compiled, ids, autocast=True)
@@ -128,6 +131,15 @@ def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under
     AttnLabTrainer._compile_eager_step(trainer, model)
     assert not trainer.compile_blocks and all(block.compiled for block in model.model.layers)  # decided once
     assert "compiled with torch.compile" in said[-1]
+
+    # "auto": compiled where every mixer compiles whole, as written where the mixer's kernels would break the graph
+    for mixer, whole in (("2mamba", True), ("mamba2", True), ("softmax", True), ("gla", False), ("nsa", False)):
+        _, model = _pair(mixer, "cpu")
+        model.compile_blocks(False)
+        trainer.compile_blocks = "auto"
+        AttnLabTrainer._compile_eager_step(trainer, model)
+        assert model.compiles_whole() is whole and all(block.compiled is whole for block in model.model.layers), mixer
+        assert ("compiled with torch.compile" if whole else "would break each block's graph") in said[-1]
 
     _, model = _pair("softmax", "cpu")
     model.compile_blocks(False)

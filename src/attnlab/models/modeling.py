@@ -194,11 +194,16 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
     def _reorder_cache(self, cache: AttnLabCache, beam_idx: torch.LongTensor) -> AttnLabCache:
         return cache.reorder(beam_idx)
 
+    def compiles_whole(self) -> bool:
+        """Whether every block's mixer compiles whole under torch.compile, its kernels traced (`Mixer.compiles_whole`):
+        what `train.compile`'s "auto" asks."""
+        return all(block.attn.compiles_whole for block in self.model.layers)
+
     def compile_blocks(self, on: bool = True) -> None:
         """Run each block's training forward through torch.compile (`on=False`: as written again). Inductor fuses
         the glue around each mixer (norms, residual adds, rotary, gates, SwiGLU's activation) and launches it from
-        generated code; the mixers' own kernels run as they are, between the compiled parts
-        (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; with
+        generated code; the mixers' kernels are traced into the block's graph where they are marked so, and run
+        between the compiled parts otherwise (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; with
         `train.compile` on, the trainer turns it on where the step is not captured. Evaluation and decoding run as written."""
         for block in self.model.layers:
             block.compiled = on

@@ -74,7 +74,7 @@ class AttnLabTrainer(Trainer):
     """
 
     def __init__(self, *args, checkpoints: CheckpointManager, run_config_yaml: str, cuda_graphs: bool = False,
-                 compile_blocks: bool = False, grad_reduce_dtype: torch.dtype | None = None, say=print, train_sampler=None,
+                 compile_blocks: bool | str = False, grad_reduce_dtype: torch.dtype | None = None, say=print, train_sampler=None,
                  data_state=None, **kwargs):
         self.train_sampler = train_sampler  # the block stream of a prepared corpus (data/blocks.py), else the Trainer's
         self.data_state = data_state  # step -> the data state a checkpoint records (data_state.json), or None
@@ -82,7 +82,8 @@ class AttnLabTrainer(Trainer):
         self.checkpoints = checkpoints
         self.run_config_yaml = run_config_yaml
         self.cuda_graphs = cuda_graphs  # capture the step's forward and backward (train/graphs.py)
-        self.compile_blocks = compile_blocks  # where the step runs eagerly on CUDA: the blocks under torch.compile (once)
+        # where the step runs eagerly on CUDA: the blocks under torch.compile (once); "auto": where they compile whole
+        self.compile_blocks = compile_blocks
         self.say = say
         self.captured: CapturedLoss | None = None
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
@@ -161,12 +162,16 @@ class AttnLabTrainer(Trainer):
     def _compile_eager_step(self, model) -> None:
         """Once the training step is known to run eagerly for good (capture off, or refused), compile the blocks
         of an attnlab model (`train.compile`, which `run_training` passes on for CUDA only), or say why not."""
-        self.compile_blocks = False  # decided once
+        setting, self.compile_blocks = self.compile_blocks, False  # decided once
         model = self.accelerator.unwrap_model(model)
         if not isinstance(model, AttnLabForCausalLM):
             return
         if getattr(model, "is_activation_checkpointing", False):
             self.say("blocks not compiled: gradient checkpointing recomputes them outside torch.compile (train.compile)")
+            return
+        if setting == "auto" and not model.compiles_whole():
+            self.say("blocks not compiled: the mixer's kernels would break each block's graph under torch.compile "
+                     "(train.compile=true compiles them anyway)")
             return
         model.compile_blocks()
         self.say("eager training step: each block compiled with torch.compile on its first steps (train.compile)")
@@ -793,7 +798,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         checkpoints=checkpoints,
         run_config_yaml=config_to_yaml(cfg),
         cuda_graphs=cfg.train.cuda_graphs and report.device == "cuda",
-        compile_blocks=cfg.train.compile and report.device == "cuda",
+        compile_blocks=cfg.train.compile if report.device == "cuda" else False,
         grad_reduce_dtype=torch.bfloat16 if cfg.train.grad_reduce_dtype == "bf16" else None,
         say=say,
         train_sampler=sampler,

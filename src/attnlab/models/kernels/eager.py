@@ -1,23 +1,50 @@
 """attnlab's kernels beside torch.compile.
 
-Where the training step is not captured as CUDA graphs and `train.compile` is on, the trainer compiles each block with
-torch.compile (`AttnLabForCausalLM.compile_blocks`): Inductor fuses the glue around the mixer (norms, residual adds, rotary,
+Where the training step is not captured as CUDA graphs, the trainer compiles each block with torch.compile
+(`train.compile`, `AttnLabForCausalLM.compile_blocks`): Inductor fuses the glue around the mixer (norms, residual adds,
 gates, SwiGLU's activation) into kernels launched from generated code, and the backward has one autograd node per
-compiled part (on an H100 the backward's host time fell by a quarter to a half, the forward's did not:
-benchmarks/NOTES.md, "The eager step with its blocks compiled"). The mixers' own kernels (attnlab's and fla's Triton kernels, with autograd functions of their own)
-are not traced: each entry point is marked `outside_compile`, so torch.compile runs it as it is, between the block's
-compiled parts. The glue's own fused kernels (the norms, SwiGLU) step aside while compiling (`compiling()`): there the
-PyTorch reference is what Inductor fuses.
+compiled part. The mixers' own kernels meet torch.compile in one of two ways, chosen where each entry point is marked:
+
+- `outside_compile(traced=True)`: torch.compile traces the entry point, its autograd function and its Triton kernels,
+  and Inductor launches those kernels itself from the block's one graph (a launch through its static launcher costs the
+  host a fraction of one through Triton's `JITFunction.run`). An entry point is marked so only once the compiled block
+  has been checked against the eager one on the GPU, loss and every gradient (`benchmarks/traced_blocks.py`,
+  tests/test_compiled_blocks.py): the attention family's tiled kernels, the causal convolution, Mamba-2's layer core.
+  `TRACE_KERNELS = False` turns them all into graph breaks again (to measure what tracing gains).
+- `outside_compile`: torch.compile runs the entry point as it is, a break between the block's compiled parts (fla's
+  kernels, which carry fla's own `torch.compiler.disable`, NSA's and the chunked attention family's kernels).
+
+The glue's own fused kernels (the norms, SwiGLU, rotary) step aside while compiling (`compiling()`): there the PyTorch
+reference is what Inductor fuses.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+TRACE_KERNELS = True  # False: the entry points marked traced are graph breaks too
 
-def outside_compile(fn):
-    """`fn` runs as written under torch.compile (a break in the compiled graph), unchanged otherwise."""
-    return torch.compiler.disable(fn, recursive=True)
+
+def outside_compile(fn=None, *, traced: bool = False):
+    """Mark a kernel entry point: under torch.compile it runs as written (a break in the compiled graph) or, with
+    `traced` and while `TRACE_KERNELS` holds, is traced into the graph; unchanged outside torch.compile. Use as
+    `@outside_compile` or `@outside_compile(traced=True)`."""
+    if fn is None:
+        return functools.partial(outside_compile, traced=traced)
+    disabled = torch.compiler.disable(fn, recursive=True)
+    if not traced:
+        return disabled
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        if TRACE_KERNELS or not compiling():
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    entry.traced = True
+    return entry
 
 
 def compiling() -> bool:

@@ -141,6 +141,7 @@ def check_options(options: dict, name: str) -> None:
 @register_mixer("attention_family")
 class AttentionFamily(Mixer):
     train_graph_safe = True  # the training forward launches kernels only: no host synchronisation, no data-dependent shape
+    compiles_whole = True  # the tiled kernels traced (the chunked form, from 8192 tokens, stays a graph break)
     default_options = {
         "similarity": "softmax",  # softmax | exp | power1 | power2 | taylor
         "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
@@ -404,7 +405,7 @@ class AttentionFamily(Mixer):
             state = {name: t for name, t in state.items() if t is not None}
         return y, state
 
-    @outside_compile  # the mixing on attnlab's kernels: a compiled block runs it as it is
+    @outside_compile(traced=True)  # a compiled block traces the mixing and its kernels (chunked: a break, inside)
     def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms,
                        decay_fn=None):
         """Linearizable variants: the quadratic form for training, a fixed-size state for decoding.
@@ -555,7 +556,7 @@ class AttentionFamily(Mixer):
             return state.shape[-2] != self.head_dim**2
         return fast
 
-    @outside_compile  # the mixing on attnlab's kernels: a compiled block runs it as it is
+    @outside_compile(traced=True)  # a compiled block traces the mixing and its kernels
     def _mix_kv(self, q, k, v, log_decay, attention_mask, cache, use_cache, terms):
         """Other variants: attention over a cache of keys, values and each key's decay so far."""
         if "length" in cache:  # the decode engine's static cache (`static_state`)

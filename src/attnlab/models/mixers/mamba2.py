@@ -57,6 +57,7 @@ class GroupedGatedRMSNorm(RMSNorm):
 class Mamba2(Mixer):
     fixed_size_state = True  # conv window and SSM state of fixed size: CUDA-graph decoding applies
     train_graph_safe = True  # the training forward launches kernels only (no host synchronisation)
+    compiles_whole = True  # its layer core (`mamba2_core`) traced
     default_options = {
         "state_size": 64,  # N, per head
         "expand": 2,  # inner width = expand * hidden_size

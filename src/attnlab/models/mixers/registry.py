@@ -34,6 +34,10 @@ class Mixer(nn.Module):
     collect_stats: bool = False
     # Recording those statistics keeps a captured training step valid (they are written into fixed buffers).
     stats_graph_safe: bool = False
+    # torch.compile traces the training forward whole, the mixer's kernels included: a compiled block is one graph,
+    # checked against the block as written on the GPU (tests/test_compile_blocks.py). `train.compile`'s "auto"
+    # compiles the blocks of an eager step only for such mixers (attnlab.models.kernels.eager).
+    compiles_whole: bool = False
 
     # --- what the decoding engine asks (attnlab.generation.graphs) ---
     # Decodes over a state of fixed size (a recurrent state, a convolution window): CUDA-graph decoding applies

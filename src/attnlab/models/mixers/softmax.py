@@ -83,6 +83,7 @@ def decode_attention(choice: str, q, key, value, valid, length, scale: float) ->
 class SoftmaxAttention(FusedProjections, Mixer):
     default_options = {"num_kv_heads": None}  # None: as many as num_heads
     train_graph_safe = True
+    compiles_whole = True  # SDPA and PyTorch's rotary under torch.compile
     static_kv = True  # decodes over static buffers (`static_state`)
     static_columns = ("key", "value", "valid")  # the static cache's buffers whose prompt columns every beam of a prompt shares
 

@@ -210,7 +210,7 @@ def _fwd_keys(K, V, CK, KM, b, h, q, cq, query_pos, row_ok, n_end,
         ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
             ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
-        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = (_mm(q, tl.trans(k), IEEE) * scale).to(tl.float32)  # fp32 also where the scale came as fp64 (Inductor's launch)
         if USE_MAX:  # exp under the plain sum: online maximum, as FlashAttention-2
             logit = s
             if HAS_CLAMP:
@@ -302,7 +302,7 @@ def _dkdv_queries(Q, CQ, M, DNUM, DL, b, h, k, v, ck, cols, keep_col, first, Tq,
         if USE_MAX:
             qterm -= _vec(M, b, h, rows, row_ok, slb, slt)
         allowed = (cols[:, None] <= past + rows[None, :]) & keep_col[:, None] & row_ok[None, :]
-        s_t = _mm(k, q_t, IEEE) * scale  # [N, M]
+        s_t = (_mm(k, q_t, IEEE) * scale).to(tl.float32)  # [N, M]; fp32 also for an fp64 scale
         w_t, dw_ds_t, left_tile = _weights(s_t, allowed, qterm[None, :], ck[:, None], SIM, HAS_CLAMP, CLAMP,
                                            HAS_DECAY or USE_MAX, TERMS, LO, HI, EXACT)
         left = tl.maximum(left, left_tile)
@@ -387,7 +387,7 @@ def _dq_keys(K, V, CK, KM, b, h, q, dnum, qterm, dl, rows, row_ok, n_end, past,
         ck = tl.zeros([BLOCK_N], tl.float32)
         if HAS_DECAY:
             ck = _vec(CK, b, h, cols, col_ok, sdb, sdt)
-        s = _mm(q, tl.trans(k), IEEE) * scale
+        s = (_mm(q, tl.trans(k), IEEE) * scale).to(tl.float32)  # fp32 also where the scale came as fp64 (Inductor's launch)
         w, dw_ds, left_tile = _weights(s, allowed, qterm[:, None], ck[None, :], SIM, HAS_CLAMP, CLAMP, HAS_DECAY or USE_MAX,
                                        TERMS, LO, HI, EXACT)
         left = tl.maximum(left, left_tile)
@@ -517,7 +517,7 @@ def _bht(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-@outside_compile
+@outside_compile(traced=True)
 def attention_terms(
     q, k, v, *, similarity, scale, clamp=None, taylor_terms=80, denominator="sum",
     query_log_decay=None, key_log_decay=None, key_mask=None, out_dtype=None,
@@ -646,7 +646,7 @@ def _divide_grid(n_rows: int, dim: int):
     return (triton.cdiv(n_rows, block_r),), dict(BLOCK_R=block_r, BLOCK_D=block_d)
 
 
-@outside_compile
+@outside_compile(traced=True)
 def divide(num: torch.Tensor, den: torch.Tensor | None, denominator: str, out_dtype: torch.dtype) -> torch.Tensor | None:
     """`_divide(_finish_denominator(den))` then the transpose of `parallel_attention`, fused: num [B, H, Tq, Dv]
     and den [B, H, Tq, 1] as `attention_terms` above returns them -> o [B, Tq, H, Dv] in `out_dtype`.

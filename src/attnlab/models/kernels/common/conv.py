@@ -356,7 +356,7 @@ class _CausalConv1d(torch.autograd.Function):
         return dx, dweight, dbias, dh0, None, None
 
 
-@outside_compile
+@outside_compile(traced=True)
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

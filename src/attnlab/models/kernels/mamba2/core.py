@@ -306,7 +306,7 @@ def _conv_pieces(conv_out: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tens
             C.view(batch, seq_len, groups, state_size))
 
 
-@outside_compile
+@outside_compile(traced=True)
 def mamba2_core(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_bias: torch.Tensor,
                 A_log: torch.Tensor, D: torch.Tensor, norm_weight: torch.Tensor, out_weight: torch.Tensor,
                 dims: tuple[int, int, int, int, int, int, int], chunk: int, eps: float) -> torch.Tensor:
