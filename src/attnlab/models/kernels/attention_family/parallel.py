@@ -454,11 +454,11 @@ class _AttentionTerms(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv take these strides
         num = torch.empty(batch, num_queries, heads, dv, device=q.device, dtype=num_dtype)
         rows = torch.empty(batch, num_queries, heads, device=q.device, dtype=torch.float32)  # row sums
-        row_max = torch.empty_like(rows) if opts["USE_MAX"] else _unused(q)
+        row_max = torch.empty_like(rows) if opts["USE_MAX"] else rows
         has_decay = cq is not None
-        cq = cq.float().contiguous() if has_decay else _unused(q)
-        ck = ck.float().contiguous() if has_decay else _unused(q)
-        km = key_mask.to(torch.int8).contiguous() if key_mask is not None else _unused(q)
+        cq = cq.float().contiguous() if has_decay else rows
+        ck = ck.float().contiguous() if has_decay else rows
+        km = key_mask.to(torch.int8).contiguous() if key_mask is not None else rows
         constexprs = dict(opts, HAS_DECAY=has_decay, HAS_MASK=key_mask is not None, **_head_blocks(dk, dv),
                           IEEE=q.dtype == torch.float32)
         scale = constexprs.pop("scale")
@@ -485,11 +485,11 @@ class _AttentionTerms(torch.autograd.Function):
         elif constexprs["WANT_SUM"]:
             drows = drows.float().contiguous()
         else:  # not read
-            drows = _unused(q)
+            drows = row_max
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dcq = torch.empty_like(cq) if has_decay else _unused(q)
-        dck = torch.empty_like(ck) if has_decay else _unused(q)
-        args = (*strides[:-5], *_bht(dnum), *strides[-2:], *sizes)  # the row sums' gradient (and maxima) as the row sums
+        dcq = torch.empty_like(cq) if has_decay else drows
+        dck = torch.empty_like(ck) if has_decay else drows
+        args = (*strides[:-5], *_bht(dnum), drows.stride(0), drows.stride(1), *sizes)
         _launch("dkdv", lambda meta: (triton.cdiv(num_keys, meta["BLOCK_N"]), batch * heads),
                 (q, k, v, cq, ck, km, row_max, dnum, drows, dk, dv, dck), args, constexprs)
         _launch("dq", lambda meta: (triton.cdiv(num_queries, meta["BLOCK_M"]), batch * heads),
@@ -510,13 +510,6 @@ def _launch(name, grid, tensors, scalars, constexprs) -> None:
         return
     config = _config(BLOCKS[name][constexprs["SIM"]])
     _KERNELS[name][grid](*tensors, *scalars, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-def _unused(like: torch.Tensor) -> torch.Tensor:
-    """A pointer argument the kernel does not touch (its constexprs leave it out): a tensor of its own each time, never
-    an alias of another argument. Where Inductor launches a kernel it may take every argument as written (when it
-    cannot tell which are), and copies each back into the tensor it aliases: an alias of an output would overwrite it."""
-    return torch.empty(1, 1, 1, device=like.device, dtype=torch.float32)
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:
@@ -628,7 +621,7 @@ class _Divide(torch.autograd.Function):
         n_rows, dim = num.numel() // num.shape[-1], num.shape[-1]
         out = torch.empty(num.shape, device=num.device, dtype=out_dtype)
         grid, blocks = _divide_grid(n_rows, dim)
-        _divide_fwd_kernel[grid](num, _unused(num) if rows is None else rows, out, n_rows, dim, MODE=mode, **blocks)
+        _divide_fwd_kernel[grid](num, num if rows is None else rows, out, n_rows, dim, MODE=mode, **blocks)
         ctx.save_for_backward(num if mode in (1, 2) else None, rows if mode else None)
         ctx.mode = mode
         return out
@@ -642,8 +635,8 @@ class _Divide(torch.autograd.Function):
         drows = torch.empty_like(rows) if mode in (1, 2) else None
         n_rows, dim = dout.numel() // dout.shape[-1], dout.shape[-1]
         grid, blocks = _divide_grid(n_rows, dim)
-        _divide_bwd_kernel[grid](dout, num if num is not None else _unused(dout), rows if rows is not None else _unused(dout),
-                                 dnum, drows if drows is not None else _unused(dout), n_rows, dim, MODE=mode, **blocks)
+        _divide_bwd_kernel[grid](dout, num if num is not None else dnum, rows if rows is not None else dnum, dnum,
+                                 drows if drows is not None else dnum, n_rows, dim, MODE=mode, **blocks)
         return dnum, drows, None, None
 
 
