@@ -133,7 +133,8 @@ def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under
     assert "compiled with torch.compile" in said[-1]
 
     # "auto": compiled where every mixer compiles whole, as written where the mixer's kernels would break the graph
-    for mixer, whole in (("2mamba", True), ("mamba2", True), ("softmax", True), ("gla", False), ("nsa", False)):
+    for mixer, whole in (("2mamba-e", True), ("gated_softmax", True), ("mamba2", True), ("softmax", True), ("2mamba", False),
+                         ("linear__output_norm", False), ("gla", False), ("nsa", False)):
         _, model = _pair(mixer, "cpu")
         model.compile_blocks(False)
         trainer.compile_blocks = "auto"

@@ -141,7 +141,6 @@ def check_options(options: dict, name: str) -> None:
 @register_mixer("attention_family")
 class AttentionFamily(Mixer):
     train_graph_safe = True  # the training forward launches kernels only: no host synchronisation, no data-dependent shape
-    compiles_whole = True  # the tiled kernels traced (the chunked form, from 8192 tokens, stays a graph break)
     default_options = {
         "similarity": "softmax",  # softmax | exp | power1 | power2 | taylor
         "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
@@ -207,6 +206,8 @@ class AttentionFamily(Mixer):
         # a recurrent state of fixed size while decoding (and a step without host synchronisation):
         # the engine captures the one-token step as a CUDA graph; KV variants keep a cache that grows
         self.fixed_size_state = self.linearizable
+        # the tiled kernels traced into a compiled block (`_mix_kv`); a linearizable variant's mixing is a graph break
+        self.compiles_whole = not self.linearizable
         self.static_kv = not self.linearizable  # KV variants decode over static buffers (`static_state`)
         hidden, heads, inner = config.hidden_size, self.num_heads, self.num_heads * self.head_dim
 
@@ -405,7 +406,9 @@ class AttentionFamily(Mixer):
             state = {name: t for name, t in state.items() if t is not None}
         return y, state
 
-    @outside_compile(traced=True)  # a compiled block traces the mixing and its kernels (chunked: a break, inside)
+    # A break in a compiled block, not traced: with it traced, 2mamba's compiled blocks failed their CUDA test against
+    # the blocks as written (tests/test_compile_blocks.py; linear__output_norm's passed), the cause not yet found
+    @outside_compile
     def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms,
                        decay_fn=None):
         """Linearizable variants: the quadratic form for training, a fixed-size state for decoding.
