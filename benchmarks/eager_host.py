@@ -5,9 +5,12 @@ GPU's kernel time, the host's time to issue the forward, the backward and the op
 (the GPU drained before each part), the number of kernels each part launches, and the Python functions
 the forward and the backward spend their host time in (cProfile, own time). Prints a table last; --out
 writes the rows as JSON. `--compiled` adds each attnlab model with its blocks under torch.compile (`model+compiled`),
-as `attnlab train` runs an eager step. `--traced` adds each with its blocks compiled and the mixers' kernels traced
-by torch.compile too (`model+traced`: the `outside_compile` marks lifted, so that a block can compile to one graph
-with its Triton kernels launched by Inductor, where torch.compile can trace them). `--whole` adds each with the whole
+as `attnlab train` runs an eager step (the kernels marked `outside_compile(traced=True)` traced, the others graph
+breaks). `--stack` adds each with every block in turn under one torch.compile (`model+stack`,
+`compile_blocks(stack=True)`: the compiled code's per-call costs once a step instead of once a block). `--traced` adds
+each with its blocks compiled and every mixer kernel traced (`model+traced`: all the `outside_compile` marks lifted,
+so that a block can compile to one graph with its Triton kernels launched by Inductor, where torch.compile can trace
+them). `--whole` adds each with the whole
 model's training forward and loss under one torch.compile, the kernels traced as with `--traced` (`model+whole`: one
 forward graph and one backward graph where nothing breaks them). Compiled rows record the graphs compiled and the
 graph breaks by reason.
@@ -109,8 +112,8 @@ def _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch,
     torch.manual_seed(0)
     release(device)
     model = build(base, hidden, layers, heads, vocab, intermediate).cuda().train()
-    if how in ("compiled", "traced"):
-        model.compile_blocks()
+    if how in ("compiled", "traced", "stack"):
+        model.compile_blocks(stack=how == "stack")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     state = {}
@@ -194,6 +197,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--compiled", action="store_true", help="also each attnlab model with its blocks under torch.compile")
+    ap.add_argument("--stack", action="store_true", help="also each attnlab model with its blocks in turn under one torch.compile")
     ap.add_argument("--traced", action="store_true", help=(
         "also each attnlab model with its blocks compiled and the mixers' kernels traced too (the outside_compile marks lifted)"))
     ap.add_argument("--whole", action="store_true", help=(
@@ -203,7 +207,8 @@ def main():
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
     names = model_names(args.model)
-    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+traced", args.traced), ("+whole", args.whole)) if on]
+    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+stack", args.stack), ("+traced", args.traced),
+                                          ("+whole", args.whole)) if on]
     if suffixes:  # each attnlab model eager as written, then compiled in each way asked for
         names = [variant for name in names for variant in ([name] + ([name + x for x in suffixes] if name.startswith("attnlab-") else []))]
     captured = {}

@@ -62,6 +62,30 @@ def test_compiled_blocks_train_as_the_blocks_as_written_on_cpu(mixer):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_the_stack_compiled_as_one_trains_as_the_blocks_as_written_on_cpu():
+    """`compile_blocks(stack=True)`: every block in turn under one torch.compile (one graph for the stack), the same
+    losses and gradients; evaluation runs as written."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    plain, compiled = _pair("softmax", "cpu")
+    compiled.compile_blocks(stack=True)
+    assert not any(block.compiled for block in compiled.model.layers) and compiled.model.compiled_stack
+    ids = torch.randint(0, 128, (2, 32))
+    for _ in range(2):
+        want_loss, want = _loss_and_grads(plain, ids, autocast=False)
+        got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss)
+    assert counters["stats"]["unique_graphs"] == 1
+    compiled.compile_blocks(False)
+    assert not compiled.model.compiled_stack
+
+
 def test_compile_blocks_off_again_runs_the_blocks_as_written():
     from torch._dynamo.utils import counters
 

@@ -73,6 +73,19 @@ class AttnLabBlock(GradientCheckpointingLayer):
 
 
 @functools.cache
+def _compiled_stack():
+    """Every block's training forward in turn under one torch.compile (`compile_blocks(stack=True)`): one graph each way
+    for the whole stack where no mixer breaks it, so the compiled code's per-call costs are paid once a step, not once
+    a block."""
+    def stack(layers, hidden_states):
+        for block in layers:
+            hidden_states = block.block(hidden_states)
+        return hidden_states
+
+    return torch.compile(stack, dynamic=False)
+
+
+@functools.cache
 def _compiled_block():
     """`AttnLabBlock.block` under torch.compile, one function for every block (the blocks of a model share its
     graphs: their parameters are the graph's inputs). Each batch shape compiles once (no dynamic shapes)."""
@@ -106,6 +119,7 @@ class AttnLabModel(AttnLabPreTrainedModel):
         self.layers = nn.ModuleList(AttnLabBlock(config, i) for i in range(config.num_layers))
         self.norm = PreNorm(config.hidden_size, eps=config.norm_eps, kernels=config.kernels)
         self.gradient_checkpointing = False
+        self.compiled_stack = False  # set by `AttnLabForCausalLM.compile_blocks(stack=True)`
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -149,7 +163,13 @@ class AttnLabModel(AttnLabPreTrainedModel):
             attention_mask = None  # no padding: let mixers take their unmasked fast paths
 
         all_hidden = [] if output_hidden_states else None
-        for block in self.layers:
+        # `compile_blocks(stack=True)`: a training forward runs every block under one torch.compile (not where the
+        # blocks are checkpointed: each block's own call recomputes it)
+        stacked = (self.compiled_stack and cache is None and not use_cache and attention_mask is None and all_hidden is None
+                   and torch.is_grad_enabled() and not any(getattr(b, "gradient_checkpointing", False) for b in self.layers))
+        if stacked:
+            hidden_states = _compiled_stack()(self.layers, hidden_states)
+        for block in () if stacked else self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
             hidden_states = block(hidden_states, attention_mask=attention_mask, cache=cache, use_cache=use_cache)
@@ -199,14 +219,17 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         what `train.compile`'s "auto" asks."""
         return all(block.attn.compiles_whole for block in self.model.layers)
 
-    def compile_blocks(self, on: bool = True) -> None:
+    def compile_blocks(self, on: bool = True, stack: bool = False) -> None:
         """Run each block's training forward through torch.compile (`on=False`: as written again). Inductor fuses
         the glue around each mixer (norms, residual adds, rotary, gates, SwiGLU's activation) and launches it from
         generated code; the mixers' kernels are traced into the block's graph where they are marked so, and run
         between the compiled parts otherwise (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; with
-        `train.compile` on, the trainer turns it on where the step is not captured. Evaluation and decoding run as written."""
+        `train.compile` on, the trainer turns it on where the step is not captured. Evaluation and decoding run as written.
+        `stack`: the blocks in turn under one torch.compile instead of each block under its own (benchmarks/eager_host.py
+        measures both)."""
         for block in self.model.layers:
-            block.compiled = on
+            block.compiled = on and not stack
+        self.model.compiled_stack = on and stack
 
     def enable_health_stats(self, on: bool = True) -> None:
         """Let mixers that report training-health statistics (NSA) record them on training forwards
