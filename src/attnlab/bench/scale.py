@@ -6,8 +6,8 @@ directory, with the global batch `batch_per_gpu x G` (train.batch_size), no eval
 samples during the run, a log every few steps. A variant is a model (an attnlab mixer or preset, or
 `hf-llama`: an HF Llama of the same size trained through `train.init_from`), a GPU count, a strategy
 (train.strategy), gradient checkpointing on or off, and the step captured as CUDA graphs (the default)
-or eager (train.cuda_graphs=false; its blocks compiled where `train.compile`'s default "auto" compiles them). All models share width, depth, heads, SwiGLU width and vocabulary
-(untied embeddings); the tokenizer is a byte-level BPE tokenizer trained once on the built-in corpus
+or eager (train.cuda_graphs=false; its blocks compiled where `train.compile`'s default "auto" compiles them). All
+models share width, depth, heads, SwiGLU width and vocabulary (untied embeddings); the tokenizer is a byte-level BPE tokenizer trained once on the built-in corpus
 (cached in the work directory), or the byte tokenizer for quick runs.
 
 Measured from the run directory: tokens/s, the median over the logged steps after the first two

@@ -223,8 +223,9 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         """Run each block's training forward through torch.compile (`on=False`: as written again). Inductor fuses
         the glue around each mixer (norms, residual adds, rotary, gates, SwiGLU's activation) and launches it from
         generated code; the mixers' kernels are traced into the block's graph where they are marked so, and run
-        between the compiled parts otherwise (`attnlab.models.kernels.eager`). For an eager training step, which the host otherwise issues op by op; with
-        `train.compile` on, the trainer turns it on where the step is not captured. Evaluation and decoding run as written.
+        between the compiled parts otherwise (`attnlab.models.kernels.eager`). For an eager training step, which the
+        host otherwise issues op by op; with `train.compile` on, the trainer turns it on where the step is not
+        captured. Evaluation and decoding run as written.
         `stack`: the blocks in turn under one torch.compile instead of each block under its own (benchmarks/eager_host.py
         measures both)."""
         for block in self.model.layers:

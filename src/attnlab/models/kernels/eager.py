@@ -11,8 +11,7 @@ compiled part. The mixers' own kernels meet torch.compile in one of two ways, ch
   has been checked against the eager one on the GPU, loss and every gradient (`benchmarks/traced_blocks.py`,
   tests/test_compile_blocks.py): the attention family's tiled kernels and its mixing over keys and values (`_mix_kv`),
   the causal convolution, Mamba-2's layer core. A mixer whose training forward then traces whole says so
-  (`Mixer.compiles_whole`), and `train.compile`'s "auto" compiles its blocks. `TRACE_KERNELS = False` turns these
-  entry points into graph breaks again (to measure what tracing gains).
+  (`Mixer.compiles_whole`), and `train.compile`'s "auto" compiles its blocks.
 - `outside_compile`: torch.compile runs the entry point as it is, a break between the block's compiled parts (fla's
   kernels, which carry fla's own `torch.compiler.disable`, NSA's kernels, the attention family's chunked form and the
   linearizable variants' mixing, `_mix_recurrent`).
@@ -27,27 +26,14 @@ import functools
 
 import torch
 
-TRACE_KERNELS = True  # False: the entry points marked traced are graph breaks too
-
 
 def outside_compile(fn=None, *, traced: bool = False):
     """Mark a kernel entry point: under torch.compile it runs as written (a break in the compiled graph) or, with
-    `traced` and while `TRACE_KERNELS` holds, is traced into the graph; unchanged outside torch.compile. Use as
+    `traced`, is traced into the graph (`fn` itself, unchanged); unchanged outside torch.compile either way. Use as
     `@outside_compile` or `@outside_compile(traced=True)`."""
     if fn is None:
         return functools.partial(outside_compile, traced=traced)
-    disabled = torch.compiler.disable(fn, recursive=True)
-    if not traced:
-        return disabled
-
-    @functools.wraps(fn)
-    def entry(*args, **kwargs):
-        if TRACE_KERNELS or not compiling():
-            return fn(*args, **kwargs)
-        return disabled(*args, **kwargs)
-
-    entry.traced = True
-    return entry
+    return fn if traced else torch.compiler.disable(fn, recursive=True)
 
 
 def compiling() -> bool:

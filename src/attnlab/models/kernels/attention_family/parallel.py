@@ -170,8 +170,13 @@ BLOCKS = {
 WIDE_HEAD_BLOCKS = {"fwd": [(64, 32, 4, 3), (64, 64, 4, 2)], "dkdv": [(16, 64, 4, 3), (32, 64, 8, 2)], "dq": [(64, 16, 4, 3), (64, 32, 8, 2)]}
 
 
+def _block_shape(shape) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with: `shape`, or the interpreter's small tiles."""
+    return (16, 16, 4, 1) if _interpreting() else shape
+
+
 def _config(shape) -> triton.Config:
-    block_m, block_n, warps, stages = (16, 16, 4, 1) if _interpreting() else shape
+    block_m, block_n, warps, stages = _block_shape(shape)
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
@@ -508,8 +513,9 @@ def _launch(name, grid, tensors, scalars, constexprs) -> None:
     if max(constexprs["BLOCK_DK"], constexprs["BLOCK_DV"]) > 64:
         _WIDE_HEAD_KERNELS[name][grid](*tensors, *scalars, **constexprs)
         return
-    config = _config(BLOCKS[name][constexprs["SIM"]])
-    _KERNELS[name][grid](*tensors, *scalars, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    block_m, block_n, warps, stages = _block_shape(BLOCKS[name][constexprs["SIM"]])
+    _KERNELS[name][grid](*tensors, *scalars, **constexprs, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                         num_stages=stages)
 
 
 def _bht(t: torch.Tensor) -> tuple[int, int, int]:
