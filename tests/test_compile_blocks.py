@@ -142,9 +142,10 @@ def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mi
                                                  f"the blocks as written {plain_error:.2e}")
 
 
-def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under_checkpointing():
+def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under_checkpointing(monkeypatch):
     from types import SimpleNamespace
 
+    import attnlab.train.loop as loop
     from attnlab.train.graphs import CHECKPOINT_KWARGS
     from attnlab.train.loop import AttnLabTrainer
 
@@ -152,23 +153,50 @@ def test_the_trainer_compiles_the_blocks_of_an_eager_step_and_says_why_not_under
     trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), say=said.append, compile_blocks=True)
     _, model = _pair("softmax", "cpu")
     model.compile_blocks(False)
-    AttnLabTrainer._compile_eager_step(trainer, model)
-    assert not trainer.compile_blocks and all(block.compiled for block in model.model.layers)  # decided once
-    assert "compiled with torch.compile" in said[-1]
+    AttnLabTrainer._compile_eager_step(trainer, model, 32)
+    assert not trainer.compile_blocks and model.model.compiled_stack  # decided once; one process: the stack as one graph
+    assert "as one graph" in said[-1]
 
     # "auto": compiled where every mixer compiles whole, as written where the mixer's kernels would break the graph
-    for mixer, whole in (("2mamba-e", True), ("gated_softmax", True), ("mamba2", True), ("softmax", True), ("2mamba", False),
-                         ("linear__output_norm", False), ("gla", False), ("nsa", False)):
+    for mixer, whole in (("2mamba-e", True), ("gated_softmax", True), ("mamba2", True), ("softmax", True), ("2mamba", True),
+                         ("linear__output_norm", True), ("gla", False), ("nsa", False)):
         _, model = _pair(mixer, "cpu")
         model.compile_blocks(False)
         trainer.compile_blocks = "auto"
-        AttnLabTrainer._compile_eager_step(trainer, model)
-        assert model.compiles_whole() is whole and all(block.compiled is whole for block in model.model.layers), mixer
-        assert ("compiled with torch.compile" if whole else "would break each block's graph") in said[-1]
+        AttnLabTrainer._compile_eager_step(trainer, model, 32)
+        assert model.compiles_whole(32) is whole and model.model.compiled_stack is whole, mixer
+        assert not any(block.compiled for block in model.model.layers), mixer
+        assert ("as one graph" if whole else "would break each block's graph") in said[-1]
+
+    # several processes: block by block (each block's gradients ready for their reduction as its backward ends); a
+    # mixer that breaks the graph, compiled when asked: block by block too (a break inside the stack's loop would leave
+    # it all as written)
+    for mixer, processes in (("softmax", 2), ("gla", 1)):
+        monkeypatch.setattr(loop, "world_size", lambda n=processes: n)
+        _, model = _pair(mixer, "cpu")
+        model.compile_blocks(False)
+        trainer.compile_blocks = True
+        AttnLabTrainer._compile_eager_step(trainer, model, 32)
+        assert all(block.compiled for block in model.model.layers) and not model.model.compiled_stack, mixer
+        assert "each block compiled" in said[-1]
 
     _, model = _pair("softmax", "cpu")
     model.compile_blocks(False)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINT_KWARGS)
-    AttnLabTrainer._compile_eager_step(trainer, model)
-    assert not any(block.compiled for block in model.model.layers)
+    AttnLabTrainer._compile_eager_step(trainer, model, 32)
+    assert not any(block.compiled for block in model.model.layers) and not model.model.compiled_stack
     assert "gradient checkpointing" in said[-1]
+
+
+def test_the_linearizable_variants_compile_whole_below_their_chunked_form_only(monkeypatch):
+    """The chunked form (long sequences on CUDA) stays outside torch.compile: a model of those variants does not compile
+    whole at lengths that pick it, so the trainer does not compile its blocks as one graph there."""
+    from attnlab.models import kernels
+
+    _, model = _pair("2mamba", "cpu")
+    assert model.compiles_whole() and model.compiles_whole(64)
+    monkeypatch.setattr(kernels, "attention_family_chunked", lambda choice, x, seq_len, similarity, prompt=False:
+                        (lambda *a, **k: None) if seq_len >= 4096 else None)
+    assert model.compiles_whole(1024) and not model.compiles_whole(4096)
+    _, model = _pair("2mamba-e", "cpu")  # not linearizable: no chunked form
+    assert model.compiles_whole(4096)

@@ -159,9 +159,12 @@ class AttnLabTrainer(Trainer):
         self.say(f"training step runs eagerly: {blocker} (train.cuda_graphs)")
         return None
 
-    def _compile_eager_step(self, model) -> None:
+    def _compile_eager_step(self, model, seq_len: int) -> None:
         """Once the training step is known to run eagerly for good (capture off, or refused), compile the blocks
-        of an attnlab model (`train.compile`, which `run_training` passes on for CUDA only), or say why not."""
+        of an attnlab model (`train.compile`, which `run_training` passes on for CUDA only), or say why not. In one
+        process a model that compiles whole at this length compiles as one graph (`compile_blocks(stack=True)`);
+        under several, block by block, so that each block's gradients are ready for their reduction as its backward
+        ends."""
         setting, self.compile_blocks = self.compile_blocks, False  # decided once
         model = self.accelerator.unwrap_model(model)
         if not isinstance(model, AttnLabForCausalLM):
@@ -169,19 +172,25 @@ class AttnLabTrainer(Trainer):
         if getattr(model, "is_activation_checkpointing", False):
             self.say("blocks not compiled: gradient checkpointing recomputes them outside torch.compile (train.compile)")
             return
-        if setting == "auto" and not model.compiles_whole():
+        whole = model.compiles_whole(seq_len)
+        if setting == "auto" and not whole:
             self.say("blocks not compiled: the mixer's kernels would break each block's graph under torch.compile "
                      "(train.compile=true compiles them anyway)")
             return
-        model.compile_blocks()
-        self.say("eager training step: each block compiled with torch.compile on its first steps (train.compile)")
+        stack = whole and world_size() == 1
+        model.compile_blocks(stack=stack)
+        if stack:
+            self.say(f"eager training step: the {len(model.model.layers)} blocks compiled with torch.compile as one "
+                     "graph on the first step (train.compile; compiling takes a minute or two)")
+        else:
+            self.say("eager training step: each block compiled with torch.compile on its first steps (train.compile)")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         captured = None if return_outputs else self._captured_loss(model, inputs)
         self.replayed = captured is not None
         if (self.compile_blocks and captured is None and model.training and not return_outputs
                 and (not self.cuda_graphs or self.graph_note is not None)):
-            self._compile_eager_step(model)
+            self._compile_eager_step(model, inputs["input_ids"].shape[1])
         if captured is not None:
             # the Trainer's own loss arithmetic (its scaling under several processes) around the replay
             model = lambda input_ids, labels, num_items_in_batch=None: {  # noqa: E731

@@ -9,12 +9,12 @@ compiled part. The mixers' own kernels meet torch.compile in one of two ways, ch
   and Inductor launches those kernels itself from the block's one graph (a launch through its static launcher costs the
   host a fraction of one through Triton's `JITFunction.run`). An entry point is marked so only once the compiled block
   has been checked against the eager one on the GPU, loss and every gradient (`benchmarks/traced_blocks.py`,
-  tests/test_compile_blocks.py): the attention family's tiled kernels and its mixing over keys and values (`_mix_kv`),
+  tests/test_compile_blocks.py): the attention family's tiled kernels and its mixing (`_mix_kv`, `_mix_recurrent`),
   the causal convolution, Mamba-2's layer core. A mixer whose training forward then traces whole says so
-  (`Mixer.compiles_whole`), and `train.compile`'s "auto" compiles its blocks.
+  (`Mixer.compiles_whole`, `Mixer.compiles_whole_at` for a given length), and `train.compile`'s "auto" compiles its
+  blocks, in one process as one graph.
 - `outside_compile`: torch.compile runs the entry point as it is, a break between the block's compiled parts (fla's
-  kernels, which carry fla's own `torch.compiler.disable`, NSA's kernels, the attention family's chunked form and the
-  linearizable variants' mixing, `_mix_recurrent`).
+  kernels, which carry fla's own `torch.compiler.disable`, NSA's kernels, the attention family's chunked form).
 
 The glue's own fused kernels (the norms, SwiGLU, rotary) step aside while compiling (`compiling()`): there the PyTorch
 reference is what Inductor fuses.

@@ -206,8 +206,8 @@ class AttentionFamily(Mixer):
         # a recurrent state of fixed size while decoding (and a step without host synchronisation):
         # the engine captures the one-token step as a CUDA graph; KV variants keep a cache that grows
         self.fixed_size_state = self.linearizable
-        # the tiled kernels traced into a compiled block (`_mix_kv`); a linearizable variant's mixing is a graph break
-        self.compiles_whole = not self.linearizable
+        # the tiled kernels traced into a compiled block (`_mix_kv`, `_mix_recurrent`; the chunked form is a break)
+        self.compiles_whole = True
         self.static_kv = not self.linearizable  # KV variants decode over static buffers (`static_state`)
         hidden, heads, inner = config.hidden_size, self.num_heads, self.num_heads * self.head_dim
 
@@ -406,9 +406,13 @@ class AttentionFamily(Mixer):
             state = {name: t for name, t in state.items() if t is not None}
         return y, state
 
-    # A break in a compiled block, not traced: with it traced, 2mamba's compiled blocks failed their CUDA test against
-    # the blocks as written (tests/test_compile_blocks.py; linear__output_norm's passed), the cause not yet found
-    @outside_compile
+    def compiles_whole_at(self, seq_len: int) -> bool:
+        """The linearizable variants' chunked form (long sequences on CUDA) runs outside torch.compile: a graph break."""
+        weight = self.qkv_proj.weight
+        return not (self.linearizable and kernels.attention_family_chunked(self.kernels, weight, seq_len,
+                                                                           self.options["similarity"]) is not None)
+
+    @outside_compile(traced=True)  # a compiled block traces the mixing and its tiled kernels (the chunked form breaks it)
     def _mix_recurrent(self, q, k, v, log_decay, token_mask, cache, tokens_before, num_tokens, use_cache, terms,
                        decay_fn=None):
         """Linearizable variants: the quadratic form for training, a fixed-size state for decoding.

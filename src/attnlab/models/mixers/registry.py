@@ -39,6 +39,11 @@ class Mixer(nn.Module):
     # compiles the blocks of an eager step only for such mixers (attnlab.models.kernels.eager).
     compiles_whole: bool = False
 
+    def compiles_whole_at(self, seq_len: int) -> bool:
+        """Whether a training forward of `seq_len` tokens traces whole (`compiles_whole`, unless a form the mixer picks
+        by length breaks the graph)."""
+        return self.compiles_whole
+
     # --- what the decoding engine asks (attnlab.generation.graphs) ---
     # Decodes over a state of fixed size (a recurrent state, a convolution window): CUDA-graph decoding applies
     # with no further buffers.

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from attnlab.models.ops.attention_family import EXP_SIMILARITIES, SUM_DENOMINATORS
 from attnlab.models.ops.attention_family import attention_terms as reference_attention_terms
-from attnlab.models.kernels.eager import outside_compile
+from attnlab.models.kernels.eager import compiling, outside_compile
 
 SIM_CODES = {"softmax": 0, "exp": 0, "power1": 1, "power2": 2, "taylor": 3}
 
@@ -550,6 +550,11 @@ def attention_terms(
     if len(dtypes) > 1:  # e.g. autocast keeps a normalised q, k in fp32 beside a bf16 v: the products take the narrowest
         dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtypes)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if compiling() and key_log_decay is not None and key_log_decay is query_log_decay:
+        # one tensor as both log-decays (the linearizable variants' training form): traced so, the compiled backward
+        # got the decay's gradient wrong (2mamba's decay projection at 5x its norm under bf16 autocast, H200), and right
+        # with a tensor of its own for each
+        key_log_decay = key_log_decay.clone()
     num, rows = _AttentionTerms.apply(q, k, v, query_log_decay, key_log_decay, key_mask, opts, out_dtype or torch.float32)
     num = num.transpose(1, 2)  # [B, H, Tq, Dv]
     if denominator in SUM_DENOMINATORS:
