@@ -211,6 +211,17 @@ def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_p
     assert "per-GPU tokens/s" in printed
 
 
+def test_a_profiled_scale_run_keeps_each_summary_beside_its_logs_and_its_figures_in_the_row(tmp_path):
+    out = tmp_path / "scale.json"
+    assert run_cli("bench", "scale", "--device", "cpu", "--model", "softmax", "--gpus", "1", "--no-eager", "--no-ckpt",
+                   "--steps", "6", "--set", "train.profile_steps=2", "--set", "train.profile_from=3", "--out", str(out)) == 0
+    row = json.loads(out.read_text())["runs"]["attnlab-softmax@1x2x32:ddp"]
+    assert (row["profile"]["first_step"], row["profile"]["last_step"]) == (3, 4)
+    assert row["profile"]["wall_ms_per_step"] > 0 and row["profile"]["gpu_busy"] is None  # no GPU work on CPU
+    summary = tmp_path / "scale-logs" / "attnlab-softmax-1x2x32-ddp.profile_rank0.txt"
+    assert summary.read_text().startswith("steps 3-4 profiled (2)")
+
+
 def test_hf_llama_trains_through_init_from_with_a_bpe_tokenizer_made_once_in_the_work_dir(tmp_path):
     out, work = tmp_path / "scale.json", tmp_path / "work"
     args = ["bench", "scale", "--device", "cpu", "--model", "hf-llama", "--gpus", "1", "--no-eager", "--no-ckpt", "--steps", "4",

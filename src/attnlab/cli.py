@@ -622,7 +622,7 @@ def bench_scale_cmd(
         "Run the runs of each GPU count side by side on GPUs of their own (four one-GPU runs on 4 GPUs, then two 2-GPU runs): "
         "a shorter bench; the processes share the host (CPUs), which slows host-bound (eager) steps.")),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", show_default=False, help="Where the tokenizer, HF Llama's starting weights and the run directories go (kept, and reused by the next bench). Default: a temporary folder, deleted at the end."),
-    out: Path = typer.Option(Path("scale.json"), "--out", help="JSON result, rewritten after every run; a PNG plot beside it (same name, .png), and the runs' logs in NAME-logs/."),
+    out: Path = typer.Option(Path("scale.json"), "--out", help="JSON result, rewritten after every run; a PNG plot beside it (same name, .png), and the runs' logs in NAME-logs/ (with --set train.profile_steps=N also each run's profile summary there, and its figures in the JSON)."),
     device: str = typer.Option("cuda", "--device", help=(
         "cuda, or cpu: the same pipeline with gloo CPU processes (1 and 2 by default) and tiny defaults: hidden 32, 1 layer, 2 heads, "
         "SwiGLU 64, 2 x 32 tokens per process, 8 steps, the byte tokenizer (a functional check).")),

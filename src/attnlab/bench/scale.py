@@ -402,7 +402,25 @@ def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s:
            "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured, "wall_s": round(done.wall_s, 1)}
     if why_eager and not v.eager:
         row["note"] = f"ran eagerly: {why_eager}"
+    profile = run_profiles(run_dir, logs_dir, v.name)
+    if profile is not None:
+        row["profile"] = profile
     return row
+
+
+PROFILE_FIGURES = ("wall_ms_per_step", "gpu_kernel_ms_per_step", "gpu_busy", "host_wait_ms_per_step", "kernels_per_step")
+
+
+def run_profiles(run_dir: Path, logs_dir: Path, name: str) -> dict | None:
+    """A run with `train.profile_steps` (`--set train.profile_steps=N`): each process's summary copied beside the run's
+    logs (NAME.profile_rankR.txt), and the first process's figures for the row (`PROFILE_FIGURES`)."""
+    for path in sorted(run_dir.glob("profile_rank*.txt")):
+        write_text_atomic(logs_dir / f"{name}.{path.name}", path.read_text(), what="a run's profile")
+    first = run_dir / "profile_rank0.json"
+    if not first.is_file():
+        return None
+    summary = json.loads(first.read_text())
+    return {key: summary.get(key) for key in ("first_step", "last_step", *PROFILE_FIGURES)}
 
 
 # --- the bench -----------------------------------------------------------------------------------

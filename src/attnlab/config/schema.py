@@ -114,6 +114,8 @@ class TrainSection(Section):
     sample_prompt: str = Field("ROMEO:\n", description="prompt of the sample generated at each validation")
     sample_tokens: int = Field(160, ge=0, description="tokens sampled at each validation; 0 = no samples")
     profile: Literal["default", "production"] = Field("default", description="'production' turns preflight warnings about precision and memory into errors")
+    profile_steps: int = Field(0, ge=0, description="profile this many optimizer steps under torch's profiler, each a whole cycle of the trainer (its batch, forward, backward, clipping, optimizer, log): the wall time, the GPU's kernel time, the host's waits on the GPU, the host operations and kernels that take the time, in the run directory's profile_rank0.txt (and .json), and the timeline (profile_rank0.pt.trace.json.gz, for Perfetto); 0 = off")
+    profile_from: int = Field(5, ge=2, description="the first step train.profile_steps profiles (the first steps compile, capture and autotune)")
     wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb extra)")
     wandb_project: str = Field("attnlab", description="W&B project when train.wandb is on")
 
@@ -122,6 +124,15 @@ class TrainSection(Section):
         if self.warmup_steps > self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) is larger than max_steps ({self.max_steps}): lower "
                              f"train.warmup_steps (e.g. --set train.warmup_steps={self.max_steps // 10}) or raise train.max_steps")
+        return self
+
+    @model_validator(mode="after")
+    def _profile_fits(self) -> "TrainSection":
+        last = self.profile_from + self.profile_steps - 1
+        if self.profile_steps and last > self.max_steps:
+            raise ValueError(f"train.profile_steps ({self.profile_steps}) from train.profile_from ({self.profile_from}) "
+                             f"would end at step {last}, past train.max_steps ({self.max_steps}): lower either, "
+                             f"e.g. --set train.profile_from={max(2, self.max_steps - self.profile_steps + 1)}")
         return self
 
     @model_validator(mode="after")

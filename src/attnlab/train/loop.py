@@ -44,6 +44,7 @@ from .checkpoint import (
     torch_load_checked,
 )
 from .graphs import CHECKPOINT_KWARGS, CapturedLoss, compressing_gradients, graph_blocker, on_capture_stream
+from .profiling import ProfileSteps
 from .sampling import sample_continuation
 from .schedule import scheduler_spec
 from .telemetry import RunLogger, Throughput, read_jsonl
@@ -793,6 +794,9 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
         say(f"data: {data.train.n_blocks:,} blocks of {cfg.data.seq_len} tokens read lazily from {data.stats['prepared']}, "
             f"seeded order, from position {start:,}")
     callbacks: list[TrainerCallback] = [telemetry, stopper]
+    if cfg.train.profile_steps:
+        callbacks.append(ProfileSteps(run_dir, cfg.train.profile_from, cfg.train.profile_steps, rank(),
+                                      say=lambda text: console.print(text, markup=False)))
     if cfg.eval.tasks and is_main:
         callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console, data=cfg.data))
     trainer = AttnLabTrainer(
