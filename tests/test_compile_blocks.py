@@ -86,6 +86,33 @@ def test_the_stack_compiled_as_one_trains_as_the_blocks_as_written_on_cpu():
     assert not compiled.model.compiled_stack
 
 
+def test_a_stack_that_breaks_the_graph_says_so_and_compiles_block_by_block(monkeypatch):
+    """A break inside the stack's loop would make dynamo run every block as written; the stack compiles with
+    fullgraph, so a break raises before anything runs, the model warns and compiles its blocks one by one."""
+    from torch._dynamo.utils import counters
+
+    from attnlab.models.mixers.softmax import SoftmaxAttention
+
+    @torch.compiler.disable
+    def opaque(y):
+        return y
+
+    forward = SoftmaxAttention.forward
+    monkeypatch.setattr(SoftmaxAttention, "forward", lambda self, *a, **k: (lambda out: (opaque(out[0]), out[1]))(forward(self, *a, **k)))
+    counters.clear()
+    plain, compiled = _pair("softmax", "cpu")
+    compiled.compile_blocks(stack=True)
+    ids = torch.randint(0, 128, (2, 32))
+    want_loss, want = _loss_and_grads(plain, ids, autocast=False)
+    with pytest.warns(UserWarning, match="do not compile as one graph"):
+        got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
+    assert not compiled.model.compiled_stack and all(block.compiled for block in compiled.model.layers)
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks, each compiled around the break
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_compile_blocks_off_again_runs_the_blocks_as_written():
     from torch._dynamo.utils import counters
 

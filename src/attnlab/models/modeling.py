@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
@@ -76,13 +77,14 @@ class AttnLabBlock(GradientCheckpointingLayer):
 def _compiled_stack():
     """Every block's training forward in turn under one torch.compile (`compile_blocks(stack=True)`): one graph each way
     for the whole stack where no mixer breaks it, so the compiled code's per-call costs are paid once a step, not once
-    a block."""
+    a block. `fullgraph`: dynamo runs a loop with a graph break in it as written, nothing compiled; a break raises
+    instead, before anything runs, and the model compiles its blocks one by one (`AttnLabModel._stack`)."""
     def stack(layers, hidden_states):
         for block in layers:
             hidden_states = block.block(hidden_states)
         return hidden_states
 
-    return torch.compile(stack, dynamic=False)
+    return torch.compile(stack, dynamic=False, fullgraph=True)
 
 
 @functools.cache
@@ -121,6 +123,20 @@ class AttnLabModel(AttnLabPreTrainedModel):
         self.gradient_checkpointing = False
         self.compiled_stack = False  # set by `AttnLabForCausalLM.compile_blocks(stack=True)`
         self.post_init()
+
+    def _stack(self, hidden_states):
+        """The blocks' training forward as one compiled graph: (True, output), or, where a block breaks the graph, (False,
+        the input) with the blocks compiled one by one from then on, and a warning that says where."""
+        try:
+            return True, _compiled_stack()(self.layers, hidden_states)
+        except torch._dynamo.exc.Unsupported as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warnings.warn(f"the blocks do not compile as one graph ({reason}): each block is compiled on its own instead",
+                          stacklevel=3)
+            self.compiled_stack = False
+            for block in self.layers:
+                block.compiled = True
+            return False, hidden_states
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings
@@ -168,7 +184,7 @@ class AttnLabModel(AttnLabPreTrainedModel):
         stacked = (self.compiled_stack and cache is None and not use_cache and attention_mask is None and all_hidden is None
                    and torch.is_grad_enabled() and not any(getattr(b, "gradient_checkpointing", False) for b in self.layers))
         if stacked:
-            hidden_states = _compiled_stack()(self.layers, hidden_states)
+            stacked, hidden_states = self._stack(hidden_states)
         for block in () if stacked else self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
@@ -231,9 +247,9 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
         captured. Evaluation and decoding run as written.
         `stack`: the blocks in turn under one torch.compile instead of each block under its own: the compiled code's
         per-call costs once a step instead of once a block (Mamba-2 at 9 x 1024, 20 layers: eager over captured 0.72 block
-        by block, 0.88 as one graph; benchmarks/eager_host.py). Only for a model that compiles whole
-        (`compiles_whole`): dynamo runs a loop with a graph break in it as written, nothing compiled. Its gradients are
-        ready only once the whole stack's backward ends."""
+        by block, 0.88 as one graph; benchmarks/eager_host.py). For a model that compiles whole (`compiles_whole`):
+        where a block breaks the graph after all, the first training forward warns and compiles the blocks one by one
+        instead. Its gradients are ready only once the whole stack's backward ends."""
         for block in self.model.layers:
             block.compiled = on and not stack
         self.model.compiled_stack = on and stack

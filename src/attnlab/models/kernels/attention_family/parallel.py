@@ -551,9 +551,10 @@ def attention_terms(
         dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtypes)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if compiling() and key_log_decay is not None and key_log_decay is query_log_decay:
-        # one tensor as both log-decays (the linearizable variants' training form): traced so, the compiled backward
-        # got the decay's gradient wrong (2mamba's decay projection at 5x its norm under bf16 autocast, H200), and right
-        # with a tensor of its own for each
+        # one tensor as both log-decays (the linearizable variants' training form): dynamo passes a tensor given twice
+        # to an autograd function once and keeps one of its two gradients (pytorch/pytorch#181146: torch 2.11 compiled
+        # 2mamba's decay gradients wrong, H200); later releases break the graph there instead (pytorch#184281), which
+        # inside the compiled stack of blocks would leave the whole stack as written. A tensor of its own for each.
         key_log_decay = key_log_decay.clone()
     num, rows = _AttentionTerms.apply(q, k, v, query_log_decay, key_log_decay, key_mask, opts, out_dtype or torch.float32)
     num = num.transpose(1, 2)  # [B, H, Tq, Dv]
