@@ -7,7 +7,9 @@ the forward and the backward spend their host time in (cProfile, own time). Prin
 writes the rows as JSON. `--compiled` adds each attnlab model with its blocks under torch.compile (`model+compiled`),
 as `attnlab train` runs an eager step (the kernels marked `outside_compile(traced=True)` traced, the others graph
 breaks). `--stack` adds each with every block in turn under one torch.compile (`model+stack`,
-`compile_blocks(stack=True)`: the compiled code's per-call costs once a step instead of once a block). `--traced` adds
+`compile_blocks(stack=True)`: the compiled code's per-call costs once a step instead of once a block); `--stack-cpp`
+so with Inductor's C++ wrapper (`model+stackcpp`: the graph's buffer allocations and kernel launches issued from C++
+instead of its generated Python). `--traced` adds
 each with its blocks compiled and every mixer kernel traced (`model+traced`: all the `outside_compile` marks lifted,
 so that a block can compile to one graph with its Triton kernels launched by Inductor, where torch.compile can trace
 them). `--whole` adds each with the whole
@@ -97,6 +99,11 @@ def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, ca
     train` runs an eager step, `train.compile`), "+traced": so with the mixers' kernels traced too, "+whole": the whole
     model compiled, kernels traced. `captured`: the captured step's ms when already measured."""
     base, _, how = name.partition("+")
+    if how == "stackcpp":  # Inductor's C++ wrapper: the compiled graph's calls, allocations and launches from C++
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(cpp_wrapper=True):
+            return _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured)
     if how in ("traced", "whole"):
         with kernels_traced() as places:
             return {**_measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured),
@@ -112,8 +119,8 @@ def _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch,
     torch.manual_seed(0)
     release(device)
     model = build(base, hidden, layers, heads, vocab, intermediate).cuda().train()
-    if how in ("compiled", "traced", "stack"):
-        model.compile_blocks(stack=how == "stack")
+    if how in ("compiled", "traced", "stack", "stackcpp"):
+        model.compile_blocks(stack=how in ("stack", "stackcpp"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     state = {}
@@ -198,6 +205,8 @@ def main():
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--compiled", action="store_true", help="also each attnlab model with its blocks under torch.compile")
     ap.add_argument("--stack", action="store_true", help="also each attnlab model with its blocks in turn under one torch.compile")
+    ap.add_argument("--stack-cpp", action="store_true", help=(
+        "also each attnlab model with its blocks in turn under one torch.compile, Inductor's C++ wrapper on"))
     ap.add_argument("--traced", action="store_true", help=(
         "also each attnlab model with its blocks compiled and the mixers' kernels traced too (the outside_compile marks lifted)"))
     ap.add_argument("--whole", action="store_true", help=(
@@ -207,7 +216,7 @@ def main():
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
     names = model_names(args.model)
-    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+stack", args.stack), ("+traced", args.traced),
+    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+stack", args.stack), ("+stackcpp", args.stack_cpp), ("+traced", args.traced),
                                           ("+whole", args.whole)) if on]
     if suffixes:  # each attnlab model eager as written, then compiled in each way asked for
         names = [variant for name in names for variant in ([name] + ([name + x for x in suffixes] if name.startswith("attnlab-") else []))]
