@@ -211,15 +211,25 @@ def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_p
     assert "per-GPU tokens/s" in printed
 
 
-def test_a_profiled_scale_run_keeps_each_summary_beside_its_logs_and_its_figures_in_the_row(tmp_path):
-    out = tmp_path / "scale.json"
-    assert run_cli("bench", "scale", "--device", "cpu", "--model", "softmax", "--gpus", "1", "--no-eager", "--no-ckpt",
-                   "--steps", "6", "--set", "train.profile_steps=2", "--set", "train.profile_from=3", "--out", str(out)) == 0
-    row = json.loads(out.read_text())["runs"]["attnlab-softmax@1x2x32:ddp"]
-    assert (row["profile"]["first_step"], row["profile"]["last_step"]) == (3, 4)
-    assert row["profile"]["wall_ms_per_step"] > 0 and row["profile"]["gpu_busy"] is None  # no GPU work on CPU
-    summary = tmp_path / "scale-logs" / "attnlab-softmax-1x2x32-ddp.profile_rank0.txt"
-    assert summary.read_text().startswith("steps 3-4 profiled (2)")
+def test_a_profiled_run_keeps_each_summary_beside_its_logs_and_its_figures_in_the_row(tmp_path):
+    """A run with --set train.profile_steps=N (`train.profile_steps`, tests/test_profiling.py) leaves profile_rank*.txt
+    and .json in its run directory: each summary is copied beside the run's logs, the first process's figures go into
+    its row."""
+    from attnlab.bench.scale import PROFILE_FIGURES, run_profiles
+
+    run_dir, logs = tmp_path / "run", tmp_path / "scale-logs"
+    run_dir.mkdir()
+    logs.mkdir()
+    assert run_profiles(run_dir, logs, "attnlab-softmax-2x2x32-ddp") is None  # not profiled
+    figures = {"wall_ms_per_step": 80.0, "gpu_kernel_ms_per_step": 60.0, "gpu_busy": 0.75, "host_wait_ms_per_step": 12.5,
+               "kernels_per_step": 1500.0}
+    for rank in (0, 1):
+        (run_dir / f"profile_rank{rank}.txt").write_text(f"steps 3-4 profiled (2), rank {rank}\n")
+        (run_dir / f"profile_rank{rank}.json").write_text(json.dumps({"first_step": 3, "last_step": 4, "steps": 2, **figures,
+                                                                      "host_ops": [], "kernels": []}))
+    row = run_profiles(run_dir, logs, "attnlab-softmax-2x2x32-ddp")
+    assert row == {"first_step": 3, "last_step": 4, **figures} and set(PROFILE_FIGURES) <= set(row)
+    assert (logs / "attnlab-softmax-2x2x32-ddp.profile_rank1.txt").read_text() == "steps 3-4 profiled (2), rank 1\n"
 
 
 def test_hf_llama_trains_through_init_from_with_a_bpe_tokenizer_made_once_in_the_work_dir(tmp_path):
