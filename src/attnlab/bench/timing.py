@@ -97,6 +97,17 @@ def host_python_calls(step, top: int = 25) -> list:
     return [[short(*key)[:90], calls, round(own * 1000, 2), round(cum * 1000, 2)] for key, (_, calls, own, cum, _) in rows]
 
 
+def kernel_times(events) -> dict[str, list]:
+    """The GPU's side of the profiler's events (`prof.events()`): kernel name -> [launches, GPU ms]."""
+    kernels: dict[str, list] = {}
+    for evt in events:
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(evt.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += evt.device_time / 1000
+    return kernels
+
+
 def profile_step(step) -> dict:
     """One training step under the profiler: GPU time per kernel category, the top kernels, the
     host's time to issue the step, and the host-side calls that take most of it."""
@@ -108,12 +119,9 @@ def profile_step(step) -> dict:
         step()
         torch.cuda.synchronize()
     host_calls = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
-    kernels: dict[str, float] = {}
-    launches = 0
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1000  # ms
-            launches += 1
+    per_kernel = kernel_times(prof.events())
+    kernels = {name: ms for name, (_, ms) in per_kernel.items()}
+    launches = sum(n for n, _ in per_kernel.values())
     total = sum(kernels.values()) or 1.0
     shares: dict[str, float] = {}
     for kname, ms in kernels.items():

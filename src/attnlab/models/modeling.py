@@ -130,7 +130,7 @@ class AttnLabModel(AttnLabPreTrainedModel):
         try:
             return True, _compiled_stack()(self.layers, hidden_states)
         except torch._dynamo.exc.Unsupported as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             warnings.warn(f"the blocks do not compile as one graph ({reason}): each block is compiled on its own instead",
                           stacklevel=3)
             self.compiled_stack = False

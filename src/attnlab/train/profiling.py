@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from attnlab.bench.timing import kernel_times
 from attnlab.outputs import replace_file
 
 # CUDA runtime calls in which the host waits for the GPU
@@ -33,14 +34,11 @@ TOP = 20
 
 def summarize(events, steps: int, wall_s: float) -> dict:
     """The figures of `steps` profiled steps from the profiler's events (`prof.events()`) and their wall time."""
-    kernels: dict[str, list[float]] = {}  # name -> [launches, GPU ms]
+    kernels = kernel_times(events)  # name -> [launches, GPU ms]
     host: dict[str, list[float]] = {}  # operation -> [calls, own ms]
     waits_ms = 0.0
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = kernels.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.device_time / 1000
             continue
         entry = host.setdefault(e.name, [0, 0.0])
         entry[0] += 1

@@ -141,6 +141,9 @@ def check_options(options: dict, name: str) -> None:
 @register_mixer("attention_family")
 class AttentionFamily(Mixer):
     train_graph_safe = True  # the training forward launches kernels only: no host synchronisation, no data-dependent shape
+    # the tiled kernels traced into a compiled block (`_mix_kv`, `_mix_recurrent`; the chunked form is a break, see
+    # `compiles_whole_at`)
+    compiles_whole = True
     default_options = {
         "similarity": "softmax",  # softmax | exp | power1 | power2 | taylor
         "taylor_terms": 80,  # terms of the exp series for similarity 'taylor'
@@ -206,8 +209,6 @@ class AttentionFamily(Mixer):
         # a recurrent state of fixed size while decoding (and a step without host synchronisation):
         # the engine captures the one-token step as a CUDA graph; KV variants keep a cache that grows
         self.fixed_size_state = self.linearizable
-        # the tiled kernels traced into a compiled block (`_mix_kv`, `_mix_recurrent`; the chunked form is a break)
-        self.compiles_whole = True
         self.static_kv = not self.linearizable  # KV variants decode over static buffers (`static_state`)
         hidden, heads, inner = config.hidden_size, self.num_heads, self.num_heads * self.head_dim
 
