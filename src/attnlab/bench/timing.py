@@ -97,21 +97,12 @@ def host_python_calls(step, top: int = 25) -> list:
     return [[short(*key)[:90], calls, round(own * 1000, 2), round(cum * 1000, 2)] for key, (_, calls, own, cum, _) in rows]
 
 
-def kernel_times(events) -> dict[str, list]:
-    """The GPU's side of the profiler's events (`prof.events()`): kernel name -> [launches, GPU ms]."""
-    kernels: dict[str, list] = {}
-    for evt in events:
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            entry = kernels.setdefault(evt.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += evt.device_time / 1000
-    return kernels
-
-
 def profile_step(step) -> dict:
     """One training step under the profiler: GPU time per kernel category, the top kernels, the
     host's time to issue the step, and the host-side calls that take most of it."""
     from torch.profiler import ProfilerActivity, profile
+
+    from attnlab.train.profiling import kernel_times
 
     issue_ms = host_ms(step)
     python_calls = host_python_calls(step)

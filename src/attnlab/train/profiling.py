@@ -24,12 +24,22 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from attnlab.bench.timing import kernel_times
 from attnlab.outputs import replace_file
 
 # CUDA runtime calls in which the host waits for the GPU
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 TOP = 20
+
+
+def kernel_times(events) -> dict[str, list]:
+    """The GPU's side of the profiler's events (`prof.events()`): kernel name -> [launches, GPU ms]."""
+    kernels: dict[str, list] = {}
+    for evt in events:
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(evt.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += evt.device_time / 1000
+    return kernels
 
 
 def summarize(events, steps: int, wall_s: float) -> dict:
