@@ -225,6 +225,27 @@ def test_the_loss_check_names_the_first_non_finite_step_and_waits_for_the_latest
     assert check.pending == [] and check.check(all_steps=True) is None
 
 
+def test_the_loss_check_never_reads_a_value_on_the_host_before_it_is_asked():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attnlab.train.loop import FiniteLossCheck
+
+    class HostReads(TorchDispatchMode):  # a read of a device value on the host: a wait for the GPU under CUDA
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostReads.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    check = FiniteLossCheck()
+    with HostReads():
+        for step in (1, 2, 3):
+            check.add(torch.tensor([2.0, float("nan"), 1.0])[step - 1], step)
+    assert HostReads.reads == 0
+    step, value = check.check(all_steps=True)
+    assert step == 2 and value != value
+
+
 def test_weight_decay_applies_to_matrices_only():
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
     from attnlab.train.loop import AttnLabTrainer

@@ -386,9 +386,10 @@ class FiniteLossCheck:
 
     def _close(self) -> None:
         losses = torch.cat(self.losses)
-        # the first non-finite loss of the step, else its first loss: one value to name in the error
+        # the first non-finite loss of the step, else its first loss: one value to name in the error (gathered: indexing
+        # with a tensor would read the index on the host, waiting for the GPU at every step)
         bad = ~torch.isfinite(losses)
-        first = losses[bad.int().argmax()].float().reshape(1)
+        first = losses.gather(0, bad.int().argmax().reshape(1)).float()
         self.pending.append((self.step, HostCopy(torch.cat([bad.any().float().reshape(1), first]))))
         self.step, self.losses = None, []
 
