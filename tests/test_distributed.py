@@ -438,6 +438,8 @@ def test_one_process_with_several_gpus_visible_trains_on_one_with_the_batch_it_w
     cfg = load_config(None, ["train.batch_size=4", "train.device=cuda", "train.precision=fp32"])
     args = training_arguments(cfg, PreflightReport(device="cuda", precision="fp32"), Path("staging"), has_val=True)
     assert args.n_gpu == 1 and args.train_batch_size == 4
+    # each batch reaches the GPU from pinned memory without the host waiting for the copy (and the step before it)
+    assert args.dataloader_pin_memory and args.accelerator_config.non_blocking
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     report = run_preflight(cfg, load_data=False)

@@ -685,6 +685,10 @@ def training_arguments(cfg: RunConfig, report: PreflightReport, staging: Path, h
         ignore_data_skip=stream,
         dataloader_drop_last=True,
         dataloader_num_workers=0,
+        # each batch copied to the GPU from pinned memory without waiting (accelerate's loader copies the next batch
+        # while the step before it may still run: a blocking copy would make the host wait for that step to finish)
+        dataloader_pin_memory=report.device == "cuda",
+        accelerator_config={"non_blocking": report.device == "cuda"},
         remove_unused_columns=False,
         prediction_loss_only=True,
         **_strategy_arguments(cfg, block_classes),
