@@ -231,6 +231,20 @@ def test_a_profiled_run_keeps_each_summary_beside_its_logs_and_its_figures_in_th
     assert row == {"first_step": 3, "last_step": 4, **figures} and set(PROFILE_FIGURES) <= set(row)
     assert (logs / "attnlab-softmax-2x2x32-ddp.profile_rank1.txt").read_text() == "steps 3-4 profiled (2), rank 1\n"
 
+    # the table shows the profiled steps' wall time, GPU share and host waits beside the run's tokens/s
+    from rich.console import Console
+
+    from attnlab.bench.scale import results_table
+
+    base = {"cuda_graphs": False, "tokens_per_s": 1000, "per_gpu_tokens_per_s": 500, "efficiency": 0.5, "peak_allocated_gib": None}
+    result = {"settings": {"batch_per_gpu": 2, "seq_len": 32}, "env": {"gpus": []},
+              "runs": {"attnlab-softmax@2x2x32:ddp:eager": {**base, "profile": row}, "attnlab-softmax@1x2x32:ddp:eager": base}}
+    console = Console(width=250, record=True)
+    console.print(results_table(result)[0])
+    text = console.export_text()
+    assert "host wait ms" in text and "GPU busy" in text
+    assert "80.0" in text and "75%" in text and "12.5" in text
+
 
 def test_hf_llama_trains_through_init_from_with_a_bpe_tokenizer_made_once_in_the_work_dir(tmp_path):
     out, work = tmp_path / "scale.json", tmp_path / "work"

@@ -571,6 +571,10 @@ def prepare_bench(models: list[str], size: Size, device: str, tokenizer: str, st
     return bench
 
 
+def _figure(value, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
 def results_table(result: dict):
     """(table, error lines): the runs of a bench as one rich table, and a line per failed run."""
     from rich.table import Table
@@ -578,7 +582,11 @@ def results_table(result: dict):
     settings = result["settings"]
     where = ", ".join(dict.fromkeys(result["env"]["gpus"])) or "CPU processes"
     grid = Table(title=f"attnlab train over GPUs, {settings['batch_per_gpu']} x {settings['seq_len']} tokens per GPU, on {where}")
-    for col in ("model", "GPUs", "strategy", "ckpt", "eager", "graphs", "tokens/s", "per-GPU tokens/s", "efficiency", "peak GiB"):
+    # runs with --set train.profile_steps=N: their profiled steps' wall time, GPU share and host waits (`PROFILE_FIGURES`)
+    profiled = any("profile" in row for row in result["runs"].values())
+    profile_cols = ("step ms", "GPU busy", "host wait ms") if profiled else ()
+    for col in ("model", "GPUs", "strategy", "ckpt", "eager", "graphs", "tokens/s", "per-GPU tokens/s", "efficiency", "peak GiB",
+                *profile_cols):
         grid.add_column(col, justify="left" if col in ("model", "strategy") else "right")
     errors = []
     for key, row in result["runs"].items():
@@ -586,9 +594,11 @@ def results_table(result: dict):
         head = [v.model, str(v.gpus), v.strategy if v.gpus > 1 else "-", "yes" if v.ckpt else "no", "yes" if v.eager else "no"]
         if "error" in row:
             errors.append(f"{key}: {row['error']}")
-            grid.add_row(*head, "", "OOM" if row["error"] == "out of memory" else "error", "", "", "")
+            grid.add_row(*head, "", "OOM" if row["error"] == "out of memory" else "error", "", "", "", *[""] * len(profile_cols))
             continue
+        prof = row.get("profile") or {}
+        shown = [_figure(prof.get(key), fmt) for key, fmt in
+                 (("wall_ms_per_step", ".1f"), ("gpu_busy", ".0%"), ("host_wait_ms_per_step", ".1f"))] if profiled else []
         grid.add_row(*head, "yes" if row["cuda_graphs"] else "no", f"{row['tokens_per_s']:,}", f"{row['per_gpu_tokens_per_s']:,}",
-                     "" if row["efficiency"] is None else f"{row['efficiency']:.2f}",
-                     "" if row["peak_allocated_gib"] is None else f"{row['peak_allocated_gib']:.2f}")
+                     _figure(row["efficiency"], ".2f"), _figure(row["peak_allocated_gib"], ".2f"), *shown)
     return grid, errors
