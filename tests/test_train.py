@@ -225,25 +225,63 @@ def test_the_loss_check_names_the_first_non_finite_step_and_waits_for_the_latest
     assert check.pending == [] and check.check(all_steps=True) is None
 
 
-def test_the_loss_check_never_reads_a_value_on_the_host_before_it_is_asked():
-    from torch.utils._python_dispatch import TorchDispatchMode
+class HostReads:
+    """Counts reads of a tensor's value on the host (`aten::_local_scalar_dense`: `.item()`, `bool()`, indexing with a
+    tensor) while on; each is a wait for the GPU under CUDA."""
 
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.reads += func is torch.ops.aten._local_scalar_dense.default
+                return func(*args, **(kwargs or {}))
+
+        self.reads, self.mode = 0, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_the_loss_check_never_reads_a_value_on_the_host_before_it_is_asked():
     from attnlab.train.loop import FiniteLossCheck
 
-    class HostReads(TorchDispatchMode):  # a read of a device value on the host: a wait for the GPU under CUDA
-        reads = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            HostReads.reads += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
     check = FiniteLossCheck()
-    with HostReads():
+    with HostReads() as host:
         for step in (1, 2, 3):
             check.add(torch.tensor([2.0, float("nan"), 1.0])[step - 1], step)
-    assert HostReads.reads == 0
+    assert host.reads == 0
     step, value = check.check(all_steps=True)
     assert step == 2 and value != value
+
+
+def test_the_trainers_steps_read_nothing_on_the_host_between_logs(tmp_path, tiny, monkeypatch):
+    """The whole cycle (batch, forward, backward, clipping, optimizer, callbacks) of steps that log, save and validate
+    nothing reads no device value on the host: runs of 4 and 12 steps make the same number of reads."""
+    from transformers import Trainer
+
+    inner = Trainer._inner_training_loop
+    counted = []
+
+    def counting(self, *args, **kwargs):
+        with HostReads() as host:
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                counted.append(host.reads)
+
+    monkeypatch.setattr(Trainer, "_inner_training_loop", counting)
+    quiet = ["train.log_every=100", "train.eval_every=100", "train.save_every=0", "train.sample_tokens=0"]
+    for steps in (4, 12):
+        run = tmp_path / f"run{steps}"
+        assert run_cli("train", *sets(tiny + quiet + [f"train.max_steps={steps}"]), "--run-dir", str(run)) == 0
+    assert len(counted) == 2 and counted[0] == counted[1], counted
 
 
 def test_weight_decay_applies_to_matrices_only():
