@@ -2,13 +2,14 @@
 
 import gzip
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import run_cli, sets
-from attnlab.train.profiling import summarize, summary_text
+from attnlab.train.profiling import SYNC_WARNING, WaitCallers, summarize, summary_text
 
 
 def test_a_run_profiles_the_steps_asked_for_and_says_where_the_summary_is(tmp_path, tiny, capsys):
@@ -23,6 +24,7 @@ def test_a_run_profiles_the_steps_asked_for_and_says_where_the_summary_is(tmp_pa
     names = [name for name, _, _ in summary["host_ops"]]
     assert any(name.startswith("aten::") for name in names)  # the model's operations, by their own time
     assert any("Optimizer.step" in name for name in names)  # the whole cycle, the optimizer's step included
+    assert summary["wait_callers"] == []  # CUDA's sync debug mode reports nothing on a CPU run
     text = (run / "profile_rank0.txt").read_text()
     assert text.startswith("steps 3-4 profiled (2)") and "host operations by their own time" in text
     trace = json.loads(gzip.decompress((run / "profile_rank0.pt.trace.json.gz").read_bytes()))
@@ -59,3 +61,29 @@ def test_the_summary_splits_a_step_into_gpu_time_host_waits_and_host_operations(
     assert summary["host_ops"][0] == ["cudaStreamSynchronize", 0.5, 2.0]
     text = summary_text(summary, 5, 6)
     assert "130% of the wall time" in text and "steps 5-6 profiled (2)" in text
+
+
+def _asks_the_gpu():
+    warnings.warn(SYNC_WARNING)  # what torch raises at an implicit synchronisation under set_sync_debug_mode("warn")
+
+
+def test_the_host_waits_are_counted_by_the_code_that_asked_and_other_warnings_still_show():
+    waits = WaitCallers()
+    waits.start()
+    try:
+        for _ in range(3):
+            _asks_the_gpu()
+        with pytest.warns(UserWarning, match="something else"):
+            warnings.warn("something else")
+    finally:
+        waits.stop()
+    [(caller, n)] = waits.callers.items()
+    assert n == 3 and caller.startswith("test_profiling.py:") and "_asks_the_gpu <- " in caller
+    assert "test_the_host_waits_are_counted" in caller  # with its caller
+    with pytest.warns(UserWarning, match="synchronizing"):  # off again: torch's warning is a warning like any other
+        _asks_the_gpu()
+    assert sum(waits.callers.values()) == 3
+
+    summary = summarize([], steps=3, wall_s=0.03, wait_callers=waits.callers)
+    assert summary["wait_callers"] == [[caller, 1.0]]
+    assert caller[:60] in summary_text(summary, 1, 3)

@@ -6,7 +6,9 @@ optimizer, the loss check and the log. Each process writes, into the run directo
 
 - `profile_rank{R}.txt`: per step, the wall time, the GPU's kernel time and its share of the wall time, the host's
   time spent waiting for the GPU (`cudaStreamSynchronize` and its kind: a blocking copy, a `.item()`), the kernels
-  launched; then the host's operations by their own time and the kernels by GPU time;
+  launched; the code that made the host wait (each implicit synchronisation that CUDA's sync debug mode reports: a
+  `.item()`, a `bool()` of a tensor, a copy to the host, by the line that asked for it); then the host's operations by
+  their own time and the kernels by GPU time;
 - `profile_rank{R}.json`: the same figures;
 - `profile_rank{R}.pt.trace.json.gz`: the whole timeline, for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
@@ -19,6 +21,9 @@ import gzip
 import json
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -29,6 +34,47 @@ from attnlab.outputs import replace_file
 # CUDA runtime calls in which the host waits for the GPU
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 TOP = 20
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+TORCH_DIR = Path(torch.__file__).resolve().parent
+
+
+class WaitCallers:
+    """While on, where the host is made to wait for the GPU: CUDA's sync debug mode warns at each implicit
+    synchronisation (a `.item()`, a tensor's `bool()`, a copy to the host; not explicit `synchronize()` calls), and
+    each warning is counted under the line outside torch that led to it (with its two callers). The mode costs nothing
+    where nothing synchronises; its warnings go nowhere else while on."""
+
+    def __init__(self) -> None:
+        self.callers: Counter[str] = Counter()
+        self._catch = None
+
+    def start(self) -> None:
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        shown = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            self.callers[where(traceback.extract_stack()[:-1])] += 1
+
+        warnings.showwarning = record
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        if self._catch is not None:
+            self._catch.__exit__(None, None, None)
+            self._catch = None
+
+
+def where(stack) -> str:
+    """The innermost frame outside torch and the warnings machinery, with its two callers: "file:line function <- ..."."""
+    frames = [f for f in stack if not Path(f.filename).resolve().is_relative_to(TORCH_DIR) and "warnings" not in Path(f.filename).name]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-3:])) or "torch"
 
 
 def kernel_times(events) -> dict[str, list]:
@@ -42,8 +88,9 @@ def kernel_times(events) -> dict[str, list]:
     return kernels
 
 
-def summarize(events, steps: int, wall_s: float) -> dict:
-    """The figures of `steps` profiled steps from the profiler's events (`prof.events()`) and their wall time."""
+def summarize(events, steps: int, wall_s: float, wait_callers: Counter | None = None) -> dict:
+    """The figures of `steps` profiled steps from the profiler's events (`prof.events()`), their wall time and where
+    the host was made to wait (`WaitCallers.callers`)."""
     kernels = kernel_times(events)  # name -> [launches, GPU ms]
     host: dict[str, list[float]] = {}  # operation -> [calls, own ms]
     waits_ms = 0.0
@@ -66,6 +113,8 @@ def summarize(events, steps: int, wall_s: float) -> dict:
         "gpu_busy": round(gpu_ms / wall_ms, 3) if gpu_ms is not None and wall_ms else None,
         "host_wait_ms_per_step": round(waits_ms / steps, 3),
         "kernels_per_step": round(sum(n for n, _ in kernels.values()) / steps, 1),
+        # [the code that asked, host waits a step]
+        "wait_callers": [[caller, round(n / steps, 2)] for caller, n in (wait_callers or Counter()).most_common(TOP)],
         "host_ops": per_step(host),  # [operation, calls a step, own ms a step]
         "kernels": per_step(kernels),  # [kernel, launches a step, GPU ms a step]
     }
@@ -79,6 +128,11 @@ def summary_text(summary: dict, first: int, last: int) -> str:
         if summary["gpu_busy"] is not None else "GPU kernel time a step            none (no GPU work profiled)",
         f"host waiting on the GPU     {summary['host_wait_ms_per_step']:10.3f} ms a step ({', '.join(HOST_WAITS)})",
         f"kernels launched a step     {summary['kernels_per_step']:10.1f}",
+        "",
+        "where the host was made to wait (CUDA's sync debug mode)                          waits/step",
+    ]
+    lines += [f"  {caller[:90]:90s} {n:10.2f}" for caller, n in summary["wait_callers"]] or ["  nowhere"]
+    lines += [
         "",
         f"host operations by their own time ({TOP} longest)        calls/step   own ms/step",
     ]
@@ -95,6 +149,7 @@ class ProfileSteps(TrainerCallback):
     def __init__(self, run_dir: Path, first: int, count: int, rank: int, say=print) -> None:
         self.run_dir, self.first, self.last, self.rank, self.say = Path(run_dir), first, first + count - 1, rank, say
         self.prof = None
+        self.waits = WaitCallers()
         self.t0 = 0.0
         self.started_after: int | None = None
 
@@ -115,10 +170,13 @@ class ProfileSteps(TrainerCallback):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.prof = profile(activities=activities)
         self.started_after = step
+        self.waits = WaitCallers()
         self.prof.__enter__()
+        self.waits.start()
         self.t0 = time.perf_counter()
 
     def _stop(self, step: int) -> None:
+        self.waits.stop()  # before the window's own wait for the GPU
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall_s = time.perf_counter() - self.t0
@@ -128,7 +186,7 @@ class ProfileSteps(TrainerCallback):
         if steps <= 0:
             return
         first, last = self.started_after + 1, step
-        summary = summarize(prof.events(), steps, wall_s)
+        summary = summarize(prof.events(), steps, wall_s, self.waits.callers)
         stem = self.run_dir / f"profile_rank{self.rank}"
         text = summary_text(summary, first, last)
         replace_file(stem.with_suffix(".txt"), text)
