@@ -226,9 +226,11 @@ def test_a_profiled_run_keeps_each_summary_beside_its_logs_and_its_figures_in_th
     for rank in (0, 1):
         (run_dir / f"profile_rank{rank}.txt").write_text(f"steps 3-4 profiled (2), rank {rank}\n")
         (run_dir / f"profile_rank{rank}.json").write_text(json.dumps({"first_step": 3, "last_step": 4, "steps": 2, **figures,
+                                                                      "wait_callers": [["loop.py:391 _close", 1.0]],
                                                                       "host_ops": [], "kernels": []}))
     row = run_profiles(run_dir, logs, "attnlab-softmax-2x2x32-ddp")
-    assert row == {"first_step": 3, "last_step": 4, **figures} and set(PROFILE_FIGURES) <= set(row)
+    assert row == {"first_step": 3, "last_step": 4, **figures, "wait_callers": [["loop.py:391 _close", 1.0]]}
+    assert set(PROFILE_FIGURES) <= set(row)
     assert (logs / "attnlab-softmax-2x2x32-ddp.profile_rank1.txt").read_text() == "steps 3-4 profiled (2), rank 1\n"
 
     # the table shows the profiled steps' wall time, GPU share and host waits beside the run's tokens/s

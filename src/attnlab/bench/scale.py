@@ -420,7 +420,9 @@ def run_profiles(run_dir: Path, logs_dir: Path, name: str) -> dict | None:
     if not first.is_file():
         return None
     summary = json.loads(first.read_text())
-    return {key: summary.get(key) for key in ("first_step", "last_step", *PROFILE_FIGURES)}
+    # and the code that made the host wait most often (`train.profile_steps`' wait_callers)
+    return {**{key: summary.get(key) for key in ("first_step", "last_step", *PROFILE_FIGURES)},
+            "wait_callers": summary.get("wait_callers", [])[:5]}
 
 
 # --- the bench -----------------------------------------------------------------------------------
