@@ -7,9 +7,12 @@ the forward and the backward spend their host time in (cProfile, own time). Prin
 writes the rows as JSON. `--compiled` adds each attnlab model with its blocks under torch.compile (`model+compiled`),
 as `attnlab train` runs an eager step (the kernels marked `outside_compile(traced=True)` traced, the others graph
 breaks). `--stack` adds each with every block in turn under one torch.compile (`model+stack`,
-`compile_blocks(stack=True)`: the compiled code's per-call costs once a step instead of once a block); `--stack-cpp`
-so with Inductor's C++ wrapper (`model+stackcpp`: the graph's buffer allocations and kernel launches issued from C++
-instead of its generated Python). `--traced` adds
+`compile_blocks(stack=True)`: the compiled code's per-call costs once a step instead of once a block); `--stack-with
+OPTIONS` so with Inductor's config options changed (`model+stack:OPTIONS`, OPTIONS as `key=value,key=value`, values
+Python literals: `cpp_wrapper=True`, the graph's buffer allocations and kernel launches issued from C++ instead of
+its generated Python; `size_asserts=False`, no check of each input's and extern kernel output's sizes and strides;
+`memory_planning=True`, the graph's buffers carved from pooled allocations; `combo_kernels=True`, independent small
+kernels launched as one); `--stack-cpp` is `--stack-with cpp_wrapper=True`. `--traced` adds
 each with its blocks compiled and every mixer kernel traced (`model+traced`: all the `outside_compile` marks lifted,
 so that a block can compile to one graph with its Triton kernels launched by Inductor, where torch.compile can trace
 them). `--whole` adds each with the whole
@@ -94,16 +97,37 @@ def captured_ms(name, hidden, layers, heads, vocab, intermediate, batch, seq_len
     return round(step_s * 1000, 2)
 
 
+def inductor_options(text: str) -> dict:
+    """`key=value,key=value` (values Python literals) as Inductor config options, each checked to exist."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()  # every option, nested ones as "triton.cudagraphs"
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise SystemExit(f"--stack-with: {item!r} is not key=value")
+        if key not in known:
+            raise SystemExit(f"--stack-with: {key!r} is not an option of torch._inductor.config")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--stack-with: {value!r} ({key}) is not a Python literal") from None
+    return options
+
+
 def measure(name, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured=None):
     """One model's row; `name` with "+compiled": the attnlab model with its blocks under torch.compile (as `attnlab
     train` runs an eager step, `train.compile`), "+traced": so with the mixers' kernels traced too, "+whole": the whole
     model compiled, kernels traced. `captured`: the captured step's ms when already measured."""
     base, _, how = name.partition("+")
-    if how == "stackcpp":  # Inductor's C++ wrapper: the compiled graph's calls, allocations and launches from C++
+    if how.startswith("stack:"):  # the stack compiled with Inductor's config options changed (`--stack-with`)
         import torch._inductor.config as inductor_config
 
-        with inductor_config.patch(cpp_wrapper=True):
-            return _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured)
+        with inductor_config.patch(inductor_options(how.partition(":")[2])):
+            return _measure(name, base, "stack", hidden, layers, heads, vocab, intermediate, batch, seq_len, captured)
     if how in ("traced", "whole"):
         with kernels_traced() as places:
             return {**_measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch, seq_len, captured),
@@ -119,8 +143,8 @@ def _measure(name, base, how, hidden, layers, heads, vocab, intermediate, batch,
     torch.manual_seed(0)
     release(device)
     model = build(base, hidden, layers, heads, vocab, intermediate).cuda().train()
-    if how in ("compiled", "traced", "stack", "stackcpp"):
-        model.compile_blocks(stack=how in ("stack", "stackcpp"))
+    if how in ("compiled", "traced", "stack"):
+        model.compile_blocks(stack=how == "stack")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     state = {}
@@ -205,8 +229,10 @@ def main():
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--compiled", action="store_true", help="also each attnlab model with its blocks under torch.compile")
     ap.add_argument("--stack", action="store_true", help="also each attnlab model with its blocks in turn under one torch.compile")
-    ap.add_argument("--stack-cpp", action="store_true", help=(
-        "also each attnlab model with its blocks in turn under one torch.compile, Inductor's C++ wrapper on"))
+    ap.add_argument("--stack-cpp", action="store_true", help="as --stack-with cpp_wrapper=True")
+    ap.add_argument("--stack-with", action="append", default=[], metavar="OPTIONS", help=(
+        "also each attnlab model with its blocks in turn under one torch.compile, Inductor's config options changed: "
+        "key=value,key=value (repeatable: one variant each)"))
     ap.add_argument("--traced", action="store_true", help=(
         "also each attnlab model with its blocks compiled and the mixers' kernels traced too (the outside_compile marks lifted)"))
     ap.add_argument("--whole", action="store_true", help=(
@@ -216,8 +242,11 @@ def main():
     batch, seq_len = (int(v) for v in args.shape.split("x"))
     rows = []
     names = model_names(args.model)
-    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+stack", args.stack), ("+stackcpp", args.stack_cpp), ("+traced", args.traced),
-                                          ("+whole", args.whole)) if on]
+    stacked = args.stack_with + (["cpp_wrapper=True"] if args.stack_cpp else [])
+    for options in stacked:
+        inductor_options(options)  # a wrong option stops here, before any model is built
+    suffixes = [suffix for suffix, on in (("+compiled", args.compiled), ("+stack", args.stack), ("+traced", args.traced),
+                                          ("+whole", args.whole)) if on] + [f"+stack:{options}" for options in stacked]
     if suffixes:  # each attnlab model eager as written, then compiled in each way asked for
         names = [variant for name in names for variant in ([name] + ([name + x for x in suffixes] if name.startswith("attnlab-") else []))]
     captured = {}

@@ -7,7 +7,7 @@
 # zoo-nsa (NSA at 12 layers, block 64, 16 blocks, window 512 beside fla's NSA and HF Llama; NSA_SHAPES="2x2048 1x8192" picks the shapes),
 # zoo-mamba2 (Mamba-2 beside GLA), prof-mamba2 (one eager step of each profiled, at 4x4096), sweep-mamba2 (Mamba-2's SSD and conv kernels under several block choices), zoo-nsa-stats (NSA with and without its health statistics),
 # eager (where an eager step's host time goes, per mixer, beside its captured step: EAGER_MODELS, EAGER_SHAPE; EAGER_COMPILED=1 adds
-# each model with its blocks under torch.compile; EAGER_STACK=1 each with its blocks in turn under one torch.compile; EAGER_STACK_CPP=1 so with Inductor's C++ wrapper; EAGER_TRACED=1 each with its blocks compiled and the mixers' kernels traced too; EAGER_WHOLE=1 each with the whole model compiled, kernels traced), compile-breaks (benchmarks/compile_breaks.py: what graph breaks at the mixer cost an
+# each model with its blocks under torch.compile; EAGER_STACK=1 each with its blocks in turn under one torch.compile; EAGER_STACK_CPP=1 so with Inductor's C++ wrapper; EAGER_STACK_WITH="OPTS OPTS" so with Inductor's options OPTS, key=value,key=value, one variant each; EAGER_TRACED=1 each with its blocks compiled and the mixers' kernels traced too; EAGER_WHOLE=1 each with the whole model compiled, kernels traced), compile-breaks (benchmarks/compile_breaks.py: what graph breaks at the mixer cost an
 # eager step, on stand-in blocks: eager, blocks compiled with the mixer a break or a custom op, the model compiled, captured;
 # BREAKS_ARGS adds options), traced-blocks (benchmarks/traced_blocks.py: which mixers' blocks compile whole with their kernels
 # traced, and whether that step's loss and gradients match eager's: TRACED_MODELS, TRACED_ARGS, e.g. "--both --shape 9x1024 --lift
@@ -141,7 +141,7 @@ for stage in "$@"; do case $stage in
       --shape "$shape" --steps 4 --warmup 2 --profile --out "$OUT/$stage.json" ;;
   sweep-mamba2) run sweep-mamba2 "${SWEEP_LIMIT:-300}" python benchmarks/mamba2_kernels.py --shape 4x4096 --shape 16x1024 ;;
   zoo-mamba2) run zoo-mamba2 "${ZOO_LIMIT:-580}" $AL bench zoo --skip-ops --model mamba2 --model gla --shape 16x1024 --shape 4x4096 --out "$OUT/zoo-mamba2.json" ;;
-  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} ${EAGER_STACK:+--stack} ${EAGER_STACK_CPP:+--stack-cpp} ${EAGER_TRACED:+--traced} ${EAGER_WHOLE:+--whole} \
+  eager) run eager "${EAGER_LIMIT:-450}" python benchmarks/eager_host.py --shape "${EAGER_SHAPE:-9x1024}" ${EAGER_COMPILED:+--compiled} ${EAGER_STACK:+--stack} ${EAGER_STACK_CPP:+--stack-cpp} ${EAGER_STACK_WITH:+$(printf -- '--stack-with %s ' $EAGER_STACK_WITH)} ${EAGER_TRACED:+--traced} ${EAGER_WHOLE:+--whole} \
     $(printf -- '--model %s ' ${EAGER_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla hf-llama}) --out "$OUT/eager.json" ;;
   traced-blocks) run traced-blocks "${TRACED_LIMIT:-300}" python benchmarks/traced_blocks.py ${TRACED_ARGS:-} ${TRACED_CODE:+--code-dir "$OUT/inductor-code"} \
     $(printf -- '--model %s ' ${TRACED_MODELS:-2mamba softmax mamba2 nsa 2mamba-e gated_softmax linear__output_norm gla}) --out "$OUT/traced-blocks${TRACED_TAG:-}.json" ;;
