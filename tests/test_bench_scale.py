@@ -5,6 +5,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -270,3 +271,48 @@ def test_the_hf_llama_of_the_bench_carries_the_tokenizers_special_ids(tmp_path):
     out = scale.hf_llama_init(tmp_path, scale.Size(hidden=32, layers=1, heads=2, intermediate=64, vocab=None), 259, special)
     config = AutoConfig.from_pretrained(out)
     assert {key: getattr(config, key) for key in special} == special
+
+
+def _logged(run_dir: Path, steps: list[int], rate: float = 1000.0) -> None:
+    run_dir.mkdir(parents=True)
+    lines = ["step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb"]
+    lines += [f"{s},{s},5.0,0.001,1.0,{rate * s},," for s in steps]
+    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_a_run_stopped_before_its_end_keeps_what_it_logged_where_enough_was_logged(tmp_path):
+    """A run stopped at its time limit (or by an interrupted bench) that logged at least two steps past the first two
+    keeps their tokens/s, with a note; with fewer it is an error row."""
+    v = Variant("attnlab-softmax", 2, 9, 1024, "ddp", False, False)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / f"{v.name}.log").write_text("step 20/20\n")
+    _logged(tmp_path / "trained", [1, 2, 3, 4, 5])
+    row = scale.stopped_row(v, tmp_path / "trained", logs, "timed out after 600 s", wall_s=601.0)
+    assert row["tokens_per_s"] == 4000 and row["per_gpu_tokens_per_s"] == 2000 and row["wall_s"] == 601.0
+    assert row["note"] == "timed out after 600 s after step 5: tokens/s of the 3 steps logged past the first 2"
+    _logged(tmp_path / "early", [1, 2, 3])
+    assert scale.stopped_row(v, tmp_path / "early", logs, "interrupted") == {"error": "interrupted, after 3 logged steps"}
+    assert scale.stopped_row(v, tmp_path / "none", logs, "interrupted") == {"error": "interrupted"}
+
+
+def test_an_interrupted_bench_writes_what_its_last_run_logged_before_the_stop(tmp_path, monkeypatch):
+    plan = scale.variants(["attnlab-softmax"], [1, 2], ["ddp"], 2, 32, ckpt=False, eager=False)
+    bench = SimpleNamespace(device="cpu", settings=lambda plan: {"batch_per_gpu": 2, "seq_len": 32})
+
+    def measure(bench, v, runs_dir, logs_dir, timeout_s, devices=None):
+        (logs_dir / f"{v.name}.log").write_text("")
+        _logged(runs_dir / v.name, [1, 2, 3, 4, 5, 6], rate=100.0 * v.gpus)
+        if v.gpus == 2:  # the stop comes as the two-process run ends: everything it trained is logged
+            raise KeyboardInterrupt
+        return scale.run_row(v, runs_dir / v.name, logs_dir, 10.0)
+
+    monkeypatch.setattr(scale, "measure", measure)
+    out = tmp_path / "scale.json"
+    lines = []
+    result, finished = scale.run_scale(bench, plan, tmp_path / "work", tmp_path / "logs", out, 60, log=lines.append)
+    assert not finished
+    written = json.loads(out.read_text())["runs"]
+    stopped = written["attnlab-softmax@2x2x32:ddp"]
+    assert stopped["tokens_per_s"] == 900 and stopped["efficiency"] == 1.0 and stopped["note"].startswith("interrupted after step 6")
+    assert "with what attnlab-softmax@2x2x32:ddp logged before the stop" in lines[-1]

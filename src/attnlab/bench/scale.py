@@ -24,8 +24,11 @@ BATCH is the per-GPU batch. `efficiency` is the run's per-GPU tokens/s over that
 the same model and per-GPU batch, captured and without checkpointing (None when that run is missing
 or failed). One process ignores the strategy, so one GPU runs once, under the first strategy asked
 for. `cuda_graphs` says whether the step really ran captured (`attnlab train` says so; runs it cannot
-capture train eagerly, with the reason in `note`). A run that fails (non-zero exit, out of memory,
-past its time limit) is the row {"error": ...} and the bench goes on.
+capture train eagerly, with the reason in `note`). A run that fails (non-zero exit, out of memory) is the row
+{"error": ...} and the bench goes on. A run stopped before its end (its time limit, or the bench interrupted: Ctrl-C,
+or the SIGINT of a job's limit) keeps the figures of the steps it logged, with a `note` saying so, where it logged at
+least two past the first two (a run that trained to its end and was stopped while its processes ended loses nothing);
+else it is an error row too.
 """
 
 from __future__ import annotations
@@ -156,6 +159,14 @@ def efficiencies(runs: dict[str, dict]) -> dict[str, float | None]:
 
 
 # --- what a run directory says -------------------------------------------------------------------
+
+
+def logged_steps(metrics_csv: Path) -> list[int]:
+    """The steps metrics.csv logged a `tokens_per_s` for."""
+    if not metrics_csv.is_file():
+        return []
+    with open(metrics_csv, newline="") as f:
+        return [int(float(row["step"])) for row in csv.DictReader(f) if row.get("tokens_per_s") and row.get("step")]
 
 
 def median_tokens_per_s(metrics_csv: Path, skip: int = SKIP_LOGS) -> float | None:
@@ -391,20 +402,38 @@ def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s:
     for heavy in ("final", "checkpoints"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
     if done.timed_out:
-        return {"error": f"timed out after {timeout_s:g} s"}
+        return stopped_row(v, run_dir, logs_dir, f"timed out after {timeout_s:g} s", done.wall_s)
     if done.returncode != 0:
         return {"error": failure_reason(stdout, stderr, done.returncode)}
-    tokens_per_s = median_tokens_per_s(run_dir / "metrics.csv")
-    if tokens_per_s is None:
+    if median_tokens_per_s(run_dir / "metrics.csv") is None:
         return {"error": f"no step was logged (see {stdout_path})"}
-    captured, why_eager = graph_report(stdout)
+    return run_row(v, run_dir, logs_dir, done.wall_s)
+
+
+def run_row(v: Variant, run_dir: Path, logs_dir: Path, wall_s: float | None) -> dict:
+    """The row of a run that logged steps, from its run directory and its log."""
+    tokens_per_s = median_tokens_per_s(run_dir / "metrics.csv")
+    captured, why_eager = graph_report((logs_dir / f"{v.name}.log").read_text(errors="replace"))
     row = {"tokens_per_s": round(tokens_per_s), "per_gpu_tokens_per_s": round(tokens_per_s / v.gpus), "efficiency": None,
-           "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured, "wall_s": round(done.wall_s, 1)}
+           "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured,
+           "wall_s": None if wall_s is None else round(wall_s, 1)}
     if why_eager and not v.eager:
         row["note"] = f"ran eagerly: {why_eager}"
     profile = run_profiles(run_dir, logs_dir, v.name)
     if profile is not None:
         row["profile"] = profile
+    return row
+
+
+def stopped_row(v: Variant, run_dir: Path, logs_dir: Path, why: str, wall_s: float | None = None) -> dict:
+    """The row of a run stopped before its end (`why`): the figures of the steps it logged where at least two came
+    after the first SKIP_LOGS, else the error."""
+    logged = logged_steps(run_dir / "metrics.csv")
+    if len(logged) < SKIP_LOGS + 2:
+        return {"error": f"{why}, after {len(logged)} logged steps" if logged else why}
+    row = run_row(v, run_dir, logs_dir, wall_s)
+    said = f"{why} after step {logged[-1]}: tokens/s of the {len(logged) - SKIP_LOGS} steps logged past the first {SKIP_LOGS}"
+    row["note"] = f"{said}; {row['note']}" if row.get("note") else said
     return row
 
 
@@ -462,8 +491,8 @@ def describe(key: str, row: dict) -> str:
     peak = "" if row["peak_allocated_gib"] is None else f", peak {row['peak_allocated_gib']} GiB allocated"
     graphs = ", CUDA graphs" if row["cuda_graphs"] else ""
     note = f" ({row['note']})" if row.get("note") else ""
-    return (f"{row['tokens_per_s']:,} tokens/s ({row['per_gpu_tokens_per_s']:,} per GPU{eff}){peak}{graphs}, "
-            f"{row['wall_s']} s{note}")
+    wall = "" if row.get("wall_s") is None else f", {row['wall_s']} s"
+    return f"{row['tokens_per_s']:,} tokens/s ({row['per_gpu_tokens_per_s']:,} per GPU{eff}){peak}{graphs}{wall}{note}"
 
 
 def waves(plan: list[Variant], side_by_side: int) -> list[list[Variant]]:
@@ -523,18 +552,30 @@ def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: P
                 with ThreadPoolExecutor(len(wave)) as pool:
                     rows = list(pool.map(lambda vd: measure(bench, vd[0], runs_dir, logs_dir, timeout_s, vd[1]), zip(wave, devices)))
         except KeyboardInterrupt:
+            kept = []
+            for v in wave:  # what the interrupted runs logged before the stop
+                row = stopped_row(v, runs_dir / v.name, logs_dir, "interrupted")
+                if "error" not in row:
+                    result["runs"][v.key] = row
+                    kept.append(v.key)
+            _set_efficiencies(result)
+            write(result, out)
             log(f"[{numbers[wave[0].key]}/{len(plan)}] {wave[0].key}: interrupted; {out} holds the {len(result['runs'])} runs "
-                "measured before it")
+                f"measured before it{' (with what ' + ', '.join(kept) + ' logged before the stop)' if kept else ''}")
             return result, False
         for v, row in zip(wave, rows):
             result["runs"][v.key] = row
-        for key, value in efficiencies(result["runs"]).items():
-            if "error" not in result["runs"][key]:
-                result["runs"][key]["efficiency"] = value
+        _set_efficiencies(result)
         write(result, out)
         for v in wave:
             log(f"[{numbers[v.key]}/{len(plan)}] {v.key}: {describe(v.key, result['runs'][v.key])}")
     return result, True
+
+
+def _set_efficiencies(result: dict) -> None:
+    for key, value in efficiencies(result["runs"]).items():
+        if "error" not in result["runs"][key]:
+            result["runs"][key]["efficiency"] = value
 
 
 def model_names(names: list[str]) -> list[str]:
