@@ -617,7 +617,7 @@ def bench_scale_cmd(
         "tokenizer and its 259 ids, for quick runs [default: bpe; byte with --device cpu].")),
     vocab: int = typer.Option(32768, "--vocab", min=260, help="Vocabulary of the BPE tokenizer and of every model (untied embeddings)."),
     set_: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="One more config override for every run, applied last, e.g. --set train.grad_clip=0 (repeatable)."),
-    timeout_s: float = typer.Option(900, "--timeout-s", min=1, help="Time limit of one run in seconds; a run past it is stopped and recorded as an error."),
+    timeout_s: float = typer.Option(900, "--timeout-s", min=1, help="Time limit of one run in seconds; a run past it is stopped; it keeps the tokens/s of the steps it logged past the first two (with a note), else it is an error row."),
     side_by_side: bool = typer.Option(False, "--side-by-side/--one-at-a-time", help=(
         "Run the runs of each GPU count side by side on GPUs of their own (four one-GPU runs on 4 GPUs, then two 2-GPU runs): "
         "a shorter bench; the processes share the host (CPUs), which slows host-bound (eager) steps.")),
