@@ -47,6 +47,7 @@ class WaitCallers:
     def __init__(self) -> None:
         self.callers: Counter[str] = Counter()
         self._catch = None
+        self._mode = 0  # the sync debug mode before (0: off)
 
     def start(self) -> None:
         self._catch = warnings.catch_warnings()
@@ -61,11 +62,12 @@ class WaitCallers:
 
         warnings.showwarning = record
         if torch.cuda.is_available():
+            self._mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
 
     def stop(self) -> None:
         if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(self._mode)
         if self._catch is not None:
             self._catch.__exit__(None, None, None)
             self._catch = None
