@@ -316,3 +316,47 @@ def test_an_interrupted_bench_writes_what_its_last_run_logged_before_the_stop(tm
     stopped = written["attnlab-softmax@2x2x32:ddp"]
     assert stopped["tokens_per_s"] == 900 and stopped["efficiency"] == 1.0 and stopped["note"].startswith("interrupted after step 6")
     assert "with what attnlab-softmax@2x2x32:ddp logged before the stop" in lines[-1]
+
+
+def test_an_interrupted_bench_stops_the_runs_under_way_side_by_side_and_keeps_what_they_logged(tmp_path):
+    """Ctrl-C (or the SIGINT of a job's limit) while runs go side by side: every run's process group is stopped, not
+    left training on its GPU, and what each logged is written."""
+    import os
+    import signal
+    import threading
+
+    plan = scale.variants(["attnlab-softmax"], [1], ["ddp"], 2, 32, ckpt=False, eager=False)
+    plan = [plan[0], Variant("attnlab-gla", 1, 2, 32)]
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = ("import os, sys, time; from pathlib import Path; run = Path(sys.argv[1]); run.mkdir(parents=True, exist_ok=True); "
+              "rows = ['step,tokens_per_s'] + [f'{s},{100 * s}' for s in range(1, 7)]; "
+              "(run / 'metrics.csv').write_text(chr(10).join(rows) + chr(10)); "
+              f"Path({str(pids)!r}, run.name).write_text(str(os.getpid())); time.sleep(60)")
+    bench = SimpleNamespace(device="cpu", settings=lambda plan: {"batch_per_gpu": 2, "seq_len": 32},
+                            command=lambda v, run_dir: [sys.executable, "-c", script, str(run_dir)])
+    done = threading.Event()
+
+    def interrupt():  # once both runs are under way, as a terminal's Ctrl-C would
+        while len(list(pids.iterdir())) < 2 and not done.wait(0.1):
+            pass
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        result, finished = scale.run_scale(bench, plan, tmp_path / "work", tmp_path / "logs", tmp_path / "scale.json", 120,
+                                           log=lambda line: None, side_by_side=2)
+    finally:
+        done.set()
+    assert not finished and time.monotonic() - t0 < 40
+    for pid_file in pids.iterdir():
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid)
+    written = json.loads((tmp_path / "scale.json").read_text())["runs"]
+    assert set(written) == {"attnlab-softmax@1x2x32:ddp", "attnlab-gla@1x2x32:ddp"}
+    assert all(row["tokens_per_s"] == 450 and row["note"].startswith("interrupted after step 6") for row in written.values())

@@ -42,6 +42,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -263,35 +264,60 @@ def run_environment(gpus: int, devices: list[int] | None = None) -> dict[str, st
     return env
 
 
+_LIVE: set[subprocess.Popen] = set()  # the runs under way, each leading its process group
+_LIVE_LOCK = threading.Lock()
+
+
 def run_logged(command: list[str], stdout_path: Path, stderr_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
     """Run `command` in its own process group, its output into the two files; at `timeout_s`, SIGTERM to
-    the group, SIGKILL after KILL_GRACE_S. The group is stopped the same way if this process is interrupted."""
+    the group, SIGKILL after KILL_GRACE_S. The group is stopped the same way if this process is interrupted
+    (runs side by side, waited for in other threads: `stop_runs`)."""
     t0 = time.perf_counter()
 
     with open_fresh_file(stdout_path) as out, open_fresh_file(stderr_path) as err:  # never through a planted link
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
         try:
             proc.wait(timeout=timeout_s)
             return Finished(proc.returncode, False, time.perf_counter() - t0)
         except subprocess.TimeoutExpired:
-            _stop_group(proc)
+            _stop_groups([proc])
             return Finished(proc.returncode, True, time.perf_counter() - t0)
         except BaseException:
-            _stop_group(proc, grace_s=5)  # quickly: whoever interrupted this process may not wait long
+            _stop_groups([proc], grace_s=5)  # quickly: whoever interrupted this process may not wait long
             raise
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+def stop_runs(grace_s: float = 5) -> None:
+    """Stop every run under way (SIGTERM to each group, SIGKILL to those left after `grace_s`)."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    _stop_groups(procs, grace_s)
+
+
+def _stop_groups(procs: list[subprocess.Popen], grace_s: float = KILL_GRACE_S) -> None:
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        procs = [proc for proc in procs if not _ended(proc, deadline)]
+        if not procs:
             return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+
+
+def _ended(proc: subprocess.Popen, deadline: float) -> bool:
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 # --- what the runs share: the tokenizer and HF Llama's starting weights ----------------------------
@@ -550,7 +576,12 @@ def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: P
                 rows = [measure(bench, wave[0], runs_dir, logs_dir, timeout_s, devices[0])]
             else:
                 with ThreadPoolExecutor(len(wave)) as pool:
-                    rows = list(pool.map(lambda vd: measure(bench, vd[0], runs_dir, logs_dir, timeout_s, vd[1]), zip(wave, devices)))
+                    futures = [pool.submit(measure, bench, v, runs_dir, logs_dir, timeout_s, on) for v, on in zip(wave, devices)]
+                    try:
+                        rows = [f.result() for f in futures]
+                    except KeyboardInterrupt:
+                        stop_runs()  # the threads waiting for them return, and the pool with them
+                        raise
         except KeyboardInterrupt:
             kept = []
             for v in wave:  # what the interrupted runs logged before the stop
