@@ -68,7 +68,7 @@ def _asks_the_gpu():
 
 
 def test_the_host_waits_are_counted_by_the_code_that_asked_and_other_warnings_still_show():
-    waits = WaitCallers()
+    waits = WaitCallers(cuda=False)
     waits.start()
     try:
         for _ in range(3):

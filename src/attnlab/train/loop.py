@@ -800,7 +800,7 @@ def run_training(cfg: RunConfig, run_dir: Path, report: PreflightReport, console
             f"seeded order, from position {start:,}")
     callbacks: list[TrainerCallback] = [telemetry, stopper]
     if cfg.train.profile_steps:
-        callbacks.append(ProfileSteps(run_dir, cfg.train.profile_from, cfg.train.profile_steps, rank(),
+        callbacks.append(ProfileSteps(run_dir, cfg.train.profile_from, cfg.train.profile_steps, rank(), cuda=report.device == "cuda",
                                       say=lambda text: console.print(text, markup=False)))
     if cfg.eval.tasks and is_main:
         callbacks.append(EvalDuringTraining(cfg.eval, tokenizer, logger, run_dir=run_dir, console=console, data=cfg.data))

@@ -44,7 +44,8 @@ class WaitCallers:
     each warning is counted under the line outside torch that led to it (with its two callers). The mode costs nothing
     where nothing synchronises; its warnings go nowhere else while on."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda  # whether the run is on CUDA (else nothing can synchronise, and CUDA is left uninitialised)
         self.callers: Counter[str] = Counter()
         self._catch = None
         self._mode = 0  # the sync debug mode before (0: off)
@@ -61,12 +62,12 @@ class WaitCallers:
             self.callers[where(traceback.extract_stack()[:-1])] += 1
 
         warnings.showwarning = record
-        if torch.cuda.is_available():
+        if self.cuda:
             self._mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
 
     def stop(self) -> None:
-        if torch.cuda.is_available():
+        if self.cuda:
             torch.cuda.set_sync_debug_mode(self._mode)
         if self._catch is not None:
             self._catch.__exit__(None, None, None)
@@ -148,10 +149,11 @@ class ProfileSteps(TrainerCallback):
     """Profiles steps `first` to `first + count - 1` of the run (see the module's docstring); `say` reports the
     summary's first lines where the files went."""
 
-    def __init__(self, run_dir: Path, first: int, count: int, rank: int, say=print) -> None:
+    def __init__(self, run_dir: Path, first: int, count: int, rank: int, cuda: bool, say=print) -> None:
         self.run_dir, self.first, self.last, self.rank, self.say = Path(run_dir), first, first + count - 1, rank, say
+        self.cuda = cuda  # the run's device is CUDA: its kernels profiled, its waits traced
         self.prof = None
-        self.waits = WaitCallers()
+        self.waits = WaitCallers(cuda)
         self.t0 = 0.0
         self.started_after: int | None = None
 
@@ -169,17 +171,17 @@ class ProfileSteps(TrainerCallback):
     def _start(self, step: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.prof = profile(activities=activities)
         self.started_after = step
-        self.waits = WaitCallers()
+        self.waits = WaitCallers(self.cuda)
         self.prof.__enter__()
         self.waits.start()
         self.t0 = time.perf_counter()
 
     def _stop(self, step: int) -> None:
         self.waits.stop()  # before the window's own wait for the GPU
-        if torch.cuda.is_available():
+        if self.cuda:
             torch.cuda.synchronize()
         wall_s = time.perf_counter() - self.t0
         prof, self.prof = self.prof, None
