@@ -107,10 +107,10 @@ def test_tokens_per_s_is_the_median_of_the_logged_steps_after_the_first_two(tmp_
     metrics.write_text("step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb\n"
                        "5,1,5.5,1e-4,1,10.0,,\n10,2,5.4,1e-4,1,20.0,,\n15,3,5.3,1e-4,1,300.0,,\n20,4,5.2,1e-4,1,100.0,,\n"
                        "25,5,5.1,1e-4,1,200.0,,\n25,6,,,,,5.0,7.0\n")
-    assert scale.median_tokens_per_s(metrics) == 200.0
+    assert scale.median_tokens_per_s(scale.logged_rates(metrics)) == 200.0
     metrics.write_text("step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb\n5,1,5.5,1e-4,1,10.0,,\n")
-    assert scale.median_tokens_per_s(metrics) == 10.0  # fewer logs than skipped: the last one
-    assert scale.median_tokens_per_s(tmp_path / "missing.csv") is None
+    assert scale.median_tokens_per_s(scale.logged_rates(metrics)) == 10.0  # fewer logs than skipped: the last one
+    assert scale.median_tokens_per_s(scale.logged_rates(tmp_path / "missing.csv")) is None
 
 
 def test_peak_memory_is_the_largest_in_any_process_heartbeat(tmp_path):
@@ -288,12 +288,12 @@ def test_a_run_stopped_before_its_end_keeps_what_it_logged_where_enough_was_logg
     logs.mkdir()
     (logs / f"{v.name}.log").write_text("step 20/20\n")
     _logged(tmp_path / "trained", [1, 2, 3, 4, 5])
-    row = scale.stopped_row(v, tmp_path / "trained", logs, "timed out after 600 s", wall_s=601.0)
+    row = scale.run_row(v, tmp_path / "trained", logs, 601.0, stopped="timed out after 600 s")
     assert row["tokens_per_s"] == 4000 and row["per_gpu_tokens_per_s"] == 2000 and row["wall_s"] == 601.0
     assert row["note"] == "timed out after 600 s after step 5: tokens/s of the 3 steps logged past the first 2"
     _logged(tmp_path / "early", [1, 2, 3])
-    assert scale.stopped_row(v, tmp_path / "early", logs, "interrupted") == {"error": "interrupted, after 3 logged steps"}
-    assert scale.stopped_row(v, tmp_path / "none", logs, "interrupted") == {"error": "interrupted"}
+    assert scale.run_row(v, tmp_path / "early", logs, None, stopped="interrupted") == {"error": "interrupted, after 3 logged steps"}
+    assert scale.run_row(v, tmp_path / "none", logs, None, stopped="interrupted") == {"error": "interrupted"}
 
 
 def test_an_interrupted_bench_writes_what_its_last_run_logged_before_the_stop(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from conftest import run_cli, sets
@@ -225,28 +226,17 @@ def test_the_loss_check_names_the_first_non_finite_step_and_waits_for_the_latest
     assert check.pending == [] and check.check(all_steps=True) is None
 
 
-class HostReads:
+class HostReads(TorchDispatchMode):
     """Counts reads of a tensor's value on the host (`aten::_local_scalar_dense`: `.item()`, `bool()`, indexing with a
     tensor) while on; each is a wait for the GPU under CUDA."""
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        super().__init__()
+        self.reads = 0
 
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.reads += func is torch.ops.aten._local_scalar_dense.default
-                return func(*args, **(kwargs or {}))
-
-        self.reads, self.mode = 0, Mode()
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
 
 
 def test_the_loss_check_never_reads_a_value_on_the_host_before_it_is_asked():

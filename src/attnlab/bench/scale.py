@@ -162,24 +162,19 @@ def efficiencies(runs: dict[str, dict]) -> dict[str, float | None]:
 # --- what a run directory says -------------------------------------------------------------------
 
 
-def logged_steps(metrics_csv: Path) -> list[int]:
-    """The steps metrics.csv logged a `tokens_per_s` for."""
+def logged_rates(metrics_csv: Path) -> list[tuple[int, float]]:
+    """(step, tokens_per_s) of every step metrics.csv logged a rate for."""
     if not metrics_csv.is_file():
         return []
     with open(metrics_csv, newline="") as f:
-        return [int(float(row["step"])) for row in csv.DictReader(f) if row.get("tokens_per_s") and row.get("step")]
+        return [(int(float(row["step"])), float(row["tokens_per_s"])) for row in csv.DictReader(f) if row.get("tokens_per_s")]
 
 
-def median_tokens_per_s(metrics_csv: Path, skip: int = SKIP_LOGS) -> float | None:
-    """Median `tokens_per_s` of the logged steps in metrics.csv after the first `skip` (fewer skipped when
+def median_tokens_per_s(logged: list[tuple[int, float]], skip: int = SKIP_LOGS) -> float | None:
+    """Median `tokens_per_s` of the logged steps (`logged_rates`) after the first `skip` (fewer skipped when
     there are fewer logs); None when nothing was logged."""
-    if not metrics_csv.is_file():
-        return None
-    with open(metrics_csv, newline="") as f:
-        rates = [float(row["tokens_per_s"]) for row in csv.DictReader(f) if row.get("tokens_per_s")]
-    if not rates:
-        return None
-    return statistics.median(rates[min(skip, len(rates) - 1):])
+    rates = [rate for _, rate in logged]
+    return statistics.median(rates[min(skip, len(rates) - 1):]) if rates else None
 
 
 def peak_allocated_gib(run_dir: Path) -> float | None:
@@ -424,42 +419,41 @@ def measure(bench: Bench, v: Variant, runs_dir: Path, logs_dir: Path, timeout_s:
     shutil.rmtree(run_dir, ignore_errors=True)
     stdout_path, stderr_path = logs_dir / f"{v.name}.log", logs_dir / f"{v.name}.stderr.log"
     done = run_logged(bench.command(v, run_dir), stdout_path, stderr_path, timeout_s, run_environment(v.gpus, devices))
-    stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
     for heavy in ("final", "checkpoints"):
         shutil.rmtree(run_dir / heavy, ignore_errors=True)
     if done.timed_out:
-        return stopped_row(v, run_dir, logs_dir, f"timed out after {timeout_s:g} s", done.wall_s)
+        return run_row(v, run_dir, logs_dir, done.wall_s, stopped=f"timed out after {timeout_s:g} s")
     if done.returncode != 0:
-        return {"error": failure_reason(stdout, stderr, done.returncode)}
-    if median_tokens_per_s(run_dir / "metrics.csv") is None:
-        return {"error": f"no step was logged (see {stdout_path})"}
+        return {"error": failure_reason(stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace"),
+                                        done.returncode)}
     return run_row(v, run_dir, logs_dir, done.wall_s)
 
 
-def run_row(v: Variant, run_dir: Path, logs_dir: Path, wall_s: float | None) -> dict:
-    """The row of a run that logged steps, from its run directory and its log."""
-    tokens_per_s = median_tokens_per_s(run_dir / "metrics.csv")
+def run_row(v: Variant, run_dir: Path, logs_dir: Path, wall_s: float | None, stopped: str | None = None) -> dict:
+    """The row of a run from its run directory and its log. `stopped`: why the run ended before its end (its time
+    limit, the bench interrupted); it keeps the figures of the steps it logged where at least two came after the first
+    SKIP_LOGS, with a note saying so, else the row is the error."""
+    logged = logged_rates(run_dir / "metrics.csv")
+    if stopped is not None and len(logged) < SKIP_LOGS + 2:
+        return {"error": f"{stopped}, after {len(logged)} logged steps" if logged else stopped}
+    if not logged:
+        return {"error": f"no step was logged (see {logs_dir / v.name}.log)"}
+    tokens_per_s = median_tokens_per_s(logged)
     captured, why_eager = graph_report((logs_dir / f"{v.name}.log").read_text(errors="replace"))
     row = {"tokens_per_s": round(tokens_per_s), "per_gpu_tokens_per_s": round(tokens_per_s / v.gpus), "efficiency": None,
            "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured,
            "wall_s": None if wall_s is None else round(wall_s, 1)}
+    notes = []
+    if stopped is not None:
+        notes.append(f"{stopped} after step {logged[-1][0]}: tokens/s of the {len(logged) - SKIP_LOGS} steps logged past "
+                     f"the first {SKIP_LOGS}")
     if why_eager and not v.eager:
-        row["note"] = f"ran eagerly: {why_eager}"
+        notes.append(f"ran eagerly: {why_eager}")
+    if notes:
+        row["note"] = "; ".join(notes)
     profile = run_profiles(run_dir, logs_dir, v.name)
     if profile is not None:
         row["profile"] = profile
-    return row
-
-
-def stopped_row(v: Variant, run_dir: Path, logs_dir: Path, why: str, wall_s: float | None = None) -> dict:
-    """The row of a run stopped before its end (`why`): the figures of the steps it logged where at least two came
-    after the first SKIP_LOGS, else the error."""
-    logged = logged_steps(run_dir / "metrics.csv")
-    if len(logged) < SKIP_LOGS + 2:
-        return {"error": f"{why}, after {len(logged)} logged steps" if logged else why}
-    row = run_row(v, run_dir, logs_dir, wall_s)
-    said = f"{why} after step {logged[-1]}: tokens/s of the {len(logged) - SKIP_LOGS} steps logged past the first {SKIP_LOGS}"
-    row["note"] = f"{said}; {row['note']}" if row.get("note") else said
     return row
 
 
@@ -585,7 +579,7 @@ def run_scale(bench: Bench, plan: Iterable[Variant], work_dir: Path, logs_dir: P
         except KeyboardInterrupt:
             kept = []
             for v in wave:  # what the interrupted runs logged before the stop
-                row = stopped_row(v, runs_dir / v.name, logs_dir, "interrupted")
+                row = run_row(v, runs_dir / v.name, logs_dir, None, stopped="interrupted")
                 if "error" not in row:
                     result["runs"][v.key] = row
                     kept.append(v.key)

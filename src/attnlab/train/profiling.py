@@ -174,7 +174,6 @@ class ProfileSteps(TrainerCallback):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.prof = profile(activities=activities)
         self.started_after = step
-        self.waits = WaitCallers(self.cuda)
         self.prof.__enter__()
         self.waits.start()
         self.t0 = time.perf_counter()
