@@ -109,7 +109,7 @@ def _check_device(cfg: RunConfig, report: PreflightReport) -> None:
 
 def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
     """FSDP runs as accelerate's FSDP2: on CUDA devices only (accelerate runs several CPU processes as DDP
-    over gloo and drops an FSDP plugin without a word), with torch >= 2.6."""
+    over gloo and drops an FSDP plugin without a word). Every torch attnlab supports (>= 2.11) has FSDP2."""
     if cfg.train.strategy != "fsdp":
         return
     world = world_size()
@@ -117,15 +117,9 @@ def _check_strategy(cfg: RunConfig, report: PreflightReport) -> None:
         report.warn("train.strategy", "train.strategy=fsdp with one process: nothing to shard, so it trains as one process. "
                     "Launch under torchrun --nproc_per_node N (N > 1) to shard.")
         return
-    from accelerate.utils import is_torch_version
-    from accelerate.utils.constants import FSDP2_PYTORCH_VERSION
-
     if report.device != "cuda":
         report.error("train.strategy", f"train.strategy=fsdp needs CUDA devices, but these {world} processes would train on CPU, where "
                      "accelerate runs DDP whatever the strategy. Use train.strategy=ddp on CPU, or train on GPUs.")
-    elif not is_torch_version(">=", FSDP2_PYTORCH_VERSION):
-        report.error("train.strategy", f"train.strategy=fsdp (FSDP2) needs torch >= {FSDP2_PYTORCH_VERSION}; this is torch {torch.__version__}. "
-                     "Upgrade torch, or use train.strategy=ddp.")
     if cfg.eval.tasks:
         report.error("eval.tasks", "evaluation tasks during training decode on rank 0 alone, which a model sharded by "
                      "train.strategy=fsdp cannot do. Use train.strategy=ddp, or evaluate the final model with attnlab eval.")
