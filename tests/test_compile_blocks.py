@@ -39,7 +39,9 @@ def _fresh_compile_cache():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mixer", ["2mamba", "gla"])
+# nsa: its three gates once were views of one saved sigmoid, which Inductor's backward overwrote in place before the
+# gate mixing's backward read them (wrong q, k and v gradients; mixers/nsa.py)
+@pytest.mark.parametrize("mixer", ["2mamba", "gla", "nsa", "softmax", "mamba2", "gated_softmax", "2mamba-e", "linear__output_norm"])
 def test_compiled_blocks_train_as_the_blocks_as_written_on_cpu(mixer):
     from torch._dynamo.utils import counters
 

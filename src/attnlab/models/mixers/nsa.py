@@ -223,7 +223,10 @@ class NativeSparseAttention(Mixer):
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
-        g = self.g_proj(x).view(batch, seq_len, self.num_heads, 3).sigmoid()
+        # each branch's gate a sigmoid of its own: the gates are saved for the backward, and under torch.compile
+        # views of one saved tensor are what Inductor may overwrite in place (the sigmoid's backward written into
+        # its own output) before the gate mixing's backward reads them (torch 2.13: wrong q, k and v gradients)
+        g_cmp, g_slc, g_swa = (gate.sigmoid() for gate in self.g_proj(x).view(batch, seq_len, self.num_heads, 3).unbind(-1))
 
         # position of each new token among its row's real tokens; -1 for padding
         is_token = None if attention_mask is None else attention_mask[:, -seq_len:].bool()  # [B, T]
@@ -240,7 +243,6 @@ class NativeSparseAttention(Mixer):
             block_size=self.block_size, block_counts=self.block_counts, window_size=self.window_size,
             initial_blocks=self.initial_blocks, local_blocks=self.local_blocks,
         )
-        g_cmp, g_slc, g_swa = g.unbind(-1)
         if seq_len == 1 and cache is not None:
             o, block_indices = nsa_step(
                 q[:, 0], k, v, k_cmp, v_cmp, g_cmp[:, 0], g_slc[:, 0], g_swa[:, 0], q_pos=pos[:, 0], **branch
@@ -253,7 +255,7 @@ class NativeSparseAttention(Mixer):
         y = self.o_proj(o.reshape(batch, seq_len, self.num_heads * self.head_dim))
 
         if self.training and self.collect_stats:
-            self._record_stats(g, block_indices, pos)
+            self._record_stats(torch.stack((g_cmp, g_slc, g_swa), -1), block_indices, pos)
         new_cache = None
         if use_cache:
             new_cache = {"key": k, "value": v, "key_cmp": k_cmp, "value_cmp": v_cmp, "length": length}
