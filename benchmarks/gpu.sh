@@ -42,7 +42,7 @@
 # random ~300M softmax model (1024 x 24 layers x 16 heads, 8K positions) at 1k-8k; RECALL_DECAY_BIAS=1 runs 2mamba and 2mamba-e
 # with mixer_options.decay_bias beside the suite, RECALL_BIAS_PER_GPU at a time on each GPU (default 3); RECALL_TINY=1 runs the same commands
 # on CPU at toy size, to check them; RECALL_SUITE=0 times needle-in-a-haystack alone, RECALL_NIAH=0 skips it). Results go to $OUT (or ./gpu-out), bundled as each stage ends (below);
-# Triton's compile and autotune cache is kept in .tcache so later calls skip the autotuning.
+# Triton's compile and autotune cache is kept in .tcache and returned after every stage, so later calls skip the autotuning.
 set -u -o pipefail
 # Results: with RESULTS_TAR=1 (the default) every stage writes into a folder of its own and, as each stage ends,
 # everything so far is bundled into $OUT/results.tar.gz beside $OUT/summary.txt, so a call stopped at its time limit
@@ -82,9 +82,23 @@ limited() { local limit=$1; shift; local mark; mark=$(mktemp)
   wait "$pid"; local rc=$?
   kill "$watch" 2>/dev/null; pkill -P "$watch" 2>/dev/null
   [ -s "$mark" ] && rc=124; rm -f "$mark"; return $rc; }
+# `return_cache`: Triton's cache into $RESULTS as split parts (tcache.tar.xz.part-aa, ...; carry them back as .tcache-in/),
+# after every stage, so that a call stopped at its own limit still returns the autotuning its finished stages paid for.
+# From a copy: only the binaries and their metadata are needed to reuse a kernel (the IR, ttir, ttgir, llir, ptx and
+# source, is three quarters of the cache), and Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*) come
+# back with the graphs it compiles again on another machine, so neither is returned, while the later stages of this
+# call keep them.
+return_cache() { local copy; copy=$(mktemp -d "${TMPDIR:-/tmp}/tcache.XXXXXX")
+  cp -a "$TRITON_CACHE_DIR"/. "$copy"/
+  find "$copy" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttir" -o -name "*.ttgir" -o -name "*.source" \) -delete
+  for d in "$copy"/*/; do [ -d "$d" ] && ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && rm -rf "$d"; done
+  local parts; parts=$(mktemp -d "${TMPDIR:-/tmp}/tcache-parts.XXXXXX")
+  tar cf - -C "$copy" . | xz -T0 -6 | split -b 15M - "$parts/tcache.tar.xz.part-" \
+    && rm -f "$RESULTS"/tcache.tar.xz.part-* && mv "$parts"/tcache.tar.xz.part-* "$RESULTS"/
+  rm -rf "$copy" "$parts"; }
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   limited "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
-  bundle; }
+  return_cache; bundle; }
 AL="python -m attnlab.cli"
 for stage in "$@"; do case $stage in
   tests) run tests "${TESTS_LIMIT:-570}" python -m pytest -v -p no:cacheprovider --tb=short -rfs --durations=15 -m cuda -n "${TEST_WORKERS:-6}" ${TEST_FILES:-tests}
@@ -305,13 +319,7 @@ PY
     ;;
   *) echo "unknown stage $stage" ;;
 esac; done
-# Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source) is
-# three quarters of the cache and is dropped before it is returned.
-find "$TRITON_CACHE_DIR" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttir" -o -name "*.ttgir" -o -name "*.source" \) -delete
-# Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*) come back with the graphs it compiles again on
-# another machine: not returned either, so that the cache stays small enough to carry beside the wheels
-for d in "$TRITON_CACHE_DIR"/*/; do ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && rm -rf "$d"; done
-tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$RESULTS/tcache.tar.xz.part-"
+return_cache
 echo "triton cache returned: $(cat "$RESULTS"/tcache.tar.xz.part-* | wc -c) bytes compressed"
 bundle
 ls -la "$RESULTS"
