@@ -84,18 +84,17 @@ limited() { local limit=$1; shift; local mark; mark=$(mktemp)
   [ -s "$mark" ] && rc=124; rm -f "$mark"; return $rc; }
 # `return_cache`: Triton's cache into $RESULTS as split parts (tcache.tar.xz.part-aa, ...; carry them back as .tcache-in/),
 # after every stage, so that a call stopped at its own limit still returns the autotuning its finished stages paid for.
-# From a copy: only the binaries and their metadata are needed to reuse a kernel (the IR, ttir, ttgir, llir, ptx and
-# source, is three quarters of the cache), and Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*) come
-# back with the graphs it compiles again on another machine, so neither is returned, while the later stages of this
-# call keep them.
-return_cache() { local copy; copy=$(mktemp -d "${TMPDIR:-/tmp}/tcache.XXXXXX")
-  cp -a "$TRITON_CACHE_DIR"/. "$copy"/
-  find "$copy" -type f \( -name "*.llir" -o -name "*.ptx" -o -name "*.ttir" -o -name "*.ttgir" -o -name "*.source" \) -delete
-  for d in "$copy"/*/; do [ -d "$d" ] && ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && rm -rf "$d"; done
-  local parts; parts=$(mktemp -d "${TMPDIR:-/tmp}/tcache-parts.XXXXXX")
-  tar cf - -C "$copy" . | xz -T0 -6 | split -b 15M - "$parts/tcache.tar.xz.part-" \
+# Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source), three
+# quarters of the cache, is left out, and so are Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*), which
+# come back with the graphs it compiles again on another machine; the cache itself keeps both for the later stages.
+return_cache() { local skip=() d parts; parts=$(mktemp -d "${TMPDIR:-/tmp}/tcache-parts.XXXXXX")
+  for d in "$TRITON_CACHE_DIR"/*/; do
+    [ -d "$d" ] && ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && skip+=(--exclude="./$(basename "$d")")
+  done
+  tar cf - -C "$TRITON_CACHE_DIR" --exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' \
+      --exclude='*.source' "${skip[@]}" . | xz -T0 -6 | split -b 15M - "$parts/tcache.tar.xz.part-" \
     && rm -f "$RESULTS"/tcache.tar.xz.part-* && mv "$parts"/tcache.tar.xz.part-* "$RESULTS"/
-  rm -rf "$copy" "$parts"; }
+  rm -rf "$parts"; }
 run() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   limited "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; local rc=$?; echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   return_cache; bundle; }
@@ -319,7 +318,7 @@ PY
     ;;
   *) echo "unknown stage $stage" ;;
 esac; done
-return_cache
+ls "$RESULTS"/tcache.tar.xz.part-* >/dev/null 2>&1 || return_cache  # each stage returned it as it ended
 echo "triton cache returned: $(cat "$RESULTS"/tcache.tar.xz.part-* | wc -c) bytes compressed"
 bundle
 ls -la "$RESULTS"
