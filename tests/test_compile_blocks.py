@@ -145,12 +145,18 @@ def test_compiled_blocks_on_the_mixers_kernels_train_as_the_blocks_as_written(mi
     from torch._dynamo.utils import counters
 
     plain, compiled = _pair(mixer, "cuda", hidden=256, heads=4)
+    for model in (plain, compiled):  # NSA's statistics are written from inside the compiled graph too
+        model.enable_health_stats()
     ids = torch.randint(0, 128, (2, 256), device="cuda")
     counters.clear()
     for _ in range(2):  # the second call runs the compiled graphs as they are kept
         want_loss, want = _loss_and_grads(plain, ids, autocast=False)
         got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
     torch.testing.assert_close(got_loss, want_loss, rtol=2e-4, atol=2e-5)
+    want_stats, got_stats = plain.health_stats(), compiled.health_stats()
+    assert got_stats.keys() == want_stats.keys()
+    for key, value in want_stats.items():
+        assert abs(got_stats[key] - value) <= 1e-3 * max(1.0, abs(value)), (key, got_stats[key], value)
     for name in want:  # fla's GLA and attnlab's NSA kernels multiply fp32 operands as TF32 (tl.dot's default): inputs that
         # differ in their last bits (Inductor sums in another order) round differently there; measured on an H100,
         # 1.5e-4 (nsa) and 2.5e-4 (gla) of a gradient's norm, the others below 1e-4. A wrong gradient is off by its size

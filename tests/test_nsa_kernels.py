@@ -199,3 +199,32 @@ def test_nsa_mixer_on_cuda_matches_the_reference_mixer_end_to_end():
     assert rel_err(logits[real], ref_logits[real]) < 2e-2
     for name, ref_grad in ref_grads.items():
         assert rel_err(grads[name], ref_grad) < 5e-2, name
+
+
+def test_the_kernels_index_tables_are_the_sorted_searches_they_replace():
+    """The query-tile ranges of each key tile and the ends of the (query, block) segments, computed by counting (so that
+    torch.compile can trace them: torch.searchsorted's Inductor lowering does not compile on Triton 3.6), equal what
+    torch.searchsorted gives."""
+    from attnlab.models.kernels.nsa.parallel import _pairs_by_block, _query_tile_ranges
+
+    gen = torch.Generator().manual_seed(0)
+    for q_pos in (torch.arange(100).expand(3, -1),  # positions along the row
+                  torch.arange(100).expand(3, -1) * torch.tensor([[1], [0], [1]]) + torch.tensor([[0], [5], [-1]]),
+                  torch.randint(-1, 100, (3, 100), generator=gen)):  # any order, padding (-1) anywhere
+        q_pos = torch.where(q_pos < 0, -1, q_pos)
+        for block_m, key_tiles, block_n, kmul, koff, window in ((16, 7, 16, 1, 0, 32), (32, 4, 8, 16, 15, 1 << 30)):
+            first, stop = _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window)
+            tiles = -(-100 // block_m)
+            pos = torch.nn.functional.pad(q_pos.long(), (0, tiles * block_m - 100), value=-1).view(3, tiles, block_m)
+            latest = pos.max(-1).values.cummax(-1).values
+            earliest = torch.where(pos >= 0, pos, 1 << 40).min(-1).values.flip(-1).cummin(-1).values.flip(-1)
+            start = torch.arange(key_tiles) * block_n
+            first_pos = (start * kmul + koff).expand(3, -1).contiguous()
+            last_pos = ((start + block_n - 1) * kmul + koff).expand(3, -1).contiguous()
+            assert torch.equal(first, torch.searchsorted(latest.contiguous(), first_pos, side="left").int())
+            assert torch.equal(stop, torch.searchsorted(earliest.contiguous(), last_pos + window - 1, side="right").int())
+
+    block_indices = torch.randint(-1, 9, (2, 50, 3, 4), generator=gen)
+    seg, query, seg_end = _pairs_by_block(block_indices, num_blocks=9)
+    assert torch.equal(seg_end, torch.searchsorted(seg.long(), torch.arange(2 * 3 * 10), side="right").int())
+    assert torch.equal(seg, seg.sort().values) and seg_end[-1] == seg.numel()

@@ -111,7 +111,7 @@ def _range_fwd(Q, K, V, O, LSE, QPOS, qk_scale, T, N, H, G, D, KMUL, KOFF, WINDO
         v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         key_pos = cols * KMUL + KOFF
         allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
-        s = tl.where(allowed, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        s = tl.where(allowed, (tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -161,7 +161,7 @@ def _range_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, qk_scale, sm_scale, T, N, H
         v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         key_pos = cols * KMUL + KOFF
         allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
-        p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)
+        p = tl.where(allowed, tl.exp2((tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32) - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -209,12 +209,12 @@ def _range_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, QLO, QHI, qk_scale, s
                 lse = tl.load(LSE + b * T * H + h + rows * H, mask=row_ok, other=float("inf"))
                 delta = tl.load(DELTA + b * T * H + h + rows * H, mask=row_ok, other=0.0)
                 allowed = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - WINDOW) & col_ok[None, :]
-                p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)  # [BM, BN]
+                p = tl.where(allowed, tl.exp2((tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32) - lse[:, None]), 0.0)  # [BM, BN]
                 dv += tl.dot(tl.trans(p).to(do.dtype), do)
                 ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q)
         if ATOMIC:
-            tl.atomic_add(DK + kv_base + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
+            tl.atomic_add(DK + kv_base + kv_off, (dk * sm_scale).to(tl.float32), mask=col_ok[:, None] & d_ok[None, :])
             tl.atomic_add(DV + kv_base + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
         else:
             tl.store(DK + kv_base + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
@@ -233,8 +233,11 @@ def _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window):
     start = torch.arange(key_tiles, device=q_pos.device) * block_n
     first_pos = (start * kmul + koff).expand(batch, -1).contiguous()
     last_pos = ((start + block_n - 1) * kmul + koff).expand(batch, -1).contiguous()
-    first = torch.searchsorted(latest.contiguous(), first_pos, side="left")
-    stop = torch.searchsorted(earliest.contiguous(), last_pos + window - 1, side="right")
+    # both bounds grow along the tiles: the tiles before `first` are those whose latest query is earlier than the key
+    # tile's first key, the ones before `stop` those whose earliest query sees its last key (a count of [B, key tiles,
+    # query tiles] comparisons: torch.searchsorted's Inductor lowering does not compile on Triton 3.6)
+    first = (latest[:, None, :] < first_pos[:, :, None]).sum(-1)
+    stop = (earliest[:, None, :] <= (last_pos + window - 1)[:, :, None]).sum(-1)
     return first.int().contiguous(), stop.int().contiguous()
 
 
@@ -339,7 +342,7 @@ def _slc_fwd(Q, K, V, O, LSE, QPOS, IDX, qk_scale, T, L, H, G, D, S, BLOCK,
         kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
         k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.where(col_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        s = tl.where(col_ok[None, :], (tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -384,7 +387,7 @@ def _slc_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QPOS, IDX, qk_scale, sm_scale, T, L
         kv_off = cols[:, None] * (kv_heads * D) + offs_d[None, :]
         k = tl.load(K + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_base + kv_off, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        p = tl.where(col_ok[None, :], tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)
+        p = tl.where(col_ok[None, :], tl.exp2((tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32) - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
@@ -434,11 +437,11 @@ def _slc_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QPOS, SEG, TQ, SEG_END, qk_sc
             lse = tl.load(LSE + b * T * H + row, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + b * T * H + row, mask=row_ok, other=0.0)
             allowed = (cols[None, :] <= pos[:, None]) & col_ok[None, :] & row_ok[:, None]
-            p = tl.where(allowed, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)  # [BR, BK]
+            p = tl.where(allowed, tl.exp2((tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32) - lse[:, None]), 0.0)  # [BR, BK]
             dv += tl.dot(tl.trans(p).to(do.dtype), do)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-        tl.atomic_add(DK + kv_base + kv_off, dk * sm_scale, mask=col_ok[:, None] & d_ok[None, :])
+        tl.atomic_add(DK + kv_base + kv_off, (dk * sm_scale).to(tl.float32), mask=col_ok[:, None] & d_ok[None, :])
         tl.atomic_add(DV + kv_base + kv_off, dv, mask=col_ok[:, None] & d_ok[None, :])
         here = seg_stop
 
@@ -461,8 +464,10 @@ def _pairs_by_block(block_indices: torch.Tensor, num_blocks: int):
     seg = (head * (num_blocks + 1) + block_indices.long() + 1).flatten()
     seg, order = torch.sort(seg, stable=True)
     query = torch.div(order, kv_heads * slots, rounding_mode="floor") % seq_len
-    segments = torch.arange(batch * kv_heads * (num_blocks + 1), device=device)
-    seg_end = torch.searchsorted(seg, segments, side="right")  # (bincount would wait for the device)
+    # each segment's end: the pairs of it and of every earlier one (bincount would wait for the device to size its
+    # result; torch.searchsorted's Inductor lowering does not compile on Triton 3.6)
+    counts = seg.new_zeros(batch * kv_heads * (num_blocks + 1)).index_add_(0, seg, torch.ones_like(seg))
+    seg_end = counts.cumsum(0)
     return seg.int().contiguous(), query.int().contiguous(), seg_end.int().contiguous()
 
 
@@ -568,7 +573,7 @@ def _importance(Q, KC, LSE, QPOS, OUT, qk_scale, T, C, H, G, D, BLOCK, T0, TC,
         q_off = rows[:, None] * (H * D) + offs_d[None, :]
         q = tl.load(Q + b * T * H * D + h * D + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(LSE + b * T * H + h + rows * H, mask=row_ok, other=float("inf"))
-        acc += tl.where(visible, tl.exp2(tl.dot(q, tl.trans(kc)) * qk_scale - lse[:, None]), 0.0)
+        acc += tl.where(visible, tl.exp2((tl.dot(q, tl.trans(kc)) * qk_scale).to(tl.float32) - lse[:, None]), 0.0)
     tl.store(OUT + bhk.to(tl.int64) * TC * C + local[:, None] * C + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -597,6 +602,10 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
     return torch.cat(out, dim=1)
 
 
+# Not traced into compiled blocks yet: traced, the compiled step's forward is right and its gradients are not (an H100,
+# torch 2.11; benchmarks/NOTES.md). The kernels cast scores and key gradients to fp32 (Inductor would hand the scales
+# over as fp64) and the index tables are counted (torch.searchsorted's Inductor lowering fails on Triton 3.6), so that
+# tracing them compiles.
 @outside_compile
 def parallel_nsa(
     q: torch.Tensor,
