@@ -152,3 +152,36 @@ def test_the_ops_compile_into_one_graph_with_their_gradients(stand_in_fla, _fres
     torch.testing.assert_close(grads[1][0], grads[0][0])
     for got, want in zip(grads[1][1], grads[0][1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_ops_on_flas_kernels_pass_torchs_checks_and_mutate_nothing():
+    """On fla's real kernels: no input changed by either op (a compiled graph may read its buffers again),
+    fake forms that match the outputs (torch.library.opcheck), and the gradients of the PyTorch reference."""
+    pytest.importorskip("fla")
+    q, k, v, logits, h0 = (t.cuda() for t in _inputs(seq_len=200, key_dim=32, value_dim=64))
+    for state, final in ((None, False), (h0, True)):
+        args = (q, k, v, logits, NORMALIZER, None, 0.3, state, final)
+        before = [t.clone() for t in (q, k, v, logits) + ((state,) if state is not None else ())]
+        o, A, final_state = _chunk_fwd(*args)
+        do, dht = torch.randn_like(o), (torch.randn_like(final_state) if final else None)
+        grads_in = (do.clone(), None if dht is None else dht.clone())
+        _chunk_bwd(q, k, v, logits, NORMALIZER, None, 0.3, state, A, do, dht)
+        after = [q, k, v, logits] + ([state] if state is not None else [])
+        for b, a in zip(before, after):
+            assert torch.equal(b, a), "an op changed one of its inputs"
+        assert torch.equal(grads_in[0], do) and (dht is None or torch.equal(grads_in[1], dht))
+        torch.library.opcheck(_chunk_fwd, args, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(_chunk_bwd, (q, k, v, logits, NORMALIZER, None, 0.3, state, A, do, dht),
+                              test_utils=("test_schema", "test_faketensor"))
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, logits)]
+    o, _ = gla_chunk_gated(*leaves, NORMALIZER, 0.3, None, False)
+    (o * do).sum().backward()
+    ref = [t.clone().double().requires_grad_() for t in (q, k, v, logits)]
+    o_ref, _ = chunk_gla(ref[0], ref[1], ref[2], torch.nn.functional.logsigmoid(ref[3]) / NORMALIZER, scale=0.3)
+    (o_ref * do.double()).sum().backward()
+    for got, want in zip([o] + [t.grad for t in leaves], [o_ref] + [t.grad for t in ref]):
+        error = (got.double() - want).norm() / want.norm()
+        assert error < 5e-3, f"{error:.2e} of the reference's norm"  # fla multiplies in TF32
