@@ -274,6 +274,40 @@ def test_the_trainers_steps_read_nothing_on_the_host_between_logs(tmp_path, tiny
     assert len(counted) == 2 and counted[0] == counted[1], counted
 
 
+def test_logs_between_checkpoints_read_nothing_on_the_host_and_log_what_the_trainer_would(tmp_path, tiny, monkeypatch):
+    """A log at every step is taken on the device and written one step later (`PendingLog`): the trainer's reads of
+    device values do not grow with the steps logged, and the records (step, loss, gradient norm, learning rate) are those
+    of logs written at their step (the same run saving at every step, which logs as it goes)."""
+    from transformers import Trainer
+
+    inner = Trainer._inner_training_loop
+    counted = []
+
+    def counting(self, *args, **kwargs):
+        with HostReads() as host:
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                counted.append(host.reads)
+
+    monkeypatch.setattr(Trainer, "_inner_training_loop", counting)
+    every_step = ["train.log_every=1", "train.eval_every=100", "train.sample_tokens=0"]
+    for steps in (4, 12):
+        run = tmp_path / f"run{steps}"
+        assert run_cli("train", *sets(tiny + every_step + ["train.save_every=0", f"train.max_steps={steps}"]),
+                       "--run-dir", str(run)) == 0
+    assert len(counted) == 2 and counted[0] == counted[1], counted
+
+    saving = tmp_path / "saving"
+    assert run_cli("train", *sets(tiny + every_step + ["train.save_every=1", "train.keep_last=1", "train.max_steps=12"]),
+                   "--run-dir", str(saving)) == 0
+    records = lambda run: [{k: b[k] for k in ("step", "loss", "grad_norm", "lr")}  # noqa: E731
+                           for b in map(json.loads, (run / "heartbeat.jsonl").read_text().splitlines())]
+    deferred, at_once = records(tmp_path / "run12"), records(saving)
+    assert [r["step"] for r in deferred] == list(range(1, 13))
+    assert deferred == at_once
+
+
 def test_weight_decay_applies_to_matrices_only():
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
     from attnlab.train.loop import AttnLabTrainer

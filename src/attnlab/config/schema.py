@@ -109,7 +109,7 @@ class TrainSection(Section):
     eval_batches: int = Field(16, gt=0, description="validation batches per evaluation")
     save_every: int = Field(200, ge=0, description="checkpoint every N steps (and at the end); 0 = no checkpoints")
     keep_last: int = Field(3, gt=0, description="checkpoints kept")
-    log_every: int = Field(10, gt=0, description="heartbeat / metrics / TensorBoard every N steps")
+    log_every: int = Field(10, gt=0, description="heartbeat / metrics / TensorBoard every N steps; a log between checkpoints and validations is written once the next step is under way, so that the host never waits for the GPU to log")
     progress_every_s: float = Field(30.0, ge=0, description="when the output is not a terminal (nohup, tmux logs, job logs): a plain progress line every N seconds instead of the bar; 0 = every step")
     sample_prompt: str = Field("ROMEO:\n", description="prompt of the sample generated at each validation")
     sample_tokens: int = Field(160, ge=0, description="tokens sampled at each validation; 0 = no samples")

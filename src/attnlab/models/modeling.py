@@ -266,18 +266,23 @@ class AttnLabForCausalLM(AttnLabPreTrainedModel, GenerationMixin):
     def health_stats(self) -> dict[str, float]:
         """The latest statistics of the mixers that report them, averaged over layers, as floats
         (e.g. `nsa_gate_entropy_mean`, `nsa_k_mean`); empty when no mixer reports any."""
+        keys, values = self.health_stats_table()
+        # the mixers keep 0-d tensors on the device (recording them never waits for it): one transfer here, at log time
+        return {} if values is None else dict(zip(keys, values.tolist()))
+
+    def health_stats_table(self) -> tuple[list[str], torch.Tensor | None]:
+        """`health_stats` before it reaches the host: (the names, their values averaged over layers as one fp32 tensor
+        on the device, a copy that later steps do not overwrite), or ([], None) when no mixer reports any."""
         per_layer = [m.last_stats for m in self.modules() if getattr(m, "last_stats", None)]
         if not per_layer:
-            return {}
-        # the mixers keep 0-d tensors on the device (recording them never waits for it): one
-        # transfer here, at log time
+            return [], None
         keys = list(per_layer[0])
         device = next((v.device for v in per_layer[0].values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
         table = torch.stack([
             torch.stack([torch.as_tensor(stats[key], dtype=torch.float32, device=device).reshape(()) for key in keys])
             for stats in per_layer
         ])  # [layers, keys]
-        return dict(zip(keys, table.mean(0).tolist()))
+        return keys, table.mean(0)
 
     def forward(
         self,

@@ -23,6 +23,7 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+from transformers.trainer_pt_utils import nested_gather
 
 import attnlab
 from attnlab.config import RunConfig, config_to_yaml, save_config
@@ -90,6 +91,7 @@ class AttnLabTrainer(Trainer):
         self.graph_note: str | None = None  # why the step runs eagerly, once decided
         self.replayed = False  # this micro-batch ran through the captured graphs (its gradients bypassed DDP)
         self.finite = FiniteLossCheck()
+        self.pending_log: PendingLog | None = None  # the latest log, its values on their way to the host
         self.flop_parameters: int | None = None  # the parameters outside the embeddings, counted once (floating_point_ops)
         self.grad_reduce_dtype = grad_reduce_dtype  # the dtype DDP's processes average their gradients in (None: fp32)
         self._one_mesh: bool | None = None  # under FSDP: every gradient a DTensor of one mesh (`_sharded_params`)
@@ -329,13 +331,13 @@ class AttnLabTrainer(Trainer):
         self.finite.add(loss, self.state.global_step + 1)
         return loss
 
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
-        # Before anything reads or writes the weights of this step (a log, a checkpoint, a validation, the end),
-        # its losses are checked now; otherwise a step's check waits until the next step has been issued, so the
-        # host never stops to wait for the GPU (one wait per step would leave the GPU idle while the host issues
-        # the optimizer and the next step).
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        # Before anything reads or writes the weights of this step (a checkpoint, a validation, the end), its losses
+        # are checked now; otherwise a step's check waits until the next step has been issued, so the host never stops
+        # to wait for the GPU (one wait per step would leave the GPU idle while the host issues the optimizer and the
+        # next step). A log in between is written one step late for the same reason (`PendingLog`).
         c = self.control
-        due = c.should_log or c.should_save or c.should_evaluate or c.should_training_stop or self.state.global_step >= self.state.max_steps
+        due = c.should_save or c.should_evaluate or c.should_training_stop or self.state.global_step >= self.state.max_steps
         failed = self.finite.check(all_steps=due)
         if failed is not None:
             step, value = failed
@@ -345,7 +347,70 @@ class AttnLabTrainer(Trainer):
                 f"the loss became {value} at step {step}; training stopped before any checkpoint held its update. "
                 f"Lower train.lr (now {self.args.learning_rate:g}), raise train.warmup_steps, or keep train.grad_clip > 0. {where}"
             )
-        return super()._maybe_log_save_evaluate(*args, **kwargs)
+        self._write_pending_log()
+        if c.should_log and not due and self.state.global_step > self._globalstep_last_logged:
+            self.pending_log = PendingLog(self, tr_loss, grad_norm, model, kwargs.get("learning_rate"))
+            c.should_log = False  # taken over: the Trainer's own log would read the loss on the host now
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
+    def _write_pending_log(self) -> None:
+        if self.pending_log is not None:
+            pending, self.pending_log = self.pending_log, None
+            asked = self.control.should_log  # whether this step logs too: the callbacks clear it on any log
+            pending.write(self)
+            self.control.should_log = asked
+
+    def log(self, logs, start_time=None):
+        self._write_pending_log()  # the logs in the order of their steps, whoever logs (a validation's metrics)
+        super().log(logs, start_time)
+
+
+class PendingLog:
+    """A training log the Trainer would write at a step (its mean loss since the last log, the gradients' norm, the
+    learning rate, the mixers' health statistics), taken without waiting for the GPU: the values are gathered on the
+    device and copied to the host as the step's work finishes, and written (`write`) at the next step, once that step's
+    work has been issued, as the Trainer writes them (the state's step and epoch those of the logged step)."""
+
+    def __init__(self, trainer: "AttnLabTrainer", tr_loss: torch.Tensor, grad_norm, model, learning_rate: float | None):
+        state = trainer.state
+        self.step, self.epoch = state.global_step, state.epoch
+        self.steps = state.global_step - trainer._globalstep_last_logged
+        self.learning_rate = learning_rate if learning_rate is not None else trainer._get_learning_rate()
+        loss = nested_gather(tr_loss, trainer.args.parallel_mode).mean().float().reshape(1)
+        tr_loss -= tr_loss  # as the Trainer's log: the loss sums again from zero
+        values = [loss]
+        self.has_norm = grad_norm is not None
+        self.norm = grad_norm
+        if isinstance(grad_norm, torch.Tensor):
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP's clipping): the whole value, on every process
+                grad_norm = grad_norm.full_tensor()
+            values.append(grad_norm.detach().float().reshape(1))
+        table = getattr(trainer.accelerator.unwrap_model(model), "health_stats_table", None)
+        self.health_keys, health = table() if callable(table) else ([], None)
+        if health is not None:
+            values.append(health.float().reshape(-1))
+        self.values = HostCopy(torch.cat([v.to(loss.device) for v in values]))
+        # (the Trainer's floating-point count is stored at checkpoints and at the end: under several processes storing
+        # it reads a gathered value on the host)
+        trainer._globalstep_last_logged = state.global_step
+
+    def write(self, trainer: "AttnLabTrainer") -> None:
+        values = self.values.read()
+        loss = values.pop(0)
+        logs = {"loss": loss / self.steps}
+        trainer._total_loss_scalar += loss
+        if self.has_norm:
+            logs["grad_norm"] = values.pop(0) if isinstance(self.norm, torch.Tensor) else self.norm
+        logs["learning_rate"] = self.learning_rate
+        if self.health_keys:
+            logs["health"] = dict(zip(self.health_keys, values))
+        state = trainer.state
+        now = state.global_step, state.epoch
+        state.global_step, state.epoch = self.step, self.epoch
+        try:
+            Trainer.log(trainer, logs)
+        finally:
+            state.global_step, state.epoch = now
 
 
 class HostCopy:
@@ -556,7 +621,10 @@ class TelemetryCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, model=None, **kw):
         if not logs or "loss" not in logs:
             return
-        health = getattr(model, "health_stats", None)  # mixers that report training-health statistics (NSA)
+        stats = logs.get("health")  # mixers that report training-health statistics (NSA): as of the logged step
+        if stats is None:
+            health = getattr(model, "health_stats", None)
+            stats = health() if callable(health) else {}
         record = {
             "step": state.global_step,
             "loss": float(logs["loss"]),
@@ -564,7 +632,7 @@ class TelemetryCallback(TrainerCallback):
             "grad_norm": float(logs["grad_norm"]) if logs.get("grad_norm") is not None else None,
             "tokens_per_s": round(self.throughput.read(), 1),
             "elapsed_s": round(self.elapsed(), 2),
-            **(health() if callable(health) else {}),
+            **stats,
         }
         self.logger.heartbeat(record)
         self.last = record
