@@ -308,6 +308,21 @@ def test_logs_between_checkpoints_read_nothing_on_the_host_and_log_what_the_trai
     assert deferred == at_once
 
 
+def test_nsas_health_statistics_are_logged_as_of_their_step(tmp_path, tiny):
+    """NSA's statistics, taken with a log written one step late, are the logged step's: the same as a run that logs
+    every step as it goes (saving at every step)."""
+    nsa = tiny + ["model.mixer=nsa", "train.log_every=1", "train.eval_every=100", "train.sample_tokens=0", "train.max_steps=5"]
+    runs = {"deferred": ["train.save_every=0"], "at_once": ["train.save_every=1", "train.keep_last=1"]}
+    stats = {}
+    for name, extra in runs.items():
+        assert run_cli("train", *sets(nsa + extra), "--run-dir", str(tmp_path / name)) == 0
+        beats = [json.loads(line) for line in (tmp_path / name / "heartbeat.jsonl").read_text().splitlines()]
+        stats[name] = [{k: v for k, v in b.items() if k == "step" or k.startswith("nsa_")} for b in beats]
+    assert [b["step"] for b in stats["deferred"]] == [1, 2, 3, 4, 5]
+    assert all(len(b) > 3 for b in stats["deferred"])  # the statistics are there
+    assert stats["deferred"] == stats["at_once"]
+
+
 def test_weight_decay_applies_to_matrices_only():
     from attnlab.models import AttnLabConfig, AttnLabForCausalLM
     from attnlab.train.loop import AttnLabTrainer
