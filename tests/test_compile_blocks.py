@@ -106,8 +106,10 @@ def test_a_stack_that_breaks_the_graph_says_so_and_compiles_block_by_block(monke
     compiled.compile_blocks(stack=True)
     ids = torch.randint(0, 128, (2, 32))
     want_loss, want = _loss_and_grads(plain, ids, autocast=False)
-    with pytest.warns(UserWarning, match="do not compile as one graph"):
+    with pytest.warns(UserWarning, match="do not compile as one graph") as said:
         got_loss, got = _loss_and_grads(compiled, ids, autocast=False)
+    message = str(said[0].message)  # what broke it and where, for the one who reads the log
+    assert "torch.compiler.disable" in message and "test_compile_blocks.py" in message and "in <lambda>" in message, message
     assert not compiled.model.compiled_stack and all(block.compiled for block in compiled.model.layers)
     assert counters["stats"]["unique_graphs"] >= 1  # the blocks, each compiled around the break
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)

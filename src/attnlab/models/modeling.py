@@ -130,7 +130,14 @@ class AttnLabModel(AttnLabPreTrainedModel):
         try:
             return True, _compiled_stack()(self.layers, hidden_states)
         except torch._dynamo.exc.Unsupported as e:
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            lines = [line.strip() for line in str(e).strip().splitlines()]
+            reason = lines[0] if lines else type(e).__name__
+            explanation = next((line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")), "")
+            if explanation:
+                reason += f": {explanation}"
+            stack = getattr(e, "real_stack", None)  # the traced code's frames, innermost last: where it broke
+            if stack:
+                reason += f"; at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}"
             warnings.warn(f"the blocks do not compile as one graph ({reason}): each block is compiled on its own instead",
                           stacklevel=3)
             self.compiled_stack = False
