@@ -87,7 +87,9 @@ limited() { local limit=$1; shift; local mark; mark=$(mktemp)
 # Only the binaries and their metadata are needed to reuse a kernel: the IR (ttir, ttgir, llir, ptx, source), three
 # quarters of the cache, is left out, and so are Inductor's own kernels (triton_poi_*, triton_per_*, triton_red_*), which
 # come back with the graphs it compiles again on another machine; the cache itself keeps both for the later stages.
-return_cache() { local skip=() d parts; parts=$(mktemp -d "${TMPDIR:-/tmp}/tcache-parts.XXXXXX")
+# RETURN_CACHE=0 returns none: for all but the last of several gpu.sh runs in one call (each into an OUT of its own), as
+# the device returns a limited number of files and every copy of the cache is several.
+return_cache() { [ "${RETURN_CACHE:-1}" = 1 ] || return 0; local skip=() d parts; parts=$(mktemp -d "${TMPDIR:-/tmp}/tcache-parts.XXXXXX")
   for d in "$TRITON_CACHE_DIR"/*/; do
     [ -d "$d" ] && ls "$d" | grep -q '^triton_\(poi\|per\|red\|tem\)_' && skip+=(--exclude="./$(basename "$d")")
   done
