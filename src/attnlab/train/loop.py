@@ -581,7 +581,10 @@ class TelemetryCallback(TrainerCallback):
         self.start_step = start_step
         self.throughput = Throughput()
         self.last: dict | None = None  # the latest logged record: its loss is what progress shows
-        self.line_due_at_log = False  # a plain line waits for this step's log (Trainer logs after on_step_end)
+        # plain lines waiting for a log, in order: (step, whether that step logs). A logging step's line waits for its
+        # log (the Trainer logs after on_step_end, and between checkpoints one step later still: PendingLog), and every
+        # line after it waits too, so that the lines come in the order of their steps
+        self.waiting_lines: list[tuple[int, bool]] = []
         self.val_loss: float | None = None
         self.val_bpb: float | None = None
         self.sample: str | None = None
@@ -610,8 +613,8 @@ class TelemetryCallback(TrainerCallback):
         self.throughput.add(self.tokens_per_step)
         self.progress.update(self.task, completed=state.global_step)
         if self.plain and self._line_due(state.global_step, state.max_steps):
-            if control.should_log:  # this step's loss is about to be logged: the line shows it
-                self.line_due_at_log = True
+            if control.should_log or self.waiting_lines:  # this step's loss, or an earlier one's, is still to be logged
+                self.waiting_lines.append((state.global_step, control.should_log))
             else:
                 self._plain_line(state.global_step, state.max_steps)
         if state.global_step >= state.max_steps:  # always validate and checkpoint at the end
@@ -639,9 +642,11 @@ class TelemetryCallback(TrainerCallback):
         self.progress.update(self.task, loss=self._loss_field(state.global_step), tps=record["tokens_per_s"])
         if self.on_heartbeat is not None and state.is_world_process_zero:
             self.on_heartbeat(record)
-        if self.line_due_at_log:
-            self.line_due_at_log = False
-            self._plain_line(state.global_step, state.max_steps)
+        logged = state.global_step
+        # the lines up to the logged step, and the ones after it that wait only for their turn (a later logging step's
+        # line waits for its own log)
+        while self.waiting_lines and (self.waiting_lines[0][0] <= logged or not self.waiting_lines[0][1]):
+            self._plain_line(self.waiting_lines.pop(0)[0], state.max_steps)
 
     def _loss_field(self, step: int) -> str:
         """The latest logged loss, with its step when that is not `step`; no value before the first log."""
@@ -690,6 +695,8 @@ class TelemetryCallback(TrainerCallback):
             self.console.print(line)
 
     def on_train_end(self, args, state, control, **kw):
+        while self.waiting_lines:  # a log that never came (the run ended without it): the lines with the latest loss
+            self._plain_line(self.waiting_lines.pop(0)[0], state.max_steps)
         self.progress.stop()
 
 
