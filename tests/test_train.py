@@ -239,6 +239,25 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _count_host_reads_per_run(monkeypatch) -> list[int]:
+    """The device values each training run reads on the host (`HostReads` over the Trainer's whole loop), one count per
+    run, appended as each run ends."""
+    from transformers import Trainer
+
+    inner = Trainer._inner_training_loop
+    counted = []
+
+    def counting(self, *args, **kwargs):
+        with HostReads() as host:
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                counted.append(host.reads)
+
+    monkeypatch.setattr(Trainer, "_inner_training_loop", counting)
+    return counted
+
+
 def test_the_loss_check_never_reads_a_value_on_the_host_before_it_is_asked():
     from attnlab.train.loop import FiniteLossCheck
 
@@ -254,19 +273,7 @@ def test_the_loss_check_never_reads_a_value_on_the_host_before_it_is_asked():
 def test_the_trainers_steps_read_nothing_on_the_host_between_logs(tmp_path, tiny, monkeypatch):
     """The whole cycle (batch, forward, backward, clipping, optimizer, callbacks) of steps that log, save and validate
     nothing reads no device value on the host: runs of 4 and 12 steps make the same number of reads."""
-    from transformers import Trainer
-
-    inner = Trainer._inner_training_loop
-    counted = []
-
-    def counting(self, *args, **kwargs):
-        with HostReads() as host:
-            try:
-                return inner(self, *args, **kwargs)
-            finally:
-                counted.append(host.reads)
-
-    monkeypatch.setattr(Trainer, "_inner_training_loop", counting)
+    counted = _count_host_reads_per_run(monkeypatch)
     quiet = ["train.log_every=100", "train.eval_every=100", "train.save_every=0", "train.sample_tokens=0"]
     for steps in (4, 12):
         run = tmp_path / f"run{steps}"
@@ -278,19 +285,7 @@ def test_logs_between_checkpoints_read_nothing_on_the_host_and_log_what_the_trai
     """A log at every step is taken on the device and written one step later (`PendingLog`): the trainer's reads of
     device values do not grow with the steps logged, and the records (step, loss, gradient norm, learning rate) are those
     of logs written at their step (the same run saving at every step, which logs as it goes)."""
-    from transformers import Trainer
-
-    inner = Trainer._inner_training_loop
-    counted = []
-
-    def counting(self, *args, **kwargs):
-        with HostReads() as host:
-            try:
-                return inner(self, *args, **kwargs)
-            finally:
-                counted.append(host.reads)
-
-    monkeypatch.setattr(Trainer, "_inner_training_loop", counting)
+    counted = _count_host_reads_per_run(monkeypatch)
     every_step = ["train.log_every=1", "train.eval_every=100", "train.sample_tokens=0"]
     for steps in (4, 12):
         run = tmp_path / f"run{steps}"

@@ -379,9 +379,9 @@ class PendingLog:
         loss = nested_gather(tr_loss, trainer.args.parallel_mode).mean().float().reshape(1)
         tr_loss -= tr_loss  # as the Trainer's log: the loss sums again from zero
         values = [loss]
-        self.has_norm = grad_norm is not None
-        self.norm = grad_norm
-        if isinstance(grad_norm, torch.Tensor):
+        self.norm_on_device = isinstance(grad_norm, torch.Tensor)
+        self.norm = None if self.norm_on_device else grad_norm  # a float or None; else read with the loss
+        if self.norm_on_device:
             if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP's clipping): the whole value, on every process
                 grad_norm = grad_norm.full_tensor()
             values.append(grad_norm.detach().float().reshape(1))
@@ -399,8 +399,9 @@ class PendingLog:
         loss = values.pop(0)
         logs = {"loss": loss / self.steps}
         trainer._total_loss_scalar += loss
-        if self.has_norm:
-            logs["grad_norm"] = values.pop(0) if isinstance(self.norm, torch.Tensor) else self.norm
+        norm = values.pop(0) if self.norm_on_device else self.norm
+        if norm is not None:
+            logs["grad_norm"] = norm
         logs["learning_rate"] = self.learning_rate
         if self.health_keys:
             logs["health"] = dict(zip(self.health_keys, values))
