@@ -24,13 +24,13 @@ from attnlab.models.ops import common as common_ops
 from attnlab.models.ops import nsa as nsa_ops
 
 
-# Looked up once, on first use (a plain global, not functools.cache: torch.compile reads it without tracing a cache)
-_INSTALLED: dict[str, bool] = {}
+# Looked up at import (a plain dict, which torch.compile reads as a constant): dynamo does not trace `find_spec`, so a
+# lookup left to the first call broke the graph of a stack compiled before any eager step had made it, and the trainer's
+# eager step fell back to compiling block by block
+_INSTALLED: dict[str, bool] = {name: importlib.util.find_spec(name) is not None for name in ("fla", "triton")}
 
 
 def _installed(name: str) -> bool:
-    if name not in _INSTALLED:
-        _INSTALLED[name] = importlib.util.find_spec(name) is not None
     return _INSTALLED[name]
 
 
