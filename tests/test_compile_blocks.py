@@ -117,18 +117,37 @@ def test_a_stack_that_breaks_the_graph_says_so_and_compiles_block_by_block(monke
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_the_kernel_lookups_are_made_at_import_and_compile_in_a_fresh_process():
+    """Which kernel packages are installed is known at import: torch 2.11's dynamo does not trace
+    `importlib.util.find_spec`, so a lookup left to the first call broke a stack compiled before any eager step (on CUDA,
+    where the mixers ask), and the trainer's eager step ran block by block instead of as one graph. A fresh process
+    whose `find_spec` fails once attnlab is imported compiles the lookups with fullgraph and gets their values."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    script = ("import importlib.util, torch\nfrom attnlab.models.kernels import fla_installed, triton_installed\n"
+              "def lookup(name, package=None):\n    raise AssertionError(f'find_spec({name!r}) after import')\n"
+              "importlib.util.find_spec = lookup\n"
+              "f = torch.compile(lambda x: x + fla_installed() + 2 * triton_installed(), fullgraph=True, backend='eager')\n"
+              "print(f(torch.zeros(1)).item())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = (importlib.util.find_spec("fla") is not None) + 2 * (importlib.util.find_spec("triton") is not None)
+    assert float(done.stdout.split()[-1]) == want
+
+
 # A fresh process, as the trainer's: the stack compiled on the first training forward, before anything ran eagerly
 _FIRST_STEP_AS_ONE_GRAPH = """
 import sys, warnings
 import torch
 from attnlab.models import AttnLabConfig, AttnLabForCausalLM
-device, mixers = sys.argv[1], sys.argv[2:]
-for mixer in mixers:
+for mixer in sys.argv[1:]:
     torch._dynamo.reset()
     config = AttnLabConfig(vocab_size=128, hidden_size=256, num_layers=2, num_heads=4, mixer=mixer, tie_word_embeddings=False)
-    model = AttnLabForCausalLM(config).to(device).train()
+    model = AttnLabForCausalLM(config).cuda().train()
     model.compile_blocks(stack=True)
-    ids = torch.randint(0, 128, (2, 256), device=device)
+    ids = torch.randint(0, 128, (2, 256), device="cuda")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         model(input_ids=ids, labels=ids).loss.backward()
@@ -137,41 +156,18 @@ for mixer in mixers:
 """
 
 
-def _first_step_as_one_graph(device: str, mixers: list[str]) -> list[str]:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _FIRST_STEP_AS_ONE_GRAPH, device, *mixers], capture_output=True, text=True,
-                          timeout=1500)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
-
-
-def test_the_kernel_lookups_compile_in_a_fresh_process():
-    """Which kernel packages are installed is known at import: torch 2.11's dynamo does not trace
-    `importlib.util.find_spec`, so a lookup left to the first call broke a stack compiled before any eager step (on CUDA,
-    where the mixers ask), and the trainer's eager step ran block by block instead of as one graph."""
-    import subprocess
-    import sys
-
-    script = ("import torch\nfrom attnlab.models.kernels import fla_installed, triton_installed\n"
-              "f = torch.compile(lambda x: x + fla_installed() + 2 * triton_installed(), fullgraph=True, backend='eager')\n"
-              "print(f(torch.zeros(1)).item())")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    import importlib.util
-
-    assert float(done.stdout.split()[-1]) == (importlib.util.find_spec("fla") is not None) + 2 * (importlib.util.find_spec("triton") is not None)
-    assert _first_step_as_one_graph("cpu", ["softmax"]) == ["softmax one graph"]
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_stack_of_every_mixer_that_compiles_whole_is_one_graph_from_the_first_step_on_cuda():
     """The mixers the trainer compiles as one stack ("auto": `compiles_whole`) do so on CUDA from a fresh process's first
     training step, with their kernels: no fallback to block by block."""
+    import subprocess
+    import sys
+
     whole = ["2mamba", "2mamba-e", "gated_softmax", "linear__output_norm", "softmax", "mamba2"]
-    assert _first_step_as_one_graph("cuda", whole) == [f"{mixer} one graph" for mixer in whole]
+    done = subprocess.run([sys.executable, "-c", _FIRST_STEP_AS_ONE_GRAPH, *whole], capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [f"{mixer} one graph" for mixer in whole]
 
 
 def test_compile_blocks_off_again_runs_the_blocks_as_written():

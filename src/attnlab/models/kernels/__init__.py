@@ -30,12 +30,8 @@ from attnlab.models.ops import nsa as nsa_ops
 _INSTALLED: dict[str, bool] = {name: importlib.util.find_spec(name) is not None for name in ("fla", "triton")}
 
 
-def _installed(name: str) -> bool:
-    return _INSTALLED[name]
-
-
 def fla_installed() -> bool:
-    return _installed("fla")
+    return _INSTALLED["fla"]
 
 
 def use_fla(choice: str, x: torch.Tensor) -> bool:
@@ -51,7 +47,7 @@ def use_fla(choice: str, x: torch.Tensor) -> bool:
 
 
 def triton_installed() -> bool:
-    return _installed("triton")
+    return _INSTALLED["triton"]
 
 
 def use_triton(choice: str, x: torch.Tensor, covered: bool = True) -> bool:
