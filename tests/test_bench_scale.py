@@ -113,6 +113,37 @@ def test_tokens_per_s_is_the_median_of_the_logged_steps_after_the_first_two(tmp_
     assert scale.median_tokens_per_s(scale.logged_rates(tmp_path / "missing.csv")) is None
 
 
+def test_each_row_carries_the_last_training_loss_and_the_held_out_loss_and_the_table_shows_them(tmp_path):
+    """A captured and an eager run (or one GPU and several) start alike: their losses side by side say whether they
+    also trained alike."""
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb\n"
+                       "5,1,5.5,1e-4,1,10.0,,\n10,2,5.25,1e-4,1,20.0,,\n10,3,,,,,5.125,7.0\n")
+    assert scale.final_losses(metrics) == (5.25, 5.125)
+    assert scale.final_losses(tmp_path / "missing.csv") == (None, None)
+    metrics.write_text("step,elapsed_s,loss,lr,grad_norm,tokens_per_s,val_loss,val_bpb\n5,1,5.5,1e-4,1,10.0,,\n")
+    assert scale.final_losses(metrics) == (5.5, None)
+
+    v = Variant("attnlab-softmax", 1, 2, 32, "ddp", False, True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / f"{v.name}.log").write_text("step 10/10\n")
+    _logged(tmp_path / "run", [1, 2, 3, 4])
+    with open(tmp_path / "run" / "metrics.csv", "a") as f:
+        f.write("4,5,,,,,4.75,6.0\n")
+    row = scale.run_row(v, tmp_path / "run", logs, 10.0)
+    assert (row["loss"], row["val_loss"]) == (5.0, 4.75)
+
+    from rich.console import Console
+
+    from attnlab.bench.scale import results_table
+
+    result = {"settings": {"batch_per_gpu": 2, "seq_len": 32}, "env": {"gpus": []}, "runs": {v.key: row}}
+    console = Console(width=250, record=True)
+    console.print(results_table(result)[0])
+    assert "5.0000 (4.7500)" in console.export_text()
+
+
 def test_peak_memory_is_the_largest_in_any_process_heartbeat(tmp_path):
     beat = lambda gib: json.dumps({"step": 5, "gpu_mem_peak_alloc_gib": gib}) + "\n"  # noqa: E731
     (tmp_path / "heartbeat.jsonl").write_text(beat(10.5) + beat(11.0))
@@ -200,8 +231,9 @@ def test_scale_on_one_and_two_cpu_processes_writes_every_run_the_table_and_the_p
     assert list(result["runs"]) == ["attnlab-softmax@1x2x32:ddp", "attnlab-softmax@2x2x32:ddp"]
     one, two = result["runs"].values()
     for row in (one, two):
-        assert set(row) == {"tokens_per_s", "per_gpu_tokens_per_s", "efficiency", "peak_allocated_gib", "cuda_graphs", "wall_s"}, row
-        assert row["tokens_per_s"] > 0 and row["peak_allocated_gib"] is None and row["cuda_graphs"] is False
+        assert set(row) == {"tokens_per_s", "per_gpu_tokens_per_s", "efficiency", "peak_allocated_gib", "cuda_graphs", "wall_s",
+                            "loss", "val_loss"}, row
+        assert row["loss"] > 0 and row["val_loss"] > 0 and row["tokens_per_s"] > 0 and row["peak_allocated_gib"] is None and row["cuda_graphs"] is False
     assert one["efficiency"] == 1.0 and one["per_gpu_tokens_per_s"] == one["tokens_per_s"]
     assert abs(two["per_gpu_tokens_per_s"] - two["tokens_per_s"] / 2) <= 1  # each rounded from the unrounded figure
     assert two["efficiency"] == pytest.approx(two["per_gpu_tokens_per_s"] / one["per_gpu_tokens_per_s"], abs=2e-3)

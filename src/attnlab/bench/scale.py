@@ -12,13 +12,15 @@ models share width, depth, heads, SwiGLU width and vocabulary (untied embeddings
 
 Measured from the run directory: tokens/s, the median over the logged steps after the first two
 (metrics.csv, `tokens_per_s`: all processes together); peak allocated GPU memory, the largest
-`gpu_mem_peak_alloc_gib` in any rank's heartbeat. The result is one JSON file, rewritten after every
+`gpu_mem_peak_alloc_gib` in any rank's heartbeat; the training loss of the last logged step and the held-out loss
+at the end (`loss`, `val_loss`: the variants of one model start from the same weights and data, so a captured and an
+eager run, or one GPU and several, should end close). The result is one JSON file, rewritten after every
 run:
 
     {"env":      {"device", "gpus", "gpu_count", "torch", "transformers", "python", "command"},
      "settings": {"hidden", "layers", "heads", "intermediate", "vocab", "tokenizer", "batch_per_gpu", "seq_len", ...},
      "runs":     {"MODEL@GPUSxBATCHxSEQ:STRATEGY[:ckpt][:eager]": {"tokens_per_s", "per_gpu_tokens_per_s", "efficiency",
-                  "peak_allocated_gib", "cuda_graphs", "wall_s"[, "note"]} | {"error": "<one line>"}}}
+                  "peak_allocated_gib", "cuda_graphs", "wall_s", "loss", "val_loss"[, "note"]} | {"error": "<one line>"}}}
 
 BATCH is the per-GPU batch. `efficiency` is the run's per-GPU tokens/s over that of the one-GPU run of
 the same model and per-GPU batch, captured and without checkpointing (None when that run is missing
@@ -168,6 +170,20 @@ def logged_rates(metrics_csv: Path) -> list[tuple[int, float]]:
         return []
     with open(metrics_csv, newline="") as f:
         return [(int(float(row["step"])), float(row["tokens_per_s"])) for row in csv.DictReader(f) if row.get("tokens_per_s")]
+
+
+def final_losses(metrics_csv: Path) -> tuple[float | None, float | None]:
+    """(the training loss of the last step metrics.csv logged one for, the last held-out loss); None where absent."""
+    if not metrics_csv.is_file():
+        return None, None
+    loss = val_loss = None
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("loss"):
+                loss = float(row["loss"])
+            if row.get("val_loss"):
+                val_loss = float(row["val_loss"])
+    return loss, val_loss
 
 
 def median_tokens_per_s(logged: list[tuple[int, float]], skip: int = SKIP_LOGS) -> float | None:
@@ -443,6 +459,7 @@ def run_row(v: Variant, run_dir: Path, logs_dir: Path, wall_s: float | None, sto
     row = {"tokens_per_s": round(tokens_per_s), "per_gpu_tokens_per_s": round(tokens_per_s / v.gpus), "efficiency": None,
            "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured,
            "wall_s": None if wall_s is None else round(wall_s, 1)}
+    row["loss"], row["val_loss"] = final_losses(run_dir / "metrics.csv")
     notes = []
     if stopped is not None:
         notes.append(f"{stopped} after step {logged[-1][0]}: tokens/s of the {len(logged) - SKIP_LOGS} steps logged past "
@@ -643,6 +660,12 @@ def _figure(value, fmt: str) -> str:
     return "" if value is None else format(value, fmt)
 
 
+def _losses(row: dict) -> str:
+    """"7.6766 (7.6764)": the last logged training loss and the held-out loss, either left out where absent."""
+    loss, val_loss = _figure(row.get("loss"), ".4f"), _figure(row.get("val_loss"), ".4f")
+    return f"{loss} ({val_loss})" if val_loss else loss
+
+
 def results_table(result: dict):
     """(table, error lines): the runs of a bench as one rich table, and a line per failed run."""
     from rich.table import Table
@@ -654,7 +677,7 @@ def results_table(result: dict):
     profiled = any("profile" in row for row in result["runs"].values())
     profile_cols = ("step ms", "GPU busy", "host wait ms") if profiled else ()
     for col in ("model", "GPUs", "strategy", "ckpt", "eager", "graphs", "tokens/s", "per-GPU tokens/s", "efficiency", "peak GiB",
-                *profile_cols):
+                "loss (held-out)", *profile_cols):
         grid.add_column(col, justify="left" if col in ("model", "strategy") else "right")
     errors = []
     for key, row in result["runs"].items():
@@ -662,11 +685,11 @@ def results_table(result: dict):
         head = [v.model, str(v.gpus), v.strategy if v.gpus > 1 else "-", "yes" if v.ckpt else "no", "yes" if v.eager else "no"]
         if "error" in row:
             errors.append(f"{key}: {row['error']}")
-            grid.add_row(*head, "", "OOM" if row["error"] == "out of memory" else "error", "", "", "", *[""] * len(profile_cols))
+            grid.add_row(*head, "", "OOM" if row["error"] == "out of memory" else "error", "", "", "", "", *[""] * len(profile_cols))
             continue
         prof = row.get("profile") or {}
         shown = [_figure(prof.get(key), fmt) for key, fmt in
                  (("wall_ms_per_step", ".1f"), ("gpu_busy", ".0%"), ("host_wait_ms_per_step", ".1f"))] if profiled else []
         grid.add_row(*head, "yes" if row["cuda_graphs"] else "no", f"{row['tokens_per_s']:,}", f"{row['per_gpu_tokens_per_s']:,}",
-                     _figure(row["efficiency"], ".2f"), _figure(row["peak_allocated_gib"], ".2f"), *shown)
+                     _figure(row["efficiency"], ".2f"), _figure(row["peak_allocated_gib"], ".2f"), _losses(row), *shown)
     return grid, errors
