@@ -94,6 +94,49 @@ def test_nsa_kernels_give_zero_output_and_gradient_before_the_first_complete_blo
         torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=2e-5, msg=lambda m: f"d{name}: {m}")
 
 
+def test_the_parallel_form_is_a_custom_op_pair_that_passes_torchs_checks():
+    """Forward and backward are torch custom ops (`attnlab::nsa_parallel_fwd` / `_bwd`): their schemas, fake forms
+    (the shapes a compiled graph plans with) and autograd registration pass `torch.library.opcheck`."""
+    from attnlab.models.kernels.nsa.parallel import _nsa_bwd, _nsa_fwd
+
+    leaves, q_pos = nsa_case(2, 20, 4, 2, 16, 8, padding=3, seed=5)
+    options = (8 ** -0.5, 8, 3, 6, 1, 1)  # scale, block_size, block_counts, window_size, initial_blocks, local_blocks
+    args = (*(x.clone().requires_grad_() for x in leaves), q_pos, *options)
+    torch.library.opcheck(_nsa_fwd, args)
+    outputs = _nsa_fwd(*(x.detach() for x in leaves), q_pos, *options)
+    do = torch.randn(2, 20, 4, 16, generator=torch.Generator().manual_seed(3))
+    torch.library.opcheck(_nsa_bwd, (*leaves, q_pos, *outputs[1:], do, options[0], options[1], options[3]))
+
+
+def test_the_parallel_form_compiles_into_one_graph_with_the_values_and_gradients_it_has_eagerly():
+    """Under torch.compile the op pair is an opaque call in one graph (fullgraph, glue on both sides, as in an NSA
+    block): the kernels run as they run eagerly, outputs and gradients equal."""
+    from attnlab.models.kernels.nsa.parallel import _nsa_fwd
+
+    torch._dynamo.reset()
+    leaves, q_pos = nsa_case(2, 24, 4, 2, 16, 8, seed=7)
+    weight = torch.randn(16, 16, generator=torch.Generator().manual_seed(4))
+
+    def step(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa):
+        o, block_indices, *_ = _nsa_fwd((q @ weight).tanh(), k, v, k_cmp, v_cmp, g_cmp.sigmoid(), g_slc, g_swa, q_pos,
+                                        0.25, 8, 3, 10, 1, 1)
+        return (o * o).sum() + block_indices.float().sum() * 0, block_indices
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        inputs = [x.clone().requires_grad_() for x in leaves]
+        loss, block_indices = fn(*inputs)
+        loss.backward()
+        results.append((loss.detach(), block_indices, [x.grad for x in inputs]))
+    (want, want_idx, want_grads), (got, got_idx, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_idx, want_idx)
+    for name, grad, want_grad in zip(NAMES, got_grads, want_grads):
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    torch._dynamo.reset()
+
+
 def test_nsa_kernels_cover_the_usual_sizes_and_the_mixer_warns_once_when_they_do_not(monkeypatch):
     assert nsa_gap(64, 64, 16) is None and nsa_gap(128, 16, 3) is None
     assert "head dims" in nsa_gap(512, 64, 16)

@@ -4,22 +4,24 @@ sequence length, forward and backward.
 `parallel_nsa` computes what `attnlab.models.ops.nsa.parallel_nsa` computes (the module docstring
 there defines the function) without its dense [T, L] masks:
 
-* compressed branch (`_RangeAttention` over k_cmp, v_cmp): FlashAttention-2 over the compressed
+* compressed branch (`_range_forward` over k_cmp, v_cmp): FlashAttention-2 over the compressed
   keys, key c sitting at position (c + 1) * block_size - 1 (the last token of its block), so that
   "visible" is the causal test. One program holds a tile of queries of one head and walks over
   the tiles of keys its queries can see, with an online softmax; it keeps each row's log-sum-exp.
-* sliding window (`_RangeAttention` over k, v): the same kernels, key j at position j, visible
+* sliding window (`_range_forward` over k, v): the same kernels, key j at position j, visible
   when q_pos - window_size < j <= q_pos.
 * selection: the group's summed compressed probabilities, recomputed by `_importance` from q,
   k_cmp and the compressed branch's log-sum-exp on chunks of queries (no [B, Hkv, T, C] tensor
   larger than `SELECT_CHUNK_ELEMENTS`), then `select_blocks` itself on each chunk, without
   gradient (as the reference detaches them).
-* selected branch (`_SelectedAttention`): one program per (batch, query, kv head) holds the G query
+* selected branch (`_selected_forward`): one program per (batch, query, kv head) holds the G query
   heads of its group as the rows of a tile (padded to a power of two, at least 16) and walks over
   its selected blocks. dq comes from the same per-query programs; dk, dv from programs over the
   (query, slot) pairs sorted by block (for each key block, the queries that selected it), a fixed
   number of pairs each, added into fp32 buffers.
-* the gates mix the three outputs in fp32 (`_GateMix`), keeping only the branch outputs.
+* the gates mix the three outputs in fp32 (`_gate_mix`), keeping only the branch outputs.
+
+Forward and backward are one torch custom op each (`attnlab::nsa_parallel_fwd`, `attnlab::nsa_parallel_bwd`).
 
 Rows with nothing to attend (padding queries, q_pos = -1, or no complete block yet) output 0 and
 get zero gradient: their log-sum-exp is stored as +inf, so every recomputed probability is 0.
@@ -241,69 +243,63 @@ def _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window):
     return first.int().contiguous(), stop.int().contiguous()
 
 
-class _RangeAttention(torch.autograd.Function):
+def _range_forward(q, k, v, q_pos, scale, kmul, koff, window):
     """Softmax attention of q [B, T, H, D] over k, v [B, N, Hkv, D], key j at position j * kmul + koff,
     visible to a query at p when p - window < j * kmul + koff <= p. Returns o [B, T, H, D] and each
-    row's log-sum-exp [B, T, H] (fp32, base 2, +inf where nothing is visible; no gradient)."""
+    row's log-sum-exp [B, T, H] (fp32, base 2, +inf where nothing is visible)."""
+    batch, seq_len, heads, dim = q.shape
+    num_keys, kv_heads = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, seq_len, heads, device=q.device, dtype=torch.float32)
+    block_m, block_n = _tiles(dim)
+    if num_keys == 0:
+        o.zero_()
+        lse.fill_(float("inf"))
+    else:
+        grid = (cdiv(seq_len, block_m), batch * heads)
+        _range_fwd[grid](q, k, v, o, lse, q_pos, scale * LOG2E, seq_len, num_keys, heads, heads // kv_heads, dim,
+                         kmul, koff, window, BM=block_m, BN=block_n, BD=_dim_block(dim), num_warps=_warps(dim))
+    return o, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, scale, kmul, koff, window):
-        batch, seq_len, heads, dim = q.shape
-        num_keys, kv_heads = k.shape[1], k.shape[2]
-        o = torch.empty_like(q)
-        lse = torch.empty(batch, seq_len, heads, device=q.device, dtype=torch.float32)
-        block_m, block_n = _tiles(dim)
-        if num_keys == 0:
-            o.zero_()
-            lse.fill_(float("inf"))
-        else:
-            grid = (cdiv(seq_len, block_m), batch * heads)
-            _range_fwd[grid](q, k, v, o, lse, q_pos, scale * LOG2E, seq_len, num_keys, heads, heads // kv_heads, dim,
-                             kmul, koff, window, BM=block_m, BN=block_n, BD=_dim_block(dim), num_warps=_warps(dim))
-        ctx.save_for_backward(q, k, v, o, lse, q_pos)
-        ctx.scale, ctx.kmul, ctx.koff, ctx.window = scale, kmul, koff, window
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, q_pos = ctx.saved_tensors
-        batch, seq_len, heads, dim = q.shape
-        num_keys, kv_heads = k.shape[1], k.shape[2]
-        if num_keys == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # keys no query sees keep 0
-        do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1)  # [B, T, H]
-        block_m, block_n = _tiles(dim)
-        common = (ctx.scale * LOG2E, ctx.scale, seq_len, num_keys, heads, heads // kv_heads, dim, ctx.kmul, ctx.koff, ctx.window)
-        blocks = dict(BM=block_m, BN=block_n, BD=_dim_block(dim))
-        _range_bwd_dq[(cdiv(seq_len, block_m), batch * heads)](q, k, v, do, dq, lse, delta, q_pos, *common, **blocks,
-                                                               num_warps=_warps(dim))
-        key_tiles = cdiv(num_keys, block_n)
-        first, stop = _query_tile_ranges(q_pos, block_m, key_tiles, block_n, ctx.kmul, ctx.koff, ctx.window)
-        groups = heads // kv_heads
-        # Enough programs to fill the GPU: the heads of a group, and for the compressed keys (few
-        # tiles, each seen by every later query) the query tiles too, split over programs whose
-        # partial sums are added into fp32 buffers.
-        query_tiles = cdiv(seq_len, block_m)
-        per_program = 2 if _interpreting() else QUERY_TILES_PER_PROGRAM  # the tests split too
-        splits = 1 if ctx.window < NO_WINDOW else cdiv(query_tiles, per_program)
-        tiles_per_program = query_tiles if splits == 1 else per_program
-        head_splits = min(groups, cdiv(PROGRAMS_WANTED, key_tiles * batch * kv_heads * splits))
-        heads_per_program = cdiv(groups, head_splits)
-        head_splits = cdiv(groups, heads_per_program)
-        atomic = splits > 1 or head_splits > 1
-        if atomic:
-            dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-            dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-        grid = (key_tiles, batch * kv_heads * head_splits, splits)
-        _range_bwd_dkdv[grid](q, k, v, do, dk32 if atomic else dk, dv32 if atomic else dv, lse, delta, q_pos, first, stop,
-                              *common, key_tiles, heads_per_program, tiles_per_program, ATOMIC=atomic, **blocks,
-                              num_warps=_warps(dim, heavy=True))
-        if atomic:
-            dk, dv = dk32.to(k.dtype), dv32.to(v.dtype)
-        return dq, dk, dv, None, None, None, None, None
+def _range_backward(q, k, v, o, lse, q_pos, do, scale, kmul, koff, window):
+    """(dq, dk, dv) of `_range_forward`'s o for its gradient `do`."""
+    batch, seq_len, heads, dim = q.shape
+    num_keys, kv_heads = k.shape[1], k.shape[2]
+    if num_keys == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # keys no query sees keep 0
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)  # [B, T, H]
+    block_m, block_n = _tiles(dim)
+    common = (scale * LOG2E, scale, seq_len, num_keys, heads, heads // kv_heads, dim, kmul, koff, window)
+    blocks = dict(BM=block_m, BN=block_n, BD=_dim_block(dim))
+    _range_bwd_dq[(cdiv(seq_len, block_m), batch * heads)](q, k, v, do, dq, lse, delta, q_pos, *common, **blocks,
+                                                           num_warps=_warps(dim))
+    key_tiles = cdiv(num_keys, block_n)
+    first, stop = _query_tile_ranges(q_pos, block_m, key_tiles, block_n, kmul, koff, window)
+    groups = heads // kv_heads
+    # Enough programs to fill the GPU: the heads of a group, and for the compressed keys (few
+    # tiles, each seen by every later query) the query tiles too, split over programs whose
+    # partial sums are added into fp32 buffers.
+    query_tiles = cdiv(seq_len, block_m)
+    per_program = 2 if _interpreting() else QUERY_TILES_PER_PROGRAM  # the tests split too
+    splits = 1 if window < NO_WINDOW else cdiv(query_tiles, per_program)
+    tiles_per_program = query_tiles if splits == 1 else per_program
+    head_splits = min(groups, cdiv(PROGRAMS_WANTED, key_tiles * batch * kv_heads * splits))
+    heads_per_program = cdiv(groups, head_splits)
+    head_splits = cdiv(groups, heads_per_program)
+    atomic = splits > 1 or head_splits > 1
+    if atomic:
+        dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    grid = (key_tiles, batch * kv_heads * head_splits, splits)
+    _range_bwd_dkdv[grid](q, k, v, do, dk32 if atomic else dk, dv32 if atomic else dv, lse, delta, q_pos, first, stop,
+                          *common, key_tiles, heads_per_program, tiles_per_program, ATOMIC=atomic, **blocks,
+                          num_warps=_warps(dim, heavy=True))
+    if atomic:
+        dk, dv = dk32.to(k.dtype), dv32.to(v.dtype)
+    return dq, dk, dv
 
 
 # ------------------------------------------------------------------ selected branch
@@ -471,80 +467,69 @@ def _pairs_by_block(block_indices: torch.Tensor, num_blocks: int):
     return seg.int().contiguous(), query.int().contiguous(), seg_end.int().contiguous()
 
 
-class _SelectedAttention(torch.autograd.Function):
-    """Each query head over the tokens (<= its position) of the blocks its kv head selected."""
+def _selected_forward(q, k, v, q_pos, block_indices, scale, block_size):
+    """Each query head over the tokens (<= its position) of the blocks its kv head selected: (o, lse)."""
+    batch, seq_len, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    slots = block_indices.shape[-1]
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, seq_len, heads, device=q.device, dtype=torch.float32)
+    groups = heads // kv_heads
+    _slc_fwd[(seq_len, batch * kv_heads)](
+        q, k, v, o, lse, q_pos, block_indices, scale * LOG2E, seq_len, length, heads, groups, dim, slots, block_size,
+        GP=_group_rows(groups), BK=_block_tile(block_size), BD=_dim_block(dim), num_warps=_warps(dim),
+    )
+    return o, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, block_indices, scale, block_size):
-        batch, seq_len, heads, dim = q.shape
-        length, kv_heads = k.shape[1], k.shape[2]
-        slots = block_indices.shape[-1]
-        o = torch.empty_like(q)
-        lse = torch.empty(batch, seq_len, heads, device=q.device, dtype=torch.float32)
-        groups = heads // kv_heads
-        _slc_fwd[(seq_len, batch * kv_heads)](
-            q, k, v, o, lse, q_pos, block_indices, scale * LOG2E, seq_len, length, heads, groups, dim, slots, block_size,
-            GP=_group_rows(groups), BK=_block_tile(block_size), BD=_dim_block(dim), num_warps=_warps(dim),
-        )
-        ctx.save_for_backward(q, k, v, o, lse, q_pos, block_indices)
-        ctx.scale, ctx.block_size = scale, block_size
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, q_pos, block_indices = ctx.saved_tensors
-        batch, seq_len, heads, dim = q.shape
-        length, kv_heads = k.shape[1], k.shape[2]
-        slots = block_indices.shape[-1]
-        groups = heads // kv_heads
-        block_size = ctx.block_size
-        do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1)  # [B, T, H]
-        dq = torch.empty_like(q)
-        gp, bk, bd = _group_rows(groups), _block_tile(block_size), _dim_block(dim)
-        _slc_bwd_dq[(seq_len, batch * kv_heads)](
-            q, k, v, do, dq, lse, delta, q_pos, block_indices, ctx.scale * LOG2E, ctx.scale,
-            seq_len, length, heads, groups, dim, slots, block_size, GP=gp, BK=bk, BD=bd, num_warps=_warps(dim),
+def _selected_backward(q, k, v, o, lse, q_pos, block_indices, do, scale, block_size):
+    """(dq, dk, dv) of `_selected_forward`'s o for its gradient `do`."""
+    batch, seq_len, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    slots = block_indices.shape[-1]
+    groups = heads // kv_heads
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)  # [B, T, H]
+    dq = torch.empty_like(q)
+    gp, bk, bd = _group_rows(groups), _block_tile(block_size), _dim_block(dim)
+    _slc_bwd_dq[(seq_len, batch * kv_heads)](
+        q, k, v, do, dq, lse, delta, q_pos, block_indices, scale * LOG2E, scale,
+        seq_len, length, heads, groups, dim, slots, block_size, GP=gp, BK=bk, BD=bd, num_warps=_warps(dim),
+    )
+    num_blocks = cdiv(length, block_size)
+    seg, query, seg_end = _pairs_by_block(block_indices, num_blocks)
+    pairs = seg.numel()
+    head_rows = triton.next_power_of_2(groups)  # rows of one pair in the dk, dv tiles
+    rows = max(64 if dim <= 64 else 32, head_rows)
+    per_program = max(rows // head_rows, ROWS_PER_PROGRAM // head_rows)
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    if pairs:
+        _slc_bwd_dkdv[(cdiv(pairs, per_program),)](
+            q, k, v, do, dk, dv, lse, delta, q_pos, seg, query, seg_end, scale * LOG2E, scale,
+            seq_len, length, heads, groups, dim, num_blocks + 1, pairs, per_program, block_size,
+            GP=head_rows, BR=rows, BK=bk, BD=bd, num_warps=_warps(dim, heavy=True),
         )
-        num_blocks = cdiv(length, block_size)
-        seg, query, seg_end = _pairs_by_block(block_indices, num_blocks)
-        pairs = seg.numel()
-        head_rows = triton.next_power_of_2(groups)  # rows of one pair in the dk, dv tiles
-        rows = max(64 if dim <= 64 else 32, head_rows)
-        per_program = max(rows // head_rows, ROWS_PER_PROGRAM // head_rows)
-        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-        if pairs:
-            _slc_bwd_dkdv[(cdiv(pairs, per_program),)](
-                q, k, v, do, dk, dv, lse, delta, q_pos, seg, query, seg_end, ctx.scale * LOG2E, ctx.scale,
-                seq_len, length, heads, groups, dim, num_blocks + 1, pairs, per_program, block_size,
-                GP=head_rows, BR=rows, BK=bk, BD=bd, num_warps=_warps(dim, heavy=True),
-            )
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ------------------------------------------------------------------ gates and selection
 
 
-class _GateMix(torch.autograd.Function):
-    """sum_x g_x * o_x over the three branches, in fp32, out in the outputs' dtype; keeps only the
-    (already kept) branch outputs and the gates."""
+def _gate_mix(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
+    """sum_x g_x * o_x over the three branches, in fp32, out in the outputs' dtype."""
+    out = o_cmp.float() * g_cmp.float()[..., None]
+    out += o_slc.float() * g_slc.float()[..., None]
+    out += o_swa.float() * g_swa.float()[..., None]
+    return out.to(o_cmp.dtype)
 
-    @staticmethod
-    def forward(ctx, o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
-        out = o_cmp.float() * g_cmp.float()[..., None]
-        out += o_slc.float() * g_slc.float()[..., None]
-        out += o_swa.float() * g_swa.float()[..., None]
-        ctx.save_for_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
-        return out.to(o_cmp.dtype)
 
-    @staticmethod
-    def backward(ctx, do):
-        outs, gates = ctx.saved_tensors[:3], ctx.saved_tensors[3:]
-        do = do.float()
-        d_outs = [(do * g.float()[..., None]).to(o.dtype) for o, g in zip(outs, gates)]
-        d_gates = [(do * o.float()).sum(-1).to(g.dtype) for o, g in zip(outs, gates)]
-        return (*d_outs, *d_gates)
+def _gate_mix_backward(do, outs, gates):
+    """(the branch outputs' gradients, the gates' gradients) of `_gate_mix` for its gradient `do`."""
+    do = do.float()
+    d_outs = [(do * g.float()[..., None]).to(o.dtype) for o, g in zip(outs, gates)]
+    d_gates = [(do * o.float()).sum(-1).to(g.dtype) for o, g in zip(outs, gates)]
+    return d_outs, d_gates
 
 
 @triton.jit
@@ -602,10 +587,97 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
     return torch.cat(out, dim=1)
 
 
-# Not traced into compiled blocks yet: traced, the compiled step's forward is right and its gradients are not (an H100,
-# torch 2.11; benchmarks/NOTES.md). The kernels cast scores and key gradients to fp32 (Inductor would hand the scales
-# over as fp64) and the index tables are counted (torch.searchsorted's Inductor lowering fails on Triton 3.6), so that
-# tracing them compiles.
+# ------------------------------------------------------------------ the parallel form as torch custom ops
+#
+# The forward and the backward are torch custom ops (`attnlab::nsa_parallel_fwd`, `attnlab::nsa_parallel_bwd`), each
+# with a fake form that gives its outputs' shapes: torch.compile can keep them in a graph as opaque calls that run the
+# kernels as they run eagerly, where tracing the kernels themselves gave a compiled step with wrong gradients (an H100,
+# torch 2.11; benchmarks/NOTES.md). The forward returns what the backward reads (each branch's output and log-sum-exp).
+
+_FWD_OUTPUTS = ("o", "block_indices", "o_cmp", "lse_cmp", "o_slc", "lse_slc", "o_swa", "lse_swa")
+
+
+@torch.library.custom_op("attnlab::nsa_parallel_fwd", mutates_args=())
+def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+             g_cmp: torch.Tensor, g_slc: torch.Tensor, g_swa: torch.Tensor, q_pos: torch.Tensor, scale: float,
+             block_size: int, block_counts: int, window_size: int, initial_blocks: int,
+             local_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor]:
+    """`_FWD_OUTPUTS`: o [B, T, H, D] in q's dtype, block_indices [B, T, Hkv, S] int64, then each branch's output
+    [B, T, H, D] and log-sum-exp [B, T, H] (fp32, base 2)."""
+    q, k, v, k_cmp, v_cmp = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp))
+    pos32 = q_pos.to(torch.int32).contiguous()
+    o_cmp, lse_cmp = _range_forward(q, k_cmp, v_cmp, pos32, scale, block_size, block_size - 1, NO_WINDOW)
+    block_indices = select_blocks_chunked(
+        q, k_cmp, lse_cmp, q_pos, scale, block_size, block_counts, cdiv(k.shape[1], block_size), initial_blocks,
+        local_blocks,
+    ).contiguous()
+    o_slc, lse_slc = _selected_forward(q, k, v, pos32, block_indices.to(torch.int32).contiguous(), scale, block_size)
+    o_swa, lse_swa = _range_forward(q, k, v, pos32, scale, 1, 0, window_size)
+    o = _gate_mix(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+    return o, block_indices, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa
+
+
+@_nsa_fwd.register_fake
+def _(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, scale, block_size, block_counts, window_size, initial_blocks,
+      local_blocks):
+    batch, seq_len, heads, _ = q.shape
+    block_indices = q.new_empty((batch, seq_len, k.shape[2], block_counts), dtype=torch.int64)
+    branch = lambda: (q.new_empty(q.shape), q.new_empty((batch, seq_len, heads), dtype=torch.float32))  # noqa: E731
+    return q.new_empty(q.shape), block_indices, *branch(), *branch(), *branch()
+
+
+@torch.library.custom_op("attnlab::nsa_parallel_bwd", mutates_args=())
+def _nsa_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+             g_cmp: torch.Tensor, g_slc: torch.Tensor, g_swa: torch.Tensor, q_pos: torch.Tensor,
+             block_indices: torch.Tensor, o_cmp: torch.Tensor, lse_cmp: torch.Tensor, o_slc: torch.Tensor,
+             lse_slc: torch.Tensor, o_swa: torch.Tensor, lse_swa: torch.Tensor, do: torch.Tensor, scale: float,
+             block_size: int, window_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v, k_cmp, v_cmp and the three gates, each in its input's dtype."""
+    q, k, v, k_cmp, v_cmp = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp))
+    pos32 = q_pos.to(torch.int32).contiguous()
+    (d_cmp, d_slc, d_swa), d_gates = _gate_mix_backward(do, (o_cmp, o_slc, o_swa), (g_cmp, g_slc, g_swa))
+    dq_cmp, dk_cmp, dv_cmp = _range_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, pos32, d_cmp, scale, block_size,
+                                             block_size - 1, NO_WINDOW)
+    dq_slc, dk_slc, dv_slc = _selected_backward(q, k, v, o_slc, lse_slc, pos32, block_indices.to(torch.int32).contiguous(),
+                                                d_slc, scale, block_size)
+    dq_swa, dk_swa, dv_swa = _range_backward(q, k, v, o_swa, lse_swa, pos32, d_swa, scale, 1, 0, window_size)
+    dq = (dq_cmp.float() + dq_slc.float() + dq_swa.float()).to(q.dtype)
+    dk = (dk_slc.float() + dk_swa.float()).to(k.dtype)
+    dv = (dv_slc.float() + dv_swa.float()).to(v.dtype)
+    return dq, dk, dv, dk_cmp, dv_cmp, *d_gates
+
+
+@_nsa_bwd.register_fake
+def _(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, block_indices, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa,
+      do, scale, block_size, window_size):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, scale, block_size, _, window_size, _, _ = inputs
+    _, block_indices, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa = output
+    ctx.save_for_backward(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, block_indices, o_cmp, lse_cmp, o_slc,
+                          lse_slc, o_swa, lse_swa)
+    ctx.scale, ctx.block_size, ctx.window_size = scale, block_size, window_size
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward(ctx, do, *_):
+    """Only o carries a gradient: the block indices are a selection, the branch outputs and log-sum-exps what the
+    backward reads."""
+    grads = _nsa_bwd(*ctx.saved_tensors, do, ctx.scale, ctx.block_size, ctx.window_size)
+    return *grads, None, None, None, None, None, None, None
+
+
+_nsa_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# A break in compiled blocks until a block compiled whole with the op pair is verified on the GPU (benchmarks/NOTES.md):
+# traced, NSA's kernels themselves gave a compiled step with wrong gradients (an H100, torch 2.11). The kernels cast
+# scores and key gradients to fp32 and the index tables are counted (torch.searchsorted's Inductor lowering fails on
+# Triton 3.6), as tracing them needed.
 @outside_compile
 def parallel_nsa(
     q: torch.Tensor,
@@ -638,13 +710,7 @@ def parallel_nsa(
     if q_pos is None:
         q_pos = torch.arange(length - seq_len, length, device=q.device).expand(batch, seq_len)
     dtype = q.dtype
-    q = q.contiguous()
-    k, v, k_cmp, v_cmp = (x.to(dtype).contiguous() for x in (k, v, k_cmp, v_cmp))
-    pos32 = q_pos.to(torch.int32).contiguous()
-    o_cmp, lse_cmp = _RangeAttention.apply(q, k_cmp, v_cmp, pos32, scale, block_size, block_size - 1, NO_WINDOW)
-    block_indices = select_blocks_chunked(
-        q, k_cmp, lse_cmp, q_pos, scale, block_size, block_counts, cdiv(length, block_size), initial_blocks, local_blocks
-    )
-    o_slc = _SelectedAttention.apply(q, k, v, pos32, block_indices.to(torch.int32).contiguous(), scale, block_size)
-    o_swa, _ = _RangeAttention.apply(q, k, v, pos32, scale, 1, 0, window_size)
-    return _GateMix.apply(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa), block_indices
+    k, v, k_cmp, v_cmp = (x.to(dtype) for x in (k, v, k_cmp, v_cmp))
+    o, block_indices, *_ = _nsa_fwd(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, q_pos, float(scale), block_size,
+                                    block_counts, window_size, initial_blocks, local_blocks)
+    return o, block_indices
