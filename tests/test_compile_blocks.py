@@ -170,6 +170,30 @@ def test_the_stack_of_every_mixer_that_compiles_whole_is_one_graph_from_the_firs
     assert done.stdout.splitlines() == [f"{mixer} one graph" for mixer in whole]
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["block-by-block", "stack"])
+def test_nsa_with_its_statistics_compiles_on_the_first_step_and_never_again(stack):
+    """NSA's statistics are written into a buffer the module holds from the start: one made by the first training
+    forward changed what its compiled graphs were guarded on, so the second step compiled every block again (in the
+    trainer's one-graph stack, a second compile of the whole model)."""
+    from torch._dynamo.utils import counters
+
+    _, model = _pair("nsa", "cpu", hidden=32, heads=2)
+    model.compile_blocks(stack=stack)
+    model.enable_health_stats()
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    counters.clear()
+    model(input_ids=ids, labels=ids).loss.backward()
+    compiled = counters["stats"]["unique_graphs"]
+    first = model.health_stats()
+    assert compiled >= 1 and "nsa_k_mean" in first and first["nsa_k_max"] > 0
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counters["stats"]["unique_graphs"] == compiled, "a later training step compiled again"
+    assert model.health_stats() == first  # the same batch: the same statistics, read from the same buffer
+    model.enable_health_stats(False)
+    assert model.health_stats() == {}
+
+
 def test_compile_blocks_off_again_runs_the_blocks_as_written():
     from torch._dynamo.utils import counters
 

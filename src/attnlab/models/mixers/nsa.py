@@ -136,8 +136,11 @@ class NativeSparseAttention(Mixer):
             self.compress_key = self.compress_value = None
 
         self.collect_stats = False
-        self.last_stats: dict[str, torch.Tensor | float] = {}
-        self._stats_buffer: torch.Tensor | None = None  # the statistics' values; last_stats holds views of it
+        # the statistics' values, moved with the module and never saved: a compiled forward finds the buffer where it
+        # writes (one allocated by the first forward would change what the compiled graph was guarded on, and the
+        # second step would compile again); `last_stats` reads views of it once a forward has written it
+        self.register_buffer("_stats_buffer", torch.zeros(len(STAT_NAMES)), persistent=False)
+        self._stats_recorded = False
 
     static_kv = True  # decodes over static buffers (`static_state`)
     static_columns = ("key", "value")  # the static buffers whose prompt columns every beam of a prompt shares
@@ -305,6 +308,20 @@ class NativeSparseAttention(Mixer):
             torch.cat((cache["value_cmp"][:, :start], v_new), dim=1),
         )
 
+    @property
+    def last_stats(self) -> dict[str, torch.Tensor | float]:
+        """The latest statistics (`_record_stats`): 0-d views of the statistics' buffer, which every training forward
+        with `collect_stats` rewrites in place; empty until one has."""
+        if not self._stats_recorded:
+            return {}
+        return {**dict(zip(STAT_NAMES, self._stats_buffer.unbind())), "nsa_k_max": float(self.block_counts)}
+
+    @last_stats.setter
+    def last_stats(self, value: dict) -> None:
+        if value:
+            raise ValueError("NSA's statistics are written by its forward; assign {} to forget them")
+        self._stats_recorded = False
+
     @torch.no_grad()
     def _record_stats(self, g: torch.Tensor, block_indices: torch.Tensor, pos: torch.Tensor) -> None:
         """Gate and selection statistics over the real tokens of the latest forward, as 0-d tensors
@@ -321,10 +338,9 @@ class NativeSparseAttention(Mixer):
         A forward without real tokens keeps the previous values.
         """
         buffer = self._stats_buffer
-        if buffer is None or buffer.device != g.device or not self.last_stats:
+        if buffer.device != g.device or buffer.dtype != torch.float32:  # a module whose buffers were cast or left behind
             buffer = self._stats_buffer = torch.zeros(len(STAT_NAMES), dtype=torch.float32, device=g.device)
-            self.last_stats = dict(zip(STAT_NAMES, buffer.unbind()))  # views of the buffer
-            self.last_stats["nsa_k_max"] = float(self.block_counts)
+        self._stats_recorded = True
         # in place: a forward captured in a CUDA graph updates the statistics on every replay
         if kernels.use_triton(self.kernels, g):  # two launches (kernels/nsa/stats.py)
             from attnlab.models.kernels.nsa.stats import record_stats
