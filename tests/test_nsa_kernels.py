@@ -137,6 +137,39 @@ def test_the_parallel_form_compiles_into_one_graph_with_the_values_and_gradients
     torch._dynamo.reset()
 
 
+def test_an_nsa_model_on_the_op_pair_compiled_as_one_graph_trains_as_it_does_eagerly(monkeypatch):
+    """The blocks of an NSA model on the kernels, their entry point traced (the mark that keeps it a break lifted, as
+    `compiles_whole` would have it): the stack compiles to one graph with no break, the op pair opaque in it, and the
+    loss and every gradient equal the model as written on the same kernels."""
+    from torch._dynamo.utils import counters
+
+    from attnlab.models import kernels
+
+    monkeypatch.setattr(kernels, "nsa_parallel", lambda choice, x, covered=True: fused_nsa.__wrapped__)
+    config = AttnLabConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mixer="nsa", tie_word_embeddings=False,
+                           mixer_options={"block_size": 8, "block_counts": 3, "window_size": 16})
+    torch.manual_seed(0)
+    plain = AttnLabForCausalLM(config).train()
+    compiled = AttnLabForCausalLM(config).train()
+    compiled.load_state_dict(plain.state_dict())
+    compiled.compile_blocks(stack=True)
+    ids = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    results = []
+    for model in (plain, compiled):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in got_grads.items():
+        error = (grad - want_grads[name]).norm() / want_grads[name].norm().clamp_min(1e-12)
+        assert error < 1e-4, f"{name}'s gradient is {error:.2e} of its norm from the model as written"
+    torch._dynamo.reset()
+
+
 def test_nsa_kernels_cover_the_usual_sizes_and_the_mixer_warns_once_when_they_do_not(monkeypatch):
     assert nsa_gap(64, 64, 16) is None and nsa_gap(128, 16, 3) is None
     assert "head dims" in nsa_gap(512, 64, 16)
