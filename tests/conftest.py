@@ -104,3 +104,29 @@ def masked_logits_and_grads(model, ids, mask, autocast: bool = False):
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
     (logits * mask[..., None]).square().mean().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compiled_stack_trains_as_written(config, ids) -> None:
+    """Two models of `config` from the same weights, one with its blocks compiled as one stack: the stack is one graph
+    with no break, and its loss and every gradient on `ids` equal the model as written's."""
+    from torch._dynamo.utils import counters
+
+    from attnlab.models import AttnLabForCausalLM
+
+    torch.manual_seed(0)
+    plain = AttnLabForCausalLM(config).train()
+    compiled = AttnLabForCausalLM(config).train()
+    compiled.load_state_dict(plain.state_dict())
+    compiled.compile_blocks(stack=True)
+    counters.clear()
+    results = []
+    for model in (plain, compiled):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in got_grads.items():
+        error = (grad - want_grads[name]).norm() / want_grads[name].norm().clamp_min(1e-12)
+        assert error < 1e-4, f"{name}'s gradient is {error:.2e} of its norm from the model as written"

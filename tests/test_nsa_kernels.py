@@ -14,7 +14,7 @@ from attnlab.models.kernels import nsa_gap
 from attnlab.models.kernels.nsa.parallel import parallel_nsa as fused_nsa
 from attnlab.models.ops.nsa import mean_pool_blocks
 from attnlab.models.ops.nsa import parallel_nsa as reference_nsa
-from conftest import random_nsa_inputs
+from conftest import compiled_stack_trains_as_written, random_nsa_inputs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAMES = ("q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa")
@@ -141,32 +141,13 @@ def test_an_nsa_model_on_the_op_pair_compiled_as_one_graph_trains_as_it_does_eag
     """The blocks of an NSA model on the kernels, their entry point traced (the mark that keeps it a break lifted, as
     `compiles_whole` would have it): the stack compiles to one graph with no break, the op pair opaque in it, and the
     loss and every gradient equal the model as written on the same kernels."""
-    from torch._dynamo.utils import counters
-
     from attnlab.models import kernels
 
     monkeypatch.setattr(kernels, "nsa_parallel", lambda choice, x, covered=True: fused_nsa.__wrapped__)
     config = AttnLabConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mixer="nsa", tie_word_embeddings=False,
                            mixer_options={"block_size": 8, "block_counts": 3, "window_size": 16})
-    torch.manual_seed(0)
-    plain = AttnLabForCausalLM(config).train()
-    compiled = AttnLabForCausalLM(config).train()
-    compiled.load_state_dict(plain.state_dict())
-    compiled.compile_blocks(stack=True)
-    ids = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
-    counters.clear()
-    results = []
-    for model in (plain, compiled):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
-    (want, want_grads), (got, got_grads) = results
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for name, grad in got_grads.items():
-        error = (grad - want_grads[name]).norm() / want_grads[name].norm().clamp_min(1e-12)
-        assert error < 1e-4, f"{name}'s gradient is {error:.2e} of its norm from the model as written"
+    compiled_stack_trains_as_written(config, torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1)))
     torch._dynamo.reset()
 
 
