@@ -375,6 +375,8 @@ def test_an_interrupted_bench_stops_the_runs_under_way_side_by_side_and_keeps_wh
         if not done.is_set():
             os.kill(os.getpid(), signal.SIGINT)
 
+    # SIGINT as at a terminal: a process started in the background of a script inherits it ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     t0 = time.monotonic()
     try:
@@ -382,6 +384,7 @@ def test_an_interrupted_bench_stops_the_runs_under_way_side_by_side_and_keeps_wh
                                            log=lambda line: None, side_by_side=2)
     finally:
         done.set()
+        signal.signal(signal.SIGINT, previous)
     assert not finished and time.monotonic() - t0 < 40
     for pid_file in pids.iterdir():
         pid = int(pid_file.read_text())
