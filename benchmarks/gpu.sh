@@ -55,9 +55,11 @@ bundle() { [ "$OUT" = "$RESULTS" ] && return 0
     && mv "$RESULTS/results.tar.gz.part" "$RESULTS/results.tar.gz"; }
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
 mkdir -p "$TRITON_CACHE_DIR"
-# A machine without network: the Python packages it lacks (fla, attnlab's own dependencies) as wheels in .whl/
+# A machine without network: the Python packages it lacks (fla, attnlab's own dependencies) as wheels in .whl/, into a
+# fresh folder each call (a warm machine keeps /tmp: packages of an earlier call's wheels would stay importable)
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  rm -rf /tmp/site
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python -c "import attnlab" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
