@@ -164,26 +164,26 @@ def efficiencies(runs: dict[str, dict]) -> dict[str, float | None]:
 # --- what a run directory says -------------------------------------------------------------------
 
 
-def logged_rates(metrics_csv: Path) -> list[tuple[int, float]]:
-    """(step, tokens_per_s) of every step metrics.csv logged a rate for."""
+def metrics_rows(metrics_csv: Path) -> list[dict[str, str]]:
+    """The rows of a run's metrics.csv (none where it is missing)."""
     if not metrics_csv.is_file():
         return []
     with open(metrics_csv, newline="") as f:
-        return [(int(float(row["step"])), float(row["tokens_per_s"])) for row in csv.DictReader(f) if row.get("tokens_per_s")]
+        return list(csv.DictReader(f))
 
 
-def final_losses(metrics_csv: Path) -> tuple[float | None, float | None]:
-    """(the training loss of the last step metrics.csv logged one for, the last held-out loss); None where absent."""
-    if not metrics_csv.is_file():
-        return None, None
-    loss = val_loss = None
-    with open(metrics_csv, newline="") as f:
-        for row in csv.DictReader(f):
-            if row.get("loss"):
-                loss = float(row["loss"])
-            if row.get("val_loss"):
-                val_loss = float(row["val_loss"])
-    return loss, val_loss
+def logged_rates(rows: list[dict[str, str]]) -> list[tuple[int, float]]:
+    """(step, tokens_per_s) of every step metrics.csv (`metrics_rows`) logged a rate for."""
+    return [(int(float(row["step"])), float(row["tokens_per_s"])) for row in rows if row.get("tokens_per_s")]
+
+
+def final_losses(rows: list[dict[str, str]]) -> tuple[float | None, float | None]:
+    """(the training loss of the last step metrics.csv (`metrics_rows`) logged one for, the last held-out loss); None
+    where absent."""
+    def last(key: str) -> float | None:
+        return next((float(row[key]) for row in reversed(rows) if row.get(key)), None)
+
+    return last("loss"), last("val_loss")
 
 
 def median_tokens_per_s(logged: list[tuple[int, float]], skip: int = SKIP_LOGS) -> float | None:
@@ -449,7 +449,8 @@ def run_row(v: Variant, run_dir: Path, logs_dir: Path, wall_s: float | None, sto
     """The row of a run from its run directory and its log. `stopped`: why the run ended before its end (its time
     limit, the bench interrupted); it keeps the figures of the steps it logged where at least two came after the first
     SKIP_LOGS, with a note saying so, else the row is the error."""
-    logged = logged_rates(run_dir / "metrics.csv")
+    rows = metrics_rows(run_dir / "metrics.csv")
+    logged = logged_rates(rows)
     if stopped is not None and len(logged) < SKIP_LOGS + 2:
         return {"error": f"{stopped}, after {len(logged)} logged steps" if logged else stopped}
     if not logged:
@@ -459,7 +460,7 @@ def run_row(v: Variant, run_dir: Path, logs_dir: Path, wall_s: float | None, sto
     row = {"tokens_per_s": round(tokens_per_s), "per_gpu_tokens_per_s": round(tokens_per_s / v.gpus), "efficiency": None,
            "peak_allocated_gib": peak_allocated_gib(run_dir), "cuda_graphs": captured,
            "wall_s": None if wall_s is None else round(wall_s, 1)}
-    row["loss"], row["val_loss"] = final_losses(run_dir / "metrics.csv")
+    row["loss"], row["val_loss"] = final_losses(rows)
     notes = []
     if stopped is not None:
         notes.append(f"{stopped} after step {logged[-1][0]}: tokens/s of the {len(logged) - SKIP_LOGS} steps logged past "
@@ -661,7 +662,8 @@ def _figure(value, fmt: str) -> str:
 
 
 def _losses(row: dict) -> str:
-    """"7.6766 (7.6764)": the last logged training loss and the held-out loss, either left out where absent."""
+    """The last logged training loss and, in brackets, the held-out loss, e.g. 7.6766 (7.6764); each left out where
+    absent."""
     loss, val_loss = _figure(row.get("loss"), ".4f"), _figure(row.get("val_loss"), ".4f")
     return f"{loss} ({val_loss})" if val_loss else loss
 
