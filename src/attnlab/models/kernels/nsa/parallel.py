@@ -594,8 +594,6 @@ def select_blocks_chunked(q, k_cmp, lse_cmp, q_pos, scale, block_size, block_cou
 # kernels as they run eagerly, where tracing the kernels themselves gave a compiled step with wrong gradients (an H100,
 # torch 2.11; benchmarks/NOTES.md). The forward returns what the backward reads (each branch's output and log-sum-exp).
 
-_FWD_OUTPUTS = ("o", "block_indices", "o_cmp", "lse_cmp", "o_slc", "lse_slc", "o_swa", "lse_swa")
-
 
 @torch.library.custom_op("attnlab::nsa_parallel_fwd", mutates_args=())
 def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
@@ -603,7 +601,7 @@ def _nsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Ten
              block_size: int, block_counts: int, window_size: int, initial_blocks: int,
              local_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                          torch.Tensor, torch.Tensor]:
-    """`_FWD_OUTPUTS`: o [B, T, H, D] in q's dtype, block_indices [B, T, Hkv, S] int64, then each branch's output
+    """o [B, T, H, D] in q's dtype, block_indices [B, T, Hkv, S] int64, then each branch's output
     [B, T, H, D] and log-sum-exp [B, T, H] (fp32, base 2)."""
     q, k, v, k_cmp, v_cmp = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp))
     pos32 = q_pos.to(torch.int32).contiguous()
